@@ -1,0 +1,38 @@
+# The two commands of the README:  `make run` (main job) and `make test` (tests).
+# Both create .venv with every dependency on first use (Python 3.11 is all they need).
+PY      ?= python3.11
+VENV    := .venv
+VPY     := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed-$(shell cat requirements.lock pyproject.toml | cksum | cut -d' ' -f1)
+
+.PHONY: setup run test test-all bench sweep clean lock
+
+$(STAMP): requirements.lock pyproject.toml
+	@test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip uv
+	$(VPY) -m uv pip install -q --python $(VPY) -r requirements.lock
+	$(VPY) -m uv pip install -q --python $(VPY) --no-deps -e .
+	@rm -f $(VENV)/.installed-*; touch $(STAMP)
+
+setup: $(STAMP)
+
+run: setup                      ## main job: baselines (and, later, training) on the default scenario
+	$(VPY) train.py $(ARGS)
+
+test: setup                     ## fast tests (what CI runs)
+	$(VPY) -m pytest -q $(ARGS)
+
+test-all: setup                 ## fast and slow tests
+	$(VPY) -m pytest -q -m "slow or not slow" $(ARGS)
+
+sweep: setup                    ## Figs. 5-8 reproduction at CERN scale
+	$(VPY) evaluate.py $(ARGS)
+
+bench: setup                    ## benchmarks (numbers in the README)
+	$(VPY) bench/run_all.py $(ARGS)
+
+lock:                           ## re-resolve requirements.lock from pyproject.toml
+	$(VPY) -m uv pip compile -q pyproject.toml --extra test --python-version 3.11 -o requirements.lock
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache .hypothesis

@@ -1,0 +1,41 @@
+"""Configuration helpers shared by the Hydra entry points (``train.py``, ``evaluate.py``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from envs.dsmd.scenarios import ScenarioSpec
+
+__all__ = ["PROJECT_ROOT", "CONFIG_DIR", "scenario_spec", "output_dir", "to_dict"]
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+CONFIG_DIR = PROJECT_ROOT / "configs"
+
+if not OmegaConf.has_resolver("project_root"):
+    OmegaConf.register_new_resolver("project_root", lambda: str(PROJECT_ROOT))
+
+
+def to_dict(node: Any) -> Any:
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
+
+
+def scenario_spec(cfg: DictConfig) -> ScenarioSpec:
+    """The :class:`ScenarioSpec` of ``cfg.scenario`` (validated; unknown keys refused)."""
+    return ScenarioSpec.from_dict(to_dict(cfg.scenario))
+
+
+def output_dir(cfg: DictConfig) -> Path:
+    """Hydra's run directory when running under ``@hydra.main``, else ``cfg.paths.output_dir``."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        if HydraConfig.initialized():
+            return Path(HydraConfig.get().runtime.output_dir)
+    except ImportError:  # pragma: no cover
+        pass
+    out = Path(str(cfg.paths.output_dir))
+    out.mkdir(parents=True, exist_ok=True)
+    return out

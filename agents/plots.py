@@ -1,0 +1,73 @@
+"""Plots (PNG) of evaluations and of the multicast-share sweep (Figs. 5-8)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+__all__ = ["comparison_plot", "sweep_plots", "SWEEP_FIGURES"]
+
+_STYLE = {"rpc": ("tab:red", "o"), "vita": ("tab:blue", "s"), "idcs": ("tab:green", "^"),
+          "alcor": ("tab:purple", "v"), "greedy": ("tab:orange", "D"), "exact": ("black", "*"),
+          "ddpg": ("tab:brown", "P")}
+
+#: file name, column of the sweep summary, y label, paper figure
+SWEEP_FIGURES = [
+    ("fig5_controller_traffic.png", "ctrl_traffic_gbps", "Traffic on controller (Gbps)", "Fig. 5"),
+    ("fig6_sent_messages.png", "sent_msgs_per_s", "Sent messages (per s)", "Fig. 6"),
+    ("fig7_total_node_traffic.png", "total_node_gbps", "Total traffic on CNs (Gbps)", "Fig. 7"),
+    ("fig8_max_node_traffic.png", "max_node_mbps", "Max. traffic on a CN (Mbps)", "Fig. 8"),
+    ("controller_sends.png", "ctrl_sends", "Controller concurrent sends (vs C_p)", "CPU"),
+    ("redundancy.png", "redundancy_gbps", "Redundant traffic on CNs (Gbps)", "redundancy"),
+    ("violations.png", "violation_total", "Mean constraint violation (sum of terms)", "violations"),
+]
+
+
+def comparison_plot(summary: pd.DataFrame, path: Path, title: str) -> Path:
+    cols = [("total_node_gbps", "Total traffic on CNs (Gbps)"),
+            ("ctrl_traffic_gbps", "Traffic on controller (Gbps)"),
+            ("ctrl_sends", "Controller sends"),
+            ("feasible_frac", "Feasible fraction of windows")]
+    fig, axes = plt.subplots(1, len(cols), figsize=(4.2 * len(cols), 3.6))
+    for ax, (c, label) in zip(axes, cols):
+        names = summary["policy"].tolist()
+        colors = [_STYLE.get(n, ("gray", "o"))[0] for n in names]
+        ax.bar(names, summary[c].fillna(0.0), color=colors)
+        ax.set_title(label, fontsize=10)
+        ax.tick_params(axis="x", rotation=30)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def sweep_plots(summary: pd.DataFrame, outdir: Path, scenario: str) -> list[Path]:
+    """One PNG per metric: the metric against the multicast share, a line per policy."""
+    outdir.mkdir(parents=True, exist_ok=True)
+    summary = summary.copy()
+    summary["violation_total"] = (summary["bw_violation"] + summary["cpu_violation"]
+                                  + summary["node_violation"])
+    paths = []
+    for fname, col, label, fig_name in SWEEP_FIGURES:
+        fig, ax = plt.subplots(figsize=(5.2, 3.8))
+        for pol, g in summary.groupby("policy", sort=False):
+            color, marker = _STYLE.get(pol, ("gray", "o"))
+            ax.plot(100 * g["multicast_share"], g[col], marker=marker, color=color, label=pol)
+        ax.set_xlabel("Multicast share of traffic (%)")
+        ax.set_ylabel(label)
+        ax.set_title(f"{fig_name}: {scenario}", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        p = outdir / fname
+        fig.savefig(p, dpi=120)
+        plt.close(fig)
+        paths.append(p)
+    return paths

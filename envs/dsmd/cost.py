@@ -1,0 +1,363 @@
+"""The exact cost model of Eq. 1 (SMART Section V-B), full and incremental.
+
+For an assignment ``channel[m]`` (0 = RPC, t = MQ topic t, -1 = unassigned):
+
+* controller bandwidth ``sum_m f(m) (|D(m)| if RPC else 1)``          (2nd constraint)
+* controller concurrent sends ``sum_m (|D(m)| if RPC else 1)``        (3rd constraint)
+* node ``n`` subscribes topic ``t`` iff some type on ``t`` has ``n`` in ``D(m)``  (z, 4th)
+* node traffic ``b(n) = sum_{m RPC, n in D(m)} f(m) + sum_{t: z[n,t]} R_t`` with
+  ``R_t = sum_{m on t} f(m)``                                          (5th)
+* objective ``sum_n b(n) = sum_{m RPC} f(m)|D(m)| + sum_t R_t S_t`` with ``S_t`` the number
+  of subscribers of ``t``; necessary traffic ``sum_m f(m)|D(m)|``; redundancy the excess.
+
+:func:`evaluate` recomputes everything from scratch (vectorised); :class:`CostState`
+keeps the same quantities under single-type moves in O(|D(m)| + N) time. Both use integer
+bit/s, so they agree exactly (``tests/test_cost.py`` checks it after random move sequences).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import InstanceError
+from .instance import RPC, UNASSIGNED, DSMDInstance
+
+__all__ = ["Metrics", "CostSnapshot", "CostState", "evaluate", "metrics_from", "node_stats"]
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """Every metric of Section VII-B for one assignment, plus each constraint's violation."""
+
+    controller_traffic_bps: float  # (1) traffic on the controller
+    sent_messages_per_s: float  # (2) southbound messages sent by the controller
+    controller_sends: int  # concurrent sends, the CPU model of Eq. 1 (vs C_p)
+    total_node_traffic_bps: float  # (4) total traffic on compute nodes (objective)
+    max_node_traffic_bps: float  # (5) maximum traffic on a compute node
+    necessary_traffic_bps: float  # lower bound: no redundancy
+    redundancy_bps: float  # total - necessary
+    redundancy_ratio: float  # total / necessary
+    controller_bw_violation: float  # [bw / C_b - 1]^+
+    controller_cpu_violation: float  # [sends / C_p - 1]^+
+    node_violation: float  # sum_n [b(n) / s(n) - 1]^+
+    nodes_over_capacity: int
+    feasible: bool
+    assigned_types: int
+    rpc_types: int
+    mq_types: int
+    topics_used: int
+
+    def as_dict(self) -> dict:
+        return {f: getattr(self, f) for f in _METRIC_FIELDS}
+
+
+_METRIC_FIELDS = tuple(Metrics.__dataclass_fields__)
+
+
+@dataclass(frozen=True, eq=False)
+class CostSnapshot:
+    """Exact integer quantities of an assignment (what :class:`CostState` maintains)."""
+
+    node_traffic: np.ndarray  # int64 (N,) b(n)
+    topic_rate: np.ndarray  # int64 (K+1,) R_t (index 0 unused)
+    topic_subscribers: np.ndarray  # int64 (K+1,) S_t
+    controller_bw: int
+    controller_cpu: int
+    total_traffic: int
+    necessary: int
+    sent_messages: int  # per interval
+
+
+def evaluate(inst: DSMDInstance, channel: np.ndarray) -> CostSnapshot:
+    """Full recomputation of Eq. 1's quantities for ``channel`` (vectorised)."""
+    channel = np.asarray(channel, dtype=np.int64)
+    _check_channels(inst, channel)
+    n, k = inst.num_nodes, inst.num_topics
+    f, d, msgs = inst.rate_bps, inst.fanout, inst.messages
+    rpc = channel == RPC
+    mq = channel > 0
+    assigned = channel >= 0
+    row = inst.type_of_entry
+    node = np.zeros(n, dtype=np.int64)
+    e_rpc = rpc[row]
+    np.add.at(node, inst.dest_idx[e_rpc], f[row[e_rpc]])
+    topic_rate = np.zeros(k + 1, dtype=np.int64)
+    np.add.at(topic_rate, channel[mq], f[mq])
+    e_mq = mq[row]
+    pairs = np.unique(channel[row[e_mq]] * n + inst.dest_idx[e_mq])
+    sub_t, sub_n = pairs // n, pairs % n
+    np.add.at(node, sub_n, topic_rate[sub_t])
+    subs = np.bincount(sub_t, minlength=k + 1).astype(np.int64)
+    fd = f * d
+    return CostSnapshot(
+        node_traffic=node, topic_rate=topic_rate, topic_subscribers=subs,
+        controller_bw=int(fd[rpc].sum() + f[mq].sum()),
+        controller_cpu=int(d[rpc].sum() + mq.sum()),
+        total_traffic=int(fd[rpc].sum() + np.dot(topic_rate, subs)),
+        necessary=int(fd[assigned].sum()),
+        sent_messages=int((msgs * d)[rpc].sum() + msgs[mq].sum()))
+
+
+def _check_channels(inst: DSMDInstance, channel: np.ndarray) -> None:
+    if channel.shape != (inst.num_types,):
+        raise InstanceError(f"assignment has {channel.shape} entries, expected {inst.num_types}")
+    if channel.size and (channel.min() < UNASSIGNED or channel.max() > inst.num_topics):
+        raise InstanceError(f"channels must be in -1..{inst.num_topics} (0 = RPC, t = topic)")
+
+
+def node_stats(inst: DSMDInstance, node_traffic: np.ndarray, ratio: np.ndarray | None = None
+               ) -> tuple[float, float, int, float]:
+    """(max b(n), sum_n [b(n)/s(n) - 1]^+, #nodes over s(n), sum_n b(n)/s(n))."""
+    if ratio is None:
+        ratio = node_traffic * inst.inv_capacity
+    if not node_traffic.size:
+        return 0.0, 0.0, 0, 0.0
+    if ratio.max() <= 1.0:
+        return float(node_traffic.max()), 0.0, 0, float(ratio.sum())
+    over = ratio > 1.0
+    return (float(node_traffic.max()), float(ratio[over].sum()) - int(over.sum()),
+            int(over.sum()), float(ratio.sum()))
+
+
+def metrics_from(inst: DSMDInstance, channel: np.ndarray, node_traffic: np.ndarray,
+                 controller_bw: int, controller_cpu: int, total: int, necessary: int,
+                 sent_messages: int, counts: tuple[int, int, int, int] | None = None,
+                 nstats: tuple[float, float, int, float] | None = None) -> Metrics:
+    """Metrics in bit/s from the exact integer quantities.
+
+    ``counts`` = (assigned, rpc, mq, topics used) and ``nstats`` (:func:`node_stats`) may be
+    passed when already known (the incremental state keeps them)."""
+    bw_v = max(controller_bw / inst.controller_bw_bps - 1.0, 0.0)
+    cpu_v = max(controller_cpu / inst.controller_cpu - 1.0, 0.0)
+    max_b, node_v, n_over, _ = nstats if nstats is not None else node_stats(inst, node_traffic)
+    if counts is None:
+        mq = channel > 0
+        counts = (int(np.count_nonzero(channel >= 0)), int(np.count_nonzero(channel == RPC)),
+                  int(np.count_nonzero(mq)), int(np.unique(channel[mq]).size))
+    return Metrics(
+        controller_traffic_bps=float(controller_bw),
+        sent_messages_per_s=sent_messages / inst.interval_s,
+        controller_sends=int(controller_cpu),
+        total_node_traffic_bps=float(total),
+        max_node_traffic_bps=max_b,
+        necessary_traffic_bps=float(necessary),
+        redundancy_bps=float(total - necessary),
+        redundancy_ratio=float(total / necessary) if necessary else 1.0,
+        controller_bw_violation=bw_v,
+        controller_cpu_violation=cpu_v,
+        node_violation=node_v,
+        nodes_over_capacity=n_over,
+        feasible=bool(bw_v == 0.0 and cpu_v == 0.0 and n_over == 0),
+        assigned_types=counts[0],
+        rpc_types=counts[1],
+        mq_types=counts[2],
+        topics_used=counts[3],
+    )
+
+
+class CostState:
+    """Eq. 1's quantities under single-type moves (the simulator's hot path).
+
+    ``move(m, c)`` costs O(|D(m)|) for RPC and O(|D(m)| + N) for a topic (every current
+    subscriber of the topic receives the moved type's traffic).
+    """
+
+    def __init__(self, inst: DSMDInstance, channel: np.ndarray | None = None) -> None:
+        self.inst = inst
+        m, n, k = inst.num_types, inst.num_nodes, inst.num_topics
+        self.channel = np.full(m, UNASSIGNED, dtype=np.int64)
+        self.node_traffic = np.zeros(n, dtype=np.int64)
+        self.topic_rate = np.zeros(k + 1, dtype=np.int64)
+        self.topic_subscribers = np.zeros(k + 1, dtype=np.int64)
+        self.topic_types = np.zeros(k + 1, dtype=np.int64)
+        self.sub_count = np.zeros((k + 1, n), dtype=np.int32)  # types on t with n in D(m)
+        self.controller_bw = 0
+        self.controller_cpu = 0
+        self.total_traffic = 0
+        self.necessary = 0
+        self.sent_messages = 0
+        self.assigned = 0
+        self.rpc_types = 0
+        self.version = 0  # bumped by every change; keys the node-statistics cache
+        self._nstats: tuple[int, tuple] | None = None
+        self._ratio: tuple[int, np.ndarray] | None = None
+        self._rate = inst.rate_bps.tolist()
+        self._fan = inst.fanout.tolist()
+        self._msgs = inst.messages.tolist()
+        ptr = inst.dest_ptr
+        self._dest = [inst.dest_idx[ptr[i]:ptr[i + 1]] for i in range(m)]
+        if channel is not None:
+            self.assign_all(channel)
+
+    # ------------------------------------------------------------------ updates
+    def assign_all(self, channel: np.ndarray) -> None:
+        """Set the whole assignment at once (vectorised; equals a sequence of moves)."""
+        channel = np.asarray(channel, dtype=np.int64)
+        _check_channels(self.inst, channel)
+        snap = evaluate(self.inst, channel)
+        self.channel = channel.copy()
+        self.node_traffic = snap.node_traffic.copy()
+        self.topic_rate = snap.topic_rate.copy()
+        self.topic_subscribers = snap.topic_subscribers.copy()
+        self.topic_types = np.bincount(channel[channel > 0],
+                                       minlength=self.inst.num_topics + 1).astype(np.int64)
+        self.sub_count[:] = 0
+        row = self.inst.type_of_entry
+        e = channel[row] > 0
+        np.add.at(self.sub_count, (channel[row[e]], self.inst.dest_idx[e]), 1)
+        self.controller_bw, self.controller_cpu = snap.controller_bw, snap.controller_cpu
+        self.total_traffic, self.necessary = snap.total_traffic, snap.necessary
+        self.sent_messages = snap.sent_messages
+        self.assigned = int(np.count_nonzero(channel >= 0))
+        self.rpc_types = int(np.count_nonzero(channel == RPC))
+        self.version += 1
+
+    def move(self, m: int, c: int) -> None:
+        """Put type ``m`` on channel ``c`` (0 = RPC, 1..K = topic, -1 = unassign)."""
+        old = int(self.channel[m])
+        c = int(c)
+        if old == c:
+            return
+        if not UNASSIGNED <= c <= self.inst.num_topics:
+            raise InstanceError(f"channel {c} out of range -1..{self.inst.num_topics}")
+        if old != UNASSIGNED:
+            self._remove(m, old)
+        if c != UNASSIGNED:
+            self._add(m, c)
+        self.version += 1
+
+    def _add(self, m: int, c: int) -> None:
+        f, d, dest = self._rate[m], self._fan[m], self._dest[m]
+        b = self.node_traffic
+        if c == RPC:
+            b[dest] += f
+            self.controller_bw += f * d
+            self.controller_cpu += d
+            self.total_traffic += f * d
+            self.sent_messages += self._msgs[m] * d
+            self.rpc_types += 1
+        else:
+            row = self.sub_count[c]
+            r_old, s_old = int(self.topic_rate[c]), int(self.topic_subscribers[c])
+            if s_old and f:
+                np.add(b, f, out=b, where=row > 0)  # every current subscriber gets f
+            fresh = dest[row[dest] == 0]
+            row[dest] += 1
+            if fresh.size:
+                b[fresh] += r_old + f  # new subscribers get the whole topic
+            self.topic_rate[c] = r_old + f
+            self.topic_subscribers[c] = s_old + fresh.size
+            self.topic_types[c] += 1
+            self.total_traffic += f * s_old + (r_old + f) * fresh.size
+            self.controller_bw += f
+            self.controller_cpu += 1
+            self.sent_messages += self._msgs[m]
+        self.necessary += f * d
+        self.assigned += 1
+        self.channel[m] = c
+
+    def _remove(self, m: int, c: int) -> None:
+        f, d, dest = self._rate[m], self._fan[m], self._dest[m]
+        b = self.node_traffic
+        if c == RPC:
+            b[dest] -= f
+            self.controller_bw -= f * d
+            self.controller_cpu -= d
+            self.total_traffic -= f * d
+            self.sent_messages -= self._msgs[m] * d
+            self.rpc_types -= 1
+        else:
+            row = self.sub_count[c]
+            r_old, s_old = int(self.topic_rate[c]), int(self.topic_subscribers[c])
+            row[dest] -= 1
+            gone = dest[row[dest] == 0]
+            if gone.size:
+                b[gone] -= r_old  # leaving subscribers lose the whole topic
+            if f:
+                np.subtract(b, f, out=b, where=row > 0)  # remaining subscribers lose f
+            self.topic_rate[c] = r_old - f
+            self.topic_subscribers[c] = s_old - gone.size
+            self.topic_types[c] -= 1
+            self.total_traffic -= f * (s_old - gone.size) + r_old * gone.size
+            self.controller_bw -= f
+            self.controller_cpu -= 1
+            self.sent_messages -= self._msgs[m]
+        self.necessary -= f * d
+        self.assigned -= 1
+        self.channel[m] = UNASSIGNED
+
+    # ------------------------------------------------------------------ what-ifs
+    def topic_deltas(self, m: int) -> np.ndarray:
+        """Increase of ``sum_n b(n)`` if unassigned type ``m`` went to each channel.
+
+        Index 0 is RPC (``f |D|``), index ``t`` is topic ``t``:
+        ``f S_t + (R_t + f) * |D(m) \\ subscribers(t)|``. int64, length K+1.
+        """
+        if self.channel[m] != UNASSIGNED:
+            raise InstanceError(f"type {m} is assigned; remove it before asking for deltas")
+        f, d, dest = self._rate[m], self._fan[m], self._dest[m]
+        fresh = (self.sub_count[:, dest] == 0).sum(axis=1, dtype=np.int64)
+        delta = f * self.topic_subscribers + (self.topic_rate + f) * fresh
+        delta[0] = f * d
+        return delta
+
+    def new_subscribers(self, m: int) -> np.ndarray:
+        """Per channel, how many of ``D(m)`` would newly subscribe (index 0: 0)."""
+        fresh = (self.sub_count[:, self._dest[m]] == 0).sum(axis=1, dtype=np.int64)
+        fresh[0] = 0
+        return fresh
+
+    def node_peak_if(self, m: int, c: int) -> float:
+        """max_n b(n)/s(n) over the nodes whose traffic changes if unassigned ``m`` goes to ``c``."""
+        f, dest = self._rate[m], self._dest[m]
+        cap = self.inst.node_capacity_bps
+        b = self.node_traffic
+        if c == RPC:
+            return float(((b[dest] + f) / cap[dest]).max())
+        row = self.sub_count[c]
+        peak = 0.0
+        subs = row > 0
+        if subs.any():
+            peak = float(((b[subs] + f) / cap[subs]).max())
+        fresh = dest[row[dest] == 0]
+        if fresh.size:
+            peak = max(peak, float(((b[fresh] + self.topic_rate[c] + f) / cap[fresh]).max()))
+        return peak
+
+    # ------------------------------------------------------------------ views
+    def snapshot(self) -> CostSnapshot:
+        return CostSnapshot(self.node_traffic.copy(), self.topic_rate.copy(),
+                            self.topic_subscribers.copy(), self.controller_bw,
+                            self.controller_cpu, self.total_traffic, self.necessary,
+                            self.sent_messages)
+
+    def node_ratio(self) -> np.ndarray:
+        """b(n) / s(n) of the current state (computed once per change; do not modify)."""
+        if self._ratio is None or self._ratio[0] != self.version:
+            self._ratio = (self.version, self.node_traffic * self.inst.inv_capacity)
+        return self._ratio[1]
+
+    def node_stats(self) -> tuple[float, float, int, float]:
+        """:func:`node_stats` of the current state, computed once per change."""
+        if self._nstats is None or self._nstats[0] != self.version:
+            self._nstats = (self.version, node_stats(self.inst, self.node_traffic,
+                                                     self.node_ratio()))
+        return self._nstats[1]
+
+    def metrics(self) -> Metrics:
+        mq = self.assigned - self.rpc_types
+        counts = (self.assigned, self.rpc_types, mq,
+                  int(np.count_nonzero(self.topic_types)))
+        return metrics_from(self.inst, self.channel, self.node_traffic, self.controller_bw,
+                            self.controller_cpu, self.total_traffic, self.necessary,
+                            self.sent_messages, counts, self.node_stats())
+
+    def copy(self) -> "CostState":
+        other = CostState.__new__(CostState)
+        other.__dict__.update(self.__dict__)
+        for k in ("channel", "node_traffic", "topic_rate", "topic_subscribers", "topic_types",
+                  "sub_count"):
+            setattr(other, k, getattr(self, k).copy())
+        return other

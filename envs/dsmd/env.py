@@ -1,0 +1,199 @@
+"""``smart/DSMD-v0``: one step decides the delivery channel of one message type.
+
+A thin gymnasium wrapper over the simulator core (:mod:`envs.dsmd.cost`,
+:mod:`envs.dsmd.observation`, :mod:`envs.dsmd.reward`), which does not import gymnasium.
+
+## Description
+Each episode is one rate-estimation interval (a *window*) of a scenario's trace, drawn
+from the chosen split (train / validation / test, split by time). The window's message
+types (destination-hash buckets, Algorithm 1) are decided one per step, largest
+``f(m)|D(m)|`` first by default. The final assignment is a solution of DSMD (Eq. 1).
+
+## Action space
+``Box(-1, 1, (K+1,), float32)``: one score per channel, decoded by argmax (0 = RPC,
+t = MQ topic t) with ties broken uniformly at random by the environment's RNG.
+With ``action="discrete"``: ``Discrete(K+1)``.
+
+## Observation space
+``Box(-1, 1, (size,), float32)``; the layout depends on ``observation``
+(``paper``, ``paper_type`` (default), ``channel``) and is documented in
+:mod:`envs.dsmd.observation`.
+
+## Reward
+Eq. 2 with ``kappa=100``, ``beta=50`` and the variants of :mod:`envs.dsmd.reward`
+(default: ``form="delta"``, ``objective="normalized"``, ``node_term="per_node"``).
+
+## Starting state
+Every type of the window unassigned (``initial="empty"``), or all on RPC (``"rpc"``; the
+episode then re-decides each type).
+
+## Episode end
+Terminates after the window's last type; never truncated.
+
+## Info
+Every metric of :class:`envs.dsmd.cost.Metrics` for the current assignment, each reward
+term, ``window``, ``type`` (instance index just decided), ``channel`` and
+``catalog_type``.
+
+## Arguments
+``scenario`` (name in ``configs/scenario`` or a :class:`ScenarioSpec`),
+``scenario_overrides``, ``split``, ``windows`` (explicit window list), ``observation``,
+``action`` (``"box"``/``"discrete"``), ``reward`` (dict of :class:`RewardConfig`),
+``order`` (``"rate_desc"``, ``"random"``, ``"index"``), ``initial``, ``cache_dir``,
+``batch_key``, ``problems`` (a prebuilt :class:`ProblemSet`).
+
+## Version history
+* v0: initial version.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+
+from .cost import CostState
+from .errors import DSMDError
+from .instance import RPC, DSMDInstance
+from .observation import ObservationBuilder, ObservationLayout
+from .problems import DATASETS_DIR, ProblemSet, problems_for
+from .reward import RewardConfig, eq2_terms
+from .scenarios import ScenarioSpec
+
+__all__ = ["DSMDEnv", "decode_action", "decision_order"]
+
+_REWARD_KEYS = {k: f"reward/{k}" for k in ("objective", "controller_bw_penalty",
+                                          "controller_cpu_penalty", "node_penalty", "value")}
+
+
+def decode_action(action: np.ndarray, rng: np.random.Generator) -> int:
+    """argmax over channel scores, ties broken uniformly at random."""
+    a = np.asarray(action).reshape(-1)
+    best = int(a.argmax())
+    top = a[best]
+    if np.count_nonzero(a == top) > 1:
+        ties = np.flatnonzero(a == top)
+        best = int(ties[rng.integers(ties.size)])
+    return best
+
+
+def decision_order(inst: DSMDInstance, order: str, rng: np.random.Generator | None = None
+                   ) -> np.ndarray:
+    """The sequence in which an episode decides the types of ``inst``."""
+    if order == "rate_desc":
+        return np.argsort(-(inst.rate_bps * inst.fanout), kind="stable")
+    if order == "index":
+        return np.arange(inst.num_types)
+    if order == "random":
+        if rng is None:
+            raise DSMDError("order='random' needs an RNG")
+        return rng.permutation(inst.num_types)
+    raise DSMDError(f"order must be 'rate_desc', 'random' or 'index', got {order!r}")
+
+
+class DSMDEnv(gym.Env):
+    __doc__ = __doc__
+    metadata: dict[str, Any] = {"render_modes": []}
+
+    def __init__(self, scenario: str | ScenarioSpec = "tiny", *, split: str = "train",
+                 windows: list[int] | None = None, observation: str = "paper_type",
+                 action: str = "box", reward: dict | RewardConfig | None = None,
+                 order: str = "rate_desc", initial: str = "empty",
+                 scenario_overrides: dict | None = None,
+                 cache_dir: str | Path | None = DATASETS_DIR, batch_key: str = "hosts",
+                 problems: ProblemSet | None = None) -> None:
+        super().__init__()
+        self.problems = problems if problems is not None else problems_for(
+            scenario, scenario_overrides, cache_dir, batch_key)
+        self.windows = list(windows) if windows is not None else self.problems.windows[split]
+        if not self.windows:
+            raise DSMDError(f"split '{split}' of scenario '{self.problems.spec.name}' has no "
+                            "windows; lengthen the trace or change the split")
+        self.reward_cfg = reward if isinstance(reward, RewardConfig) else RewardConfig(
+            **(reward or {}))
+        if action not in ("box", "discrete"):
+            raise DSMDError(f"action must be 'box' or 'discrete', got {action!r}")
+        if initial not in ("empty", "rpc"):
+            raise DSMDError(f"initial must be 'empty' or 'rpc', got {initial!r}")
+        decision_order(self.problems.instance(self.windows[0]), order,
+                       np.random.default_rng(0))  # validates ``order``
+        self.order_mode, self.initial, self.action_mode = order, initial, action
+        k = self.problems.spec.num_topics
+        self.layout = ObservationLayout(observation, self.problems.catalog_size,
+                                        self.problems.num_nodes, k)
+        low, high = self.layout.bounds()
+        self.observation_space = spaces.Box(low, high, dtype=np.float32)
+        self.action_space = (spaces.Box(-1.0, 1.0, (k + 1,), dtype=np.float32)
+                             if action == "box" else spaces.Discrete(k + 1))
+        self.state: CostState | None = None
+        self._step = 0
+
+    # ------------------------------------------------------------------ API
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        super().reset(seed=seed)
+        options = options or {}
+        w = options.get("window")
+        if w is None:
+            w = self.windows[int(self.np_random.integers(len(self.windows)))]
+        self.window = int(w)
+        self.inst = self.problems.instance(self.window)
+        self.state = CostState(self.inst)
+        if self.initial == "rpc":
+            self.state.assign_all(np.full(self.inst.num_types, RPC))
+        self.order = decision_order(self.inst, self.order_mode, self.np_random)
+        self.obs_builder = ObservationBuilder(self.layout, self.inst)
+        self.obs_builder.reset(self.state)
+        self._step = 0
+        self._value = eq2_terms(self.state, self.reward_cfg)["value"]
+        m = int(self.order[0]) if self.order.size else None
+        if self.initial == "rpc" and m is not None:
+            self._unassign_for_decision(m)
+        obs = self.obs_builder.observe(self.state, m, 0.0)
+        return obs, {"window": self.window, "num_types": int(self.inst.num_types)}
+
+    def step(self, action):
+        if self.state is None:
+            raise DSMDError("call reset() before step()")
+        if self._step >= self.order.size:
+            raise DSMDError("episode is over; call reset()")
+        m = int(self.order[self._step])
+        c = (int(action) if self.action_mode == "discrete"
+             else decode_action(action, self.np_random))
+        self.state.move(m, c)
+        self.obs_builder.on_move(m, c)
+        self._step += 1
+        done = self._step >= self.order.size
+        terms = eq2_terms(self.state, self.reward_cfg)
+        form = self.reward_cfg.form
+        if form == "delta":
+            reward = terms["value"] - self._value
+        elif form == "dense":
+            reward = terms["value"]
+        else:
+            reward = terms["value"] if done else 0.0
+        self._value = terms["value"]
+        m_next = None if done else int(self.order[self._step])
+        if m_next is not None and self.initial == "rpc":
+            self._unassign_for_decision(m_next)
+        obs = self.obs_builder.observe(self.state, m_next, self._step / self.order.size)
+        info = self.state.metrics().as_dict()
+        for k, v in terms.items():
+            info[_REWARD_KEYS[k]] = v
+        info.update(window=self.window, type=m, channel=c,
+                    catalog_type=int(self.inst.catalog_index[m]))
+        return obs, float(reward), done, False, info
+
+    def _unassign_for_decision(self, m: int) -> None:
+        # with initial="rpc" the type being decided is taken off RPC first, so the
+        # observation shows the state the decision is made in
+        self.state.move(m, -1)
+        self.obs_builder.on_move(m, -1)
+
+    # ------------------------------------------------------------------ helpers
+    def final_metrics(self) -> dict:
+        if self.state is None:
+            raise DSMDError("call reset() first")
+        return self.state.metrics().as_dict()

@@ -1,0 +1,189 @@
+"""A DSMD instance (SMART Section V-A/B): nodes with s(n), message types with D(m) and
+f(m), controller capacities C_b and C_p, and K topics.
+
+Rates are integers in bit/s (``round(8 * Counter_i / T)``, at least 1), so every sum in
+the cost model is exact and an incremental update equals a full recomputation bit for
+bit. Channel ``0`` is RPC, ``1..K`` are MQ topics, ``-1`` means not yet assigned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from .errors import InstanceError
+from .parser import IntervalEstimate, TypeCatalog
+
+__all__ = ["DSMDInstance", "RPC", "UNASSIGNED"]
+
+RPC = 0
+UNASSIGNED = -1
+
+
+@dataclass(frozen=True, eq=False)
+class DSMDInstance:
+    """One DSMD problem (Eq. 1): what must be delivered in one rate-estimation interval."""
+
+    num_nodes: int
+    num_topics: int  # K
+    node_capacity_bps: np.ndarray  # int64 (N,)  s(n)
+    controller_bw_bps: int  # C_b
+    controller_cpu: int  # C_p
+    rate_bps: np.ndarray  # int64 (M,)  f(m)
+    dest_ptr: np.ndarray  # int64 (M+1,)  CSR of D(m)
+    dest_idx: np.ndarray  # int64 node indices
+    messages: np.ndarray | None = None  # int64 (M,) messages per interval (Fig. 6 metric)
+    vpc: np.ndarray | None = None  # int64 (M,) VPC of the type's first message
+    config: np.ndarray | None = None  # int8 (M,) configuration-type code of the first message
+    catalog_index: np.ndarray | None = None  # (M,) index in the scenario's type catalogue
+    interval_s: float = 1.0
+    name: str = ""
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        m = self.rate_bps.size
+        defaults = {"messages": np.ones(m, np.int64), "vpc": np.zeros(m, np.int64),
+                    "config": np.zeros(m, np.int8), "catalog_index": np.arange(m)}
+        for k, v in defaults.items():
+            if getattr(self, k) is None:
+                object.__setattr__(self, k, v)
+        self.validate()
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_sets(cls, destinations: Sequence[Sequence[int]], rates_bps: Sequence[int],
+                  node_capacity_bps: Sequence[int] | int, num_topics: int,
+                  controller_bw_bps: int, controller_cpu: int, num_nodes: int | None = None,
+                  **kw) -> "DSMDInstance":
+        """Build from Python lists (tests, hand-made examples)."""
+        dests = [np.unique(np.asarray(d, dtype=np.int64)) for d in destinations]
+        n = num_nodes if num_nodes is not None else (
+            int(max((d.max() for d in dests if d.size), default=-1)) + 1)
+        cap = (np.full(n, int(node_capacity_bps), np.int64)
+               if np.isscalar(node_capacity_bps) else np.asarray(node_capacity_bps, np.int64))
+        lens = np.array([d.size for d in dests], dtype=np.int64)
+        ptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+        idx = np.concatenate(dests).astype(np.int64) if dests else np.zeros(0, np.int64)
+        return cls(n, int(num_topics), cap, int(controller_bw_bps), int(controller_cpu),
+                   np.asarray(rates_bps, dtype=np.int64), ptr, idx, **kw)
+
+    @classmethod
+    def from_estimate(cls, catalog: TypeCatalog, estimate: IntervalEstimate, num_topics: int,
+                      controller_bw_bps: int, controller_cpu: int,
+                      node_capacity_bps: np.ndarray | None = None, name: str = "") -> "DSMDInstance":
+        """The instance of one interval: the types with traffic in it and their rates."""
+        types = estimate.types
+        rates = np.maximum(np.rint(8.0 * estimate.counter_bytes / estimate.interval_s), 1)
+        lens = np.fromiter((catalog.destinations[t].size for t in types), np.int64, types.size)
+        ptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+        idx = (np.concatenate([catalog.destinations[t] for t in types]) if types.size
+               else np.zeros(0, np.int64)).astype(np.int64)
+        cap = (catalog.topology.bandwidth_bps if node_capacity_bps is None
+               else np.asarray(node_capacity_bps, np.int64))
+        return cls(catalog.topology.num_nodes, int(num_topics), cap.astype(np.int64),
+                   int(controller_bw_bps), int(controller_cpu), rates.astype(np.int64), ptr, idx,
+                   messages=estimate.messages.astype(np.int64),
+                   vpc=np.array([catalog.vpc[t] for t in types], dtype=np.int64),
+                   config=np.array([catalog.config[t] for t in types], dtype=np.int8),
+                   catalog_index=types.astype(np.int64), interval_s=estimate.interval_s,
+                   name=name)
+
+    def validate(self) -> None:
+        m = self.rate_bps.size
+        if self.num_nodes <= 0:
+            raise InstanceError("an instance needs at least one node")
+        if self.num_topics < 0:
+            raise InstanceError(f"num_topics must be >= 0, got {self.num_topics}")
+        if self.node_capacity_bps.shape != (self.num_nodes,):
+            raise InstanceError("node_capacity_bps must have one value per node")
+        if np.any(self.node_capacity_bps <= 0):
+            raise InstanceError("node capacities s(n) must be positive")
+        if self.controller_bw_bps <= 0 or self.controller_cpu <= 0:
+            raise InstanceError("controller capacities C_b and C_p must be positive")
+        if self.dest_ptr.shape != (m + 1,) or self.dest_ptr[0] != 0 \
+                or self.dest_ptr[-1] != self.dest_idx.size:
+            raise InstanceError("destination CSR does not match the number of types")
+        if np.any(np.diff(self.dest_ptr) <= 0):
+            bad = int(np.flatnonzero(np.diff(self.dest_ptr) <= 0)[0])
+            raise InstanceError(f"type {bad} has an empty destination set")
+        if self.dest_idx.size and (self.dest_idx.min() < 0
+                                   or self.dest_idx.max() >= self.num_nodes):
+            raise InstanceError("destination node index out of range")
+        if np.any(self.rate_bps < 0):
+            raise InstanceError("rates f(m) must be non-negative")
+        for k in ("messages", "vpc", "config", "catalog_index"):
+            if getattr(self, k).shape != (m,):
+                raise InstanceError(f"{k} must have one value per type")
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_types(self) -> int:
+        return int(self.rate_bps.size)
+
+    @property
+    def fanout(self) -> np.ndarray:
+        if "fanout" not in self._cache:
+            self._cache["fanout"] = np.diff(self.dest_ptr)
+        return self._cache["fanout"]
+
+    @property
+    def type_of_entry(self) -> np.ndarray:
+        """For each entry of ``dest_idx``, the type it belongs to."""
+        if "row" not in self._cache:
+            self._cache["row"] = np.repeat(np.arange(self.num_types), self.fanout)
+        return self._cache["row"]
+
+    def destinations(self, m: int) -> np.ndarray:
+        return self.dest_idx[self.dest_ptr[m]:self.dest_ptr[m + 1]]
+
+    def gamma(self) -> np.ndarray:
+        """The dense incidence matrix Gamma[m, n] (small instances only)."""
+        g = np.zeros((self.num_types, self.num_nodes), dtype=np.int8)
+        g[self.type_of_entry, self.dest_idx] = 1
+        return g
+
+    @property
+    def necessary_bps(self) -> int:
+        """sum_m f(m) |D(m)|: the node traffic with no redundancy (a lower bound)."""
+        if "necessary" not in self._cache:
+            self._cache["necessary"] = int(np.dot(self.rate_bps, self.fanout))
+        return self._cache["necessary"]
+
+    @property
+    def inv_capacity(self) -> np.ndarray:
+        """1 / s(n), float64."""
+        if "inv_cap" not in self._cache:
+            self._cache["inv_cap"] = 1.0 / self.node_capacity_bps
+        return self._cache["inv_cap"]
+
+    @property
+    def messages_per_s(self) -> np.ndarray:
+        return self.messages / self.interval_s
+
+    def subset(self, types: np.ndarray) -> "DSMDInstance":
+        """The instance restricted to ``types`` (same nodes, capacities and K)."""
+        types = np.asarray(types, dtype=np.int64)
+        lens = self.fanout[types]
+        ptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+        idx = np.concatenate([self.destinations(t) for t in types]) if types.size else \
+            np.zeros(0, np.int64)
+        return DSMDInstance(self.num_nodes, self.num_topics, self.node_capacity_bps,
+                            self.controller_bw_bps, self.controller_cpu, self.rate_bps[types],
+                            ptr, idx.astype(np.int64), self.messages[types], self.vpc[types],
+                            self.config[types], self.catalog_index[types], self.interval_s,
+                            self.name)
+
+    def with_capacities(self, controller_bw_bps: int | None = None,
+                        controller_cpu: int | None = None,
+                        node_capacity_bps: np.ndarray | int | None = None) -> "DSMDInstance":
+        cap = self.node_capacity_bps
+        if node_capacity_bps is not None:
+            cap = (np.full(self.num_nodes, int(node_capacity_bps), np.int64)
+                   if np.isscalar(node_capacity_bps) else np.asarray(node_capacity_bps, np.int64))
+        return DSMDInstance(self.num_nodes, self.num_topics, cap,
+                            int(controller_bw_bps or self.controller_bw_bps),
+                            int(controller_cpu or self.controller_cpu), self.rate_bps,
+                            self.dest_ptr, self.dest_idx, self.messages, self.vpc, self.config,
+                            self.catalog_index, self.interval_s, self.name)

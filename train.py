@@ -1,0 +1,16 @@
+"""Main job: `python train.py` (Hydra; see configs/train.yaml)."""
+
+import hydra
+from omegaconf import DictConfig
+
+import agents.config  # noqa: F401  (registers the ${project_root:} resolver)
+from agents.main_job import run_main
+
+
+@hydra.main(config_path="configs", config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    run_main(cfg)
+
+
+if __name__ == "__main__":
+    main()
