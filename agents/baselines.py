@@ -21,13 +21,15 @@ from envs.dsmd.instance import RPC, DSMDInstance
 from envs.dsmd.schema import ConfigurationType
 from envs.dsmd.traces import CONFIG_NAMES
 
-from .policy import Policy
+from .policy import Policy, PolicyError
 
 __all__ = ["RPCOnly", "VITA", "IDCS", "AlcorAuto", "vpc_topic"]
 
 
 def vpc_topic(vpc: np.ndarray, num_topics: int) -> np.ndarray:
     """VITA's topic of a VPC: ``1 + (vpc - 1) mod K`` (VPC ids start at 1)."""
+    if num_topics <= 0:
+        raise PolicyError("this policy needs at least one MQ topic (K >= 1)")
     return 1 + (np.asarray(vpc, dtype=np.int64) - 1) % num_topics
 
 

@@ -159,7 +159,7 @@ class ExactMILP(Policy):
         channel = np.zeros(M, dtype=np.int64)
         for m in range(M):
             ys = xv[Y0 + m * K:Y0 + (m + 1) * K]
-            if ys.max() > 0.5:
+            if K and ys.max() > 0.5:
                 channel[m] = int(np.argmax(ys)) + 1
         snap = evaluate(inst, channel)
         self._info["objective_bps"] = snap.total_traffic

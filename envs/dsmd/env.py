@@ -108,6 +108,9 @@ class DSMDEnv(gym.Env):
         super().__init__()
         self.problems = problems if problems is not None else problems_for(
             scenario, scenario_overrides, cache_dir, batch_key)
+        if windows is None and split not in self.problems.windows:
+            raise DSMDError(f"unknown split '{split}'; expected one of "
+                            f"{', '.join(self.problems.windows)}")
         self.windows = list(windows) if windows is not None else self.problems.windows[split]
         if not self.windows:
             raise DSMDError(f"split '{split}' of scenario '{self.problems.spec.name}' has no "

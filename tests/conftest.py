@@ -1,0 +1,55 @@
+"""Shared fixtures and hypothesis strategies."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+
+from envs.dsmd.instance import DSMDInstance
+from envs.dsmd.problems import build_problems
+from envs.dsmd.scenarios import load_scenario
+
+settings.register_profile("default", deadline=None, max_examples=60,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("default")
+
+
+@pytest.fixture(scope="session")
+def tiny_problems():
+    """The tiny scenario, generated in memory (no files)."""
+    return build_problems(load_scenario("tiny"), cache_dir=None)
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset(tiny_problems):
+    return tiny_problems.dataset
+
+
+@st.composite
+def instances(draw, max_nodes: int = 8, max_types: int = 8, max_topics: int = 3,
+              tight: bool = False) -> DSMDInstance:
+    """Random small DSMD instances (optionally with binding capacities)."""
+    n = draw(st.integers(1, max_nodes))
+    m = draw(st.integers(1, max_types))
+    k = draw(st.integers(0, max_topics))
+    dests = [draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=n, unique=True))
+             for _ in range(m)]
+    rates = [draw(st.integers(1, 10**7)) for _ in range(m)]
+    fan = sum(len(d) for d in dests)
+    if tight:
+        cpu = draw(st.integers(m, max(m, fan)))
+        bw = draw(st.integers(max(sum(rates), 1), max(sum(r * len(d) for r, d in zip(rates, dests)), 1)))
+        cap = draw(st.integers(10**6, 5 * 10**7))
+    else:
+        cpu, bw, cap = 10**9, 10**15, 10**12
+    return DSMDInstance.from_sets(dests, rates, cap, k, bw, cpu, num_nodes=n)
+
+
+def random_instance(seed: int, n: int = 30, m: int = 60, k: int = 5) -> DSMDInstance:
+    rng = np.random.default_rng(seed)
+    dests = [rng.choice(n, size=int(rng.integers(1, min(n, 8) + 1)), replace=False)
+             for _ in range(m)]
+    return DSMDInstance.from_sets(dests, rng.integers(1, 10**6, m), 3 * 10**6, k, 10**8, 400,
+                                  num_nodes=n)

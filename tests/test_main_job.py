@@ -1,0 +1,97 @@
+"""The main job and the Figs. 5-8 sweep, in-process with Hydra's compose API and a real
+local MLflow store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlflow
+import pandas as pd
+import pytest
+from hydra import compose, initialize_config_dir
+from mlflow import MlflowClient
+
+from agents.config import CONFIG_DIR
+from agents.main_job import run_main
+from agents.sweep import run_sweep
+
+
+def _cfg(name: str, tmp_path: Path, overrides: list[str]):
+    tracking = [] if "logger=none" in overrides else [
+        f"logger.tracking_uri=sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}",
+        f"logger.artifact_location={tmp_path / 'mlruns' / 'artifacts'}"]
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return compose(config_name=name, overrides=[
+            f"paths.output_dir={tmp_path / 'out'}", f"paths.data_dir={tmp_path / 'data'}",
+            "progress=false", *tracking, *overrides])
+
+
+def test_main_job_tiny_end_to_end(tmp_path, capsys):
+    cfg = _cfg("train", tmp_path, ["scenario=tiny", "run_name=test-main"])
+    res = run_main(cfg)
+    summary = res["summary"]
+    assert list(summary["policy"]) == ["rpc", "vita", "idcs", "alcor", "greedy", "exact"]
+    assert (tmp_path / "out" / "summary.csv").is_file()
+    assert (tmp_path / "out" / "comparison.png").stat().st_size > 1000
+    out = capsys.readouterr().out
+    assert "Baselines on tiny" in out and "greedy" in out
+    # the exact optimum solved the tiny windows and is never worse than a feasible heuristic
+    pw = res["per_window"]
+    ex = pw[pw.policy == "exact"].set_index("instance")
+    assert (ex["status"] == "optimal").any()
+    for _, row in pw[(pw.policy != "exact") & (pw.feasible == True)].iterrows():  # noqa: E712
+        if row["instance"] in ex.index and ex.loc[row["instance"], "status"] == "optimal":
+            assert ex.loc[row["instance"], "total_node_traffic_bps"] <= row["total_node_traffic_bps"]
+    # the MLflow run holds the config, command line, tables and plot
+    client = MlflowClient(tracking_uri=str(cfg.logger.tracking_uri))
+    run = client.get_run(res["run_id"])
+    assert run.info.status == "FINISHED" and run.data.tags["scenario"] == "tiny"
+    arts = {a.path for a in client.list_artifacts(res["run_id"])}
+    assert {"config", "tables", "plots"} <= arts
+    cfg_files = {a.path for a in client.list_artifacts(res["run_id"], "config")}
+    assert {"config/resolved.yaml", "config/command.txt", "config/hyperparameters.md"} <= cfg_files
+    assert "greedy/total_node_gbps" in run.data.metrics
+    mlflow.set_tracking_uri("")
+
+
+def test_main_job_same_seed_same_table(tmp_path):
+    a = run_main(_cfg("train", tmp_path / "a", ["scenario=tiny", "logger=none",
+                                                "baseline.policies=[rpc,vita,idcs,greedy]"]))
+    b = run_main(_cfg("train", tmp_path / "b", ["scenario=tiny", "logger=none",
+                                                "baseline.policies=[rpc,vita,idcs,greedy]"]))
+    cols = ["policy", "total_node_gbps", "ctrl_traffic_gbps", "ctrl_sends", "feasible_frac"]
+    pd.testing.assert_frame_equal(a["summary"][cols], b["summary"][cols])
+
+
+def test_failed_run_is_marked_failed(tmp_path):
+    cfg = _cfg("train", tmp_path, ["scenario=tiny", "eval_split=holdout"])
+    with pytest.raises(Exception, match="unknown split"):
+        run_main(cfg)
+    client = MlflowClient(tracking_uri=str(cfg.logger.tracking_uri))
+    exp = client.get_experiment_by_name("smart-dsmd")
+    runs = client.search_runs([exp.experiment_id]) if exp else []
+    assert all(r.info.status != "RUNNING" for r in runs)
+    mlflow.set_tracking_uri("")
+
+
+def test_sweep_writes_figures(tmp_path):
+    cfg = _cfg("evaluate", tmp_path, ["scenario=tiny", "sweep.multicast_shares=[0.0,0.5,1.0]",
+                                      "sweep.max_windows=3", "logger=none"])
+    res = run_sweep(cfg)
+    s = res["summary"]
+    assert set(s["multicast_share"]) == {0.0, 0.5, 1.0}
+    for f in ("fig5_controller_traffic.png", "fig6_sent_messages.png",
+              "fig7_total_node_traffic.png", "fig8_max_node_traffic.png"):
+        assert (tmp_path / "out" / "plots" / f).stat().st_size > 1000
+    pw = pd.read_csv(tmp_path / "out" / "sweep_per_window.csv")
+    assert len(pw) == 3 * 3 * len(cfg.sweep.policies)
+    # RPC-only never has redundancy; at 0% multicast RPC and IDCS coincide
+    assert (s[s.policy == "rpc"]["redundancy_gbps"] == 0).all()
+    z = s[s.multicast_share == 0.0].set_index("policy")
+    assert z.loc["idcs", "total_node_gbps"] == pytest.approx(z.loc["rpc", "total_node_gbps"])
+
+
+def test_bad_scenario_override_is_clear(tmp_path):
+    cfg = _cfg("train", tmp_path, ["scenario=tiny", "+scenario.colour=red", "logger=none"])
+    with pytest.raises(Exception, match="unknown keys"):
+        run_main(cfg)
