@@ -65,12 +65,12 @@ def summarize(df: pd.DataFrame, by: Iterable[str] = ("policy",)) -> pd.DataFrame
         "instances": df.groupby(by, sort=False).size(),
         "solved": g.size(),
         "feasible_frac": g["feasible"].mean(),
-        "ctrl_traffic_gbps": g["controller_traffic_bps"].mean() / 1e9,
+        "ctrl_traffic_mbps": g["controller_traffic_bps"].mean() / 1e6,
         "sent_msgs_per_s": g["sent_messages_per_s"].mean(),
         "ctrl_sends": g["controller_sends"].mean(),
-        "total_node_gbps": g["total_node_traffic_bps"].mean() / 1e9,
+        "total_node_mbps": g["total_node_traffic_bps"].mean() / 1e6,
         "max_node_mbps": g["max_node_traffic_bps"].mean() / 1e6,
-        "redundancy_gbps": g["redundancy_bps"].mean() / 1e9,
+        "redundancy_mbps": g["redundancy_bps"].mean() / 1e6,
         "bw_violation": g["controller_bw_violation"].mean(),
         "cpu_violation": g["controller_cpu_violation"].mean(),
         "node_violation": g["node_violation"].mean(),
@@ -87,9 +87,9 @@ def summarize(df: pd.DataFrame, by: Iterable[str] = ("policy",)) -> pd.DataFrame
 
 def format_table(summary: pd.DataFrame) -> str:
     """A fixed-width table for the terminal and the README."""
-    fmt = {"feasible_frac": "{:.2f}", "ctrl_traffic_gbps": "{:.3f}", "sent_msgs_per_s": "{:.1f}",
-           "ctrl_sends": "{:.0f}", "total_node_gbps": "{:.3f}", "max_node_mbps": "{:.1f}",
-           "redundancy_gbps": "{:.3f}", "bw_violation": "{:.3f}", "cpu_violation": "{:.3f}",
+    fmt = {"feasible_frac": "{:.2f}", "ctrl_traffic_mbps": "{:.2f}", "sent_msgs_per_s": "{:.1f}",
+           "ctrl_sends": "{:.0f}", "total_node_mbps": "{:.2f}", "max_node_mbps": "{:.2f}",
+           "redundancy_mbps": "{:.2f}", "bw_violation": "{:.3f}", "cpu_violation": "{:.3f}",
            "node_violation": "{:.3f}", "time_ms": "{:.1f}"}
     cols = list(summary.columns)
     cells = [[("n/a" if (isinstance(v, float) and np.isnan(v)) else fmt.get(c, "{}").format(v))

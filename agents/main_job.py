@@ -26,7 +26,8 @@ def run_main(cfg: DictConfig) -> dict[str, Any]:
     out = output_dir(cfg)
     ps = build_problems(spec, cache_dir=cfg.paths.data_dir, batch_key=cfg.env.batch_key)
     split = str(cfg.eval_split)
-    instances = ps.instances(split)
+    instances = ([ps.instance(w) for w in range(ps.parsed.num_windows)] if split == "all"
+                 else ps.instances(split))
     policies = make_policies(list(cfg.baseline.policies), ps, to_dict(cfg.baseline.params))
     run_name = cfg.get("run_name") or f"{spec.name}__baselines__{cfg.seed}"
     tags = {"scenario": spec.name, "task": "baselines", "split": split, "seed": str(cfg.seed),
@@ -45,11 +46,13 @@ def run_main(cfg: DictConfig) -> dict[str, Any]:
         log.table(summary, out / "summary.csv")
         (out / "summary.txt").write_text(table + "\n")
         log.artifact(out / "summary.txt", "tables")
-        png = comparison_plot(summary, out / "comparison.png", f"{spec.name}: {split} windows")
+        png = comparison_plot(summary, out / "comparison.png", f"{spec.name}: {split} windows",
+                              limits={"ctrl_traffic_mbps": spec.controller_bw_bps / 1e6,
+                                      "ctrl_sends": spec.controller_cpu})
         log.artifact(png, "plots")
         for row in summary.itertuples(index=False):
-            log.metrics({f"{row.policy}/total_node_gbps": row.total_node_gbps,
-                         f"{row.policy}/ctrl_traffic_gbps": row.ctrl_traffic_gbps,
+            log.metrics({f"{row.policy}/total_node_mbps": row.total_node_mbps,
+                         f"{row.policy}/ctrl_traffic_mbps": row.ctrl_traffic_mbps,
                          f"{row.policy}/ctrl_sends": row.ctrl_sends,
                          f"{row.policy}/feasible_frac": row.feasible_frac})
     print(f"[main] wrote {out}/summary.csv, comparison.png"

@@ -16,21 +16,27 @@ _STYLE = {"rpc": ("tab:red", "o"), "vita": ("tab:blue", "s"), "idcs": ("tab:gree
           "alcor": ("tab:purple", "v"), "greedy": ("tab:orange", "D"), "exact": ("black", "*"),
           "ddpg": ("tab:brown", "P")}
 
-#: file name, column of the sweep summary, y label, paper figure
+#: file name, column of the sweep summary, scale, y label, paper figure
 SWEEP_FIGURES = [
-    ("fig5_controller_traffic.png", "ctrl_traffic_gbps", "Traffic on controller (Gbps)", "Fig. 5"),
-    ("fig6_sent_messages.png", "sent_msgs_per_s", "Sent messages (per s)", "Fig. 6"),
-    ("fig7_total_node_traffic.png", "total_node_gbps", "Total traffic on CNs (Gbps)", "Fig. 7"),
-    ("fig8_max_node_traffic.png", "max_node_mbps", "Max. traffic on a CN (Mbps)", "Fig. 8"),
-    ("controller_sends.png", "ctrl_sends", "Controller concurrent sends (vs C_p)", "CPU"),
-    ("redundancy.png", "redundancy_gbps", "Redundant traffic on CNs (Gbps)", "redundancy"),
-    ("violations.png", "violation_total", "Mean constraint violation (sum of terms)", "violations"),
+    ("fig5_controller_traffic.png", "ctrl_traffic_mbps", 1e-3, "Traffic on controller (Gbps)",
+     "Fig. 5"),
+    ("fig6_sent_messages.png", "sent_msgs_per_s", 1.0, "Sent messages (per s)", "Fig. 6"),
+    ("fig7_total_node_traffic.png", "total_node_mbps", 1e-3, "Total traffic on CNs (Gbps)",
+     "Fig. 7"),
+    ("fig8_max_node_traffic.png", "max_node_mbps", 1.0, "Max. traffic on a CN (Mbps)", "Fig. 8"),
+    ("controller_sends.png", "ctrl_sends", 1.0, "Controller concurrent sends (vs C_p)", "CPU"),
+    ("redundancy.png", "redundancy_mbps", 1e-3, "Redundant traffic on CNs (Gbps)", "redundancy"),
+    ("violations.png", "violation_total", 1.0, "Mean constraint violation (sum of terms)",
+     "violations"),
 ]
 
 
-def comparison_plot(summary: pd.DataFrame, path: Path, title: str) -> Path:
-    cols = [("total_node_gbps", "Total traffic on CNs (Gbps)"),
-            ("ctrl_traffic_gbps", "Traffic on controller (Gbps)"),
+def comparison_plot(summary: pd.DataFrame, path: Path, title: str,
+                    limits: dict[str, float] | None = None) -> Path:
+    """Bars per policy; ``limits`` maps a column to its capacity (drawn dashed)."""
+    limits = limits or {}
+    cols = [("total_node_mbps", "Total traffic on CNs (Mbps)"),
+            ("ctrl_traffic_mbps", "Traffic on controller (Mbps)"),
             ("ctrl_sends", "Controller sends"),
             ("feasible_frac", "Feasible fraction of windows")]
     fig, axes = plt.subplots(1, len(cols), figsize=(4.2 * len(cols), 3.6))
@@ -38,6 +44,12 @@ def comparison_plot(summary: pd.DataFrame, path: Path, title: str) -> Path:
         names = summary["policy"].tolist()
         colors = [_STYLE.get(n, ("gray", "o"))[0] for n in names]
         ax.bar(names, summary[c].fillna(0.0), color=colors)
+        for i, v in enumerate(summary[c]):
+            if v != v:  # NaN: the policy could not solve these instances
+                ax.text(i, 0, "n/a", ha="center", va="bottom", fontsize=8)
+        if c in limits:
+            ax.axhline(limits[c], color="gray", ls="--", lw=1)
+            ax.text(len(names) - 0.5, limits[c], " limit", va="bottom", ha="right", fontsize=8)
         ax.set_title(label, fontsize=10)
         ax.tick_params(axis="x", rotation=30)
     fig.suptitle(title)
@@ -55,11 +67,12 @@ def sweep_plots(summary: pd.DataFrame, outdir: Path, scenario: str) -> list[Path
     summary["violation_total"] = (summary["bw_violation"] + summary["cpu_violation"]
                                   + summary["node_violation"])
     paths = []
-    for fname, col, label, fig_name in SWEEP_FIGURES:
+    for fname, col, scale, label, fig_name in SWEEP_FIGURES:
         fig, ax = plt.subplots(figsize=(5.2, 3.8))
         for pol, g in summary.groupby("policy", sort=False):
             color, marker = _STYLE.get(pol, ("gray", "o"))
-            ax.plot(100 * g["multicast_share"], g[col], marker=marker, color=color, label=pol)
+            ax.plot(100 * g["multicast_share"], g[col] * scale, marker=marker, color=color,
+                    label=pol)
         ax.set_xlabel("Multicast share of traffic (%)")
         ax.set_ylabel(label)
         ax.set_title(f"{fig_name}: {scenario}", fontsize=10)

@@ -58,8 +58,8 @@ def run_sweep(cfg: DictConfig) -> dict[str, Any]:
         for p in sweep_plots(summary, out / "plots", base.name):
             log.artifact(p, "plots")
         for row in summary.itertuples(index=False):
-            log.metrics({f"{row.policy}/total_node_gbps": row.total_node_gbps,
-                         f"{row.policy}/ctrl_traffic_gbps": row.ctrl_traffic_gbps,
+            log.metrics({f"{row.policy}/total_node_mbps": row.total_node_mbps,
+                         f"{row.policy}/ctrl_traffic_mbps": row.ctrl_traffic_mbps,
                          f"{row.policy}/sent_msgs_per_s": row.sent_msgs_per_s,
                          f"{row.policy}/max_node_mbps": row.max_node_mbps},
                         step=int(round(100 * row.multicast_share)))

@@ -50,7 +50,7 @@ def test_main_job_tiny_end_to_end(tmp_path, capsys):
     assert {"config", "tables", "plots"} <= arts
     cfg_files = {a.path for a in client.list_artifacts(res["run_id"], "config")}
     assert {"config/resolved.yaml", "config/command.txt", "config/hyperparameters.md"} <= cfg_files
-    assert "greedy/total_node_gbps" in run.data.metrics
+    assert "greedy/total_node_mbps" in run.data.metrics
     mlflow.set_tracking_uri("")
 
 
@@ -59,7 +59,7 @@ def test_main_job_same_seed_same_table(tmp_path):
                                                 "baseline.policies=[rpc,vita,idcs,greedy]"]))
     b = run_main(_cfg("train", tmp_path / "b", ["scenario=tiny", "logger=none",
                                                 "baseline.policies=[rpc,vita,idcs,greedy]"]))
-    cols = ["policy", "total_node_gbps", "ctrl_traffic_gbps", "ctrl_sends", "feasible_frac"]
+    cols = ["policy", "total_node_mbps", "ctrl_traffic_mbps", "ctrl_sends", "feasible_frac"]
     pd.testing.assert_frame_equal(a["summary"][cols], b["summary"][cols])
 
 
@@ -86,9 +86,9 @@ def test_sweep_writes_figures(tmp_path):
     pw = pd.read_csv(tmp_path / "out" / "sweep_per_window.csv")
     assert len(pw) == 3 * 3 * len(cfg.sweep.policies)
     # RPC-only never has redundancy; at 0% multicast RPC and IDCS coincide
-    assert (s[s.policy == "rpc"]["redundancy_gbps"] == 0).all()
+    assert (s[s.policy == "rpc"]["redundancy_mbps"] == 0).all()
     z = s[s.multicast_share == 0.0].set_index("policy")
-    assert z.loc["idcs", "total_node_gbps"] == pytest.approx(z.loc["rpc", "total_node_gbps"])
+    assert z.loc["idcs", "total_node_mbps"] == pytest.approx(z.loc["rpc", "total_node_mbps"])
 
 
 def test_bad_scenario_override_is_clear(tmp_path):
