@@ -8,7 +8,9 @@ STAMP   := $(VENV)/.installed-$(shell cat requirements.lock pyproject.toml | cks
 .PHONY: setup run test test-all bench sweep clean lock
 
 $(STAMP): requirements.lock pyproject.toml
-	@test -x $(VPY) || $(PY) -m venv $(VENV)
+	@command -v $(PY) >/dev/null || { echo "error: $(PY) not found; run make PY=/path/to/python3.11"; exit 1; }
+	@test -x $(VPY) || $(PY) -m venv $(VENV) || { rm -rf $(VENV); \
+	  $(PY) -m pip install -q --user uv && $(PY) -m uv venv -q --seed --python $(PY) $(VENV); }
 	$(VPY) -m pip install -q --upgrade pip uv
 	$(VPY) -m uv pip install -q --python $(VPY) -r requirements.lock
 	$(VPY) -m uv pip install -q --python $(VPY) --no-deps -e .

@@ -267,8 +267,9 @@ def generate(spec: ScenarioSpec) -> Dataset:
         t0 += dur
     rt = np.concatenate(req_times) if req_times else np.zeros(0)
     n_req = rt.size
-    per_req = 1 + g.geometric(1.0 / mean_msgs, n_req) - 1 if mean_msgs > 1 else np.ones(n_req, int)
-    per_req = np.maximum(per_req, 1)
+    # 1 + Geometric messages per request, mean ``messages_per_request``
+    per_req = (g.geometric(1.0 / mean_msgs, n_req) if mean_msgs > 1
+               else np.ones(n_req, dtype=np.int64))
     req_vpc = g.integers(0, spec.num_vpcs, n_req)  # equal traffic per VPC
     n = int(per_req.sum())
     req_of = np.repeat(np.arange(n_req), per_req)
