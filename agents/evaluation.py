@@ -77,6 +77,14 @@ def summarize(df: pd.DataFrame, by: Iterable[str] = ("policy",)) -> pd.DataFrame
         "time_ms": g["time_s"].mean() * 1e3,
     })
     out["solved"] = out["solved"].fillna(0).astype(int)
+    if "exact" in set(df["policy"]):
+        # mean excess over the proven optimum, on the instances the exact solver solved
+        keys = [*(c for c in by if c != "policy"), "instance"]
+        opt = df[(df["policy"] == "exact") & (df["status"] == "optimal")][
+            [*keys, "total_node_traffic_bps"]].rename(columns={"total_node_traffic_bps": "opt"})
+        both = solved.merge(opt, on=keys)
+        both = both.assign(gap=100.0 * (both["total_node_traffic_bps"] / both["opt"] - 1.0))
+        out["gap_to_exact_pct"] = both.groupby(by, sort=False)["gap"].mean()
     status = df.groupby(by, sort=False)["status"].agg(lambda s: ",".join(sorted(set(s))))
     out["status"] = status
     order = list(dict.fromkeys(map(tuple, df[by].itertuples(index=False, name=None))))
@@ -90,7 +98,7 @@ def format_table(summary: pd.DataFrame) -> str:
     fmt = {"feasible_frac": "{:.2f}", "ctrl_traffic_mbps": "{:.2f}", "sent_msgs_per_s": "{:.1f}",
            "ctrl_sends": "{:.0f}", "total_node_mbps": "{:.2f}", "max_node_mbps": "{:.2f}",
            "redundancy_mbps": "{:.2f}", "bw_violation": "{:.3f}", "cpu_violation": "{:.3f}",
-           "node_violation": "{:.3f}", "time_ms": "{:.1f}"}
+           "node_violation": "{:.3f}", "time_ms": "{:.1f}", "gap_to_exact_pct": "{:+.2f}"}
     cols = list(summary.columns)
     cells = [[("n/a" if (isinstance(v, float) and np.isnan(v)) else fmt.get(c, "{}").format(v))
               for c, v in zip(cols, row)] for row in summary.itertuples(index=False)]

@@ -289,25 +289,24 @@ class CostState:
         self.channel[m] = UNASSIGNED
 
     # ------------------------------------------------------------------ what-ifs
-    def topic_deltas(self, m: int) -> np.ndarray:
-        """Increase of ``sum_n b(n)`` if unassigned type ``m`` went to each channel.
+    def channel_costs(self, m: int) -> tuple[np.ndarray, np.ndarray]:
+        """(increase of ``sum_n b(n)``, new subscribers) per channel if unassigned ``m`` went there.
 
-        Index 0 is RPC (``f |D|``), index ``t`` is topic ``t``:
-        ``f S_t + (R_t + f) * |D(m) \\ subscribers(t)|``. int64, length K+1.
+        Index 0 is RPC (``f |D|``, 0 new subscribers); index ``t`` is topic ``t``:
+        ``f S_t + (R_t + f) * |D(m) \\ subscribers(t)|``. Both int64, length K+1.
         """
         if self.channel[m] != UNASSIGNED:
             raise InstanceError(f"type {m} is assigned; remove it before asking for deltas")
         f, d, dest = self._rate[m], self._fan[m], self._dest[m]
         fresh = (self.sub_count[:, dest] == 0).sum(axis=1, dtype=np.int64)
+        fresh[0] = 0
         delta = f * self.topic_subscribers + (self.topic_rate + f) * fresh
         delta[0] = f * d
-        return delta
+        return delta, fresh
 
-    def new_subscribers(self, m: int) -> np.ndarray:
-        """Per channel, how many of ``D(m)`` would newly subscribe (index 0: 0)."""
-        fresh = (self.sub_count[:, self._dest[m]] == 0).sum(axis=1, dtype=np.int64)
-        fresh[0] = 0
-        return fresh
+    def topic_deltas(self, m: int) -> np.ndarray:
+        """The first half of :meth:`channel_costs`."""
+        return self.channel_costs(m)[0]
 
     def node_peak_if(self, m: int, c: int) -> float:
         """max_n b(n)/s(n) over the nodes whose traffic changes if unassigned ``m`` goes to ``c``."""

@@ -151,14 +151,18 @@ class ObservationBuilder:
             g[:] = (cb, cp, tfeat[0], tfeat[1], progress,
                     min(float(load.max()), 1.0) if load.size else 0.0, tfeat[2], tfeat[3])
             if m is not None and state.channel[m] < 0:
-                delta = state.topic_deltas(m)
-                buf[sl["efficiency"]] = (f * d) / np.maximum(delta, 1)
-                buf[sl["fresh"]] = state.new_subscribers(m) / d
+                delta, fresh = state.channel_costs(m)
+                np.divide(f * d, np.maximum(delta, 1), out=buf[sl["efficiency"]],
+                          casting="same_kind")
+                np.divide(fresh, d, out=buf[sl["fresh"]], casting="same_kind")
             else:
                 buf[sl["efficiency"]] = 0.0
                 buf[sl["fresh"]] = 0.0
-            buf[sl["subscribers"]] = state.topic_subscribers / inst.num_nodes
-            buf[sl["load"]] = np.log10(1.0 + state.topic_rate) / _LOG_RATE_SCALE
+            np.divide(state.topic_subscribers, inst.num_nodes, out=buf[sl["subscribers"]],
+                      casting="same_kind")
+            load = buf[sl["load"]]
+            np.log10(1.0 + state.topic_rate, out=load, casting="same_kind")
+            load *= 1.0 / _LOG_RATE_SCALE
         else:
             buf[sl["controller"]] = (cb, cp)
             nodes = buf[sl["nodes"]]
