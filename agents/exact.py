@@ -30,7 +30,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
-from envs.dsmd.cost import evaluate
+from envs.dsmd.cost import evaluate, metrics_from
 from envs.dsmd.instance import DSMDInstance
 
 from .policy import Policy, PolicyError
@@ -38,6 +38,15 @@ from .policy import Policy, PolicyError
 __all__ = ["ExactMILP", "InstanceTooLarge", "milp_size"]
 
 _SCALE = 1e-6  # rates in Mbit/s inside the solver
+#: Capacity rows are normalised by their capacity C. Loads are integers (bit/s), so
+#: "load <= C" equals "load <= C + 0.5". The first solve uses exactly that; if HiGHS used
+#: its feasibility tolerance (1e-6 for MIPs) to accept a load the exact integer cost model
+#: finds over capacity, the rows are tightened by these margins and the model re-solved.
+_RETRY_MARGINS = (0.0, 2e-6, 2e-5)
+
+
+def _rhs(capacity_bps: int, margin: float) -> float:
+    return 1.0 + 0.5 / capacity_bps - margin
 
 
 class InstanceTooLarge(PolicyError):
@@ -120,9 +129,11 @@ class ExactMILP(Policy):
 
         for m in range(M):
             add([(X0 + m, 1.0)] + [(y(m, t), 1.0) for t in range(1, K + 1)], 1.0, 1.0)
-        add([(X0 + m, f[m] * d[m]) for m in range(M)]
-            + [(y(m, t), f[m]) for m in range(M) for t in range(1, K + 1)],
-            -np.inf, inst.controller_bw_bps * _SCALE)
+        cb = inst.controller_bw_bps * _SCALE
+        cap_rows = [(r, inst.controller_bw_bps)]  # (row, capacity) of bandwidth rows
+        add([(X0 + m, f[m] * d[m] / cb) for m in range(M)]
+            + [(y(m, t), f[m] / cb) for m in range(M) for t in range(1, K + 1)],
+            -np.inf, 1.0)
         add([(X0 + m, d[m]) for m in range(M)]
             + [(y(m, t), 1.0) for m in range(M) for t in range(1, K + 1)],
             -np.inf, float(inst.controller_cpu))
@@ -141,27 +152,41 @@ class ExactMILP(Policy):
             add([(y(m, t), 1.0), (z(n, t), 1.0), (col, -1.0)], -np.inf, 1.0)
             node_terms[n].append((col, f[m]))
         for n in range(N):
-            add(node_terms[n], -np.inf, float(inst.node_capacity_bps[n]) * _SCALE)
+            sn = float(inst.node_capacity_bps[n]) * _SCALE
+            cap_rows.append((r, int(inst.node_capacity_bps[n])))
+            add([(col, v / sn) for col, v in node_terms[n]], -np.inf, 1.0)
         A = coo_matrix((vals, (rows, cols)), shape=(r, nvar)).tocsr()
-        res = milp(c, constraints=LinearConstraint(A, lo, hi), integrality=integrality,
-                   bounds=Bounds(lb, ub),
-                   options={"time_limit": self.time_limit_s, "mip_rel_gap": self.mip_rel_gap,
-                            "disp": False})
-        elapsed = time.perf_counter() - t0
-        status = {0: "optimal", 1: "time_limit", 2: "infeasible", 3: "unbounded"}.get(
-            res.status, f"status_{res.status}")
-        self._info = {"status": status, "time_s": elapsed, **size,
-                      "mip_gap": getattr(res, "mip_gap", None)}
-        if res.x is None:
-            raise PolicyError(f"exact MILP for {inst.name or 'instance'}: {status} "
-                              f"({res.message}) after {elapsed:.2f}s")
-        xv = np.rint(res.x)
-        channel = np.zeros(M, dtype=np.int64)
-        for m in range(M):
-            ys = xv[Y0 + m * K:Y0 + (m + 1) * K]
-            if K and ys.max() > 0.5:
-                channel[m] = int(np.argmax(ys)) + 1
-        snap = evaluate(inst, channel)
+        hi_arr = np.array(hi, dtype=np.float64)
+        for margin in _RETRY_MARGINS:
+            for row, cap in cap_rows:
+                hi_arr[row] = _rhs(cap, margin)
+            res = milp(c, constraints=LinearConstraint(A, lo, hi_arr), integrality=integrality,
+                       bounds=Bounds(lb, ub),
+                       options={"time_limit": self.time_limit_s,
+                                "mip_rel_gap": self.mip_rel_gap, "disp": False})
+            elapsed = time.perf_counter() - t0
+            status = {0: "optimal", 1: "time_limit", 2: "infeasible", 3: "unbounded"}.get(
+                res.status, f"status_{res.status}")
+            self._info = {"status": status, "time_s": elapsed, **size,
+                          "mip_gap": getattr(res, "mip_gap", None), "margin": margin}
+            if res.x is None:
+                raise PolicyError(f"exact MILP for {inst.name or 'instance'}: {status} "
+                                  f"({res.message}) after {elapsed:.2f}s")
+            xv = np.rint(res.x)
+            channel = np.zeros(M, dtype=np.int64)
+            for m in range(M):
+                ys = xv[Y0 + m * K:Y0 + (m + 1) * K]
+                if K and ys.max() > 0.5:
+                    channel[m] = int(np.argmax(ys)) + 1
+            snap = evaluate(inst, channel)
+            if metrics_from(inst, channel, snap.node_traffic, snap.controller_bw,
+                            snap.controller_cpu, snap.total_traffic, snap.necessary,
+                            snap.sent_messages).feasible:
+                break
+        else:
+            self._info["status"] = "numerically_infeasible"
+            raise PolicyError(f"exact MILP for {inst.name or 'instance'}: every solution the "
+                              "solver returned violates a capacity in exact arithmetic")
         self._info["objective_bps"] = snap.total_traffic
         self._info["solver_objective_bps"] = (res.fun / _SCALE
                                               + float(np.dot(inst.rate_bps, inst.fanout)))
