@@ -26,8 +26,7 @@ def run_main(cfg: DictConfig) -> dict[str, Any]:
     out = output_dir(cfg)
     ps = build_problems(spec, cache_dir=cfg.paths.data_dir, batch_key=cfg.env.batch_key)
     split = str(cfg.eval_split)
-    instances = ([ps.instance(w) for w in range(ps.parsed.num_windows)] if split == "all"
-                 else ps.instances(split))
+    instances = ps.instances(split)
     policies = make_policies(list(cfg.baseline.policies), ps, to_dict(cfg.baseline.params))
     run_name = cfg.get("run_name") or f"{spec.name}__baselines__{cfg.seed}"
     tags = {"scenario": spec.name, "task": "baselines", "split": split, "seed": str(cfg.seed),

@@ -36,9 +36,7 @@ def run_sweep(cfg: DictConfig) -> dict[str, Any]:
         for i, share in enumerate(shares):
             spec = base.replace(multicast_share=share)
             ps = build_problems(spec, cache_dir=cfg.paths.data_dir, batch_key=cfg.env.batch_key)
-            split = str(cfg.sweep.split)
-            windows = (list(range(ps.parsed.num_windows)) if split == "all"
-                       else ps.windows[split])
+            windows = ps.split_windows(str(cfg.sweep.split))
             if cfg.sweep.get("max_windows"):
                 windows = windows[:int(cfg.sweep.max_windows)]
             instances = [ps.instance(w) for w in windows]

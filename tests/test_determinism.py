@@ -44,3 +44,12 @@ def test_cached_dataset_equals_generated(tmp_path):
     again = build_problems(spec, cache_dir=tmp_path)  # reads the Parquet back
     assert (tmp_path / f"tiny-{spec.trace_key()}" / "messages.parquet").is_file()
     np.testing.assert_array_equal(first.parsed.counter_bytes, again.parsed.counter_bytes)
+
+
+def test_windows_without_messages_are_not_split():
+    from envs.dsmd.problems import split_windows
+
+    assert split_windows([0, 1, 2, 3, 4, 5, 6, 7, 8, 9], (0.6, 0.2, 0.2)) == {
+        "train": [0, 1, 2, 3, 4, 5], "validation": [6, 7], "test": [8, 9]}
+    assert split_windows([0, 2, 5], (0.6, 0.2, 0.2)) == {
+        "train": [0], "validation": [2], "test": [5]}

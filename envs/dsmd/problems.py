@@ -24,16 +24,21 @@ DATASETS_DIR = Path(os.environ.get("SMART_DATASETS",
                                    Path(__file__).resolve().parents[2] / "datasets" / "generated"))
 
 
-def split_windows(num_windows: int, fractions: tuple[float, float, float]) -> dict[str, list[int]]:
-    """Contiguous, time-ordered split; every split gets a window when there are >= 3."""
-    if num_windows <= 0:
-        raise DSMDError("the trace has no complete interval to split")
-    cuts = np.rint(np.cumsum(fractions) * num_windows).astype(int)
+def split_windows(windows: list[int], fractions: tuple[float, float, float]
+                  ) -> dict[str, list[int]]:
+    """Contiguous, time-ordered split of ``windows``; every split gets one when there are >= 3.
+
+    Only windows with at least one message are split (an interval in which nothing was sent
+    is not a DSMD instance, and would be an episode without a step)."""
+    n = len(windows)
+    if n <= 0:
+        raise DSMDError("the trace has no interval with messages to split")
+    cuts = np.rint(np.cumsum(fractions) * n).astype(int)
     a, b = int(cuts[0]), int(cuts[1])
-    if num_windows >= 3:
-        a = min(max(a, 1), num_windows - 2)
-        b = min(max(b, a + 1), num_windows - 1)
-    ws = list(range(num_windows))
+    if n >= 3:
+        a = min(max(a, 1), n - 2)
+        b = min(max(b, a + 1), n - 1)
+    ws = list(windows)
     return {"train": ws[:a], "validation": ws[a:b], "test": ws[b:]}
 
 
@@ -67,10 +72,17 @@ class ProblemSet:
             self._instances[w] = inst
         return inst
 
-    def instances(self, split: str) -> list[DSMDInstance]:
+    def split_windows(self, split: str) -> list[int]:
+        """Windows of ``split`` (``train``, ``validation``, ``test``, or ``all`` of them)."""
+        if split == "all":
+            return [w for s in SPLITS for w in self.windows[s]]
         if split not in self.windows:
-            raise DSMDError(f"unknown split '{split}'; expected one of {', '.join(SPLITS)}")
-        return [self.instance(w) for w in self.windows[split]]
+            raise DSMDError(f"unknown split '{split}'; expected one of "
+                            f"{', '.join(SPLITS)} or all")
+        return list(self.windows[split])
+
+    def instances(self, split: str) -> list[DSMDInstance]:
+        return [self.instance(w) for w in self.split_windows(split)]
 
     def signature(self) -> dict:
         """What a policy trained on this problem set depends on (observation layout)."""
@@ -84,7 +96,8 @@ def build_problems(spec: ScenarioSpec, cache_dir: str | Path | None = DATASETS_D
                    batch_key: BatchKey = "hosts") -> ProblemSet:
     ds = scenario_dataset(spec, cache_dir)
     parsed = parse_trace(ds.trace, ds.topology, spec.interval_s, batch_key)
-    return ProblemSet(spec, ds, parsed, split_windows(parsed.num_windows, spec.split))
+    busy = np.flatnonzero(parsed.messages.sum(axis=1) > 0).tolist()
+    return ProblemSet(spec, ds, parsed, split_windows(busy, spec.split))
 
 
 @lru_cache(maxsize=8)
