@@ -34,7 +34,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
-from envs.dsmd.cost import evaluate, metrics_from
+from envs.dsmd.cost import evaluate
 from envs.dsmd.instance import DSMDInstance
 
 from .policy import Policy, PolicyError
@@ -44,8 +44,10 @@ __all__ = ["ExactMILP", "InstanceTooLarge", "milp_size"]
 _SCALE = 1e-6  # rates in Mbit/s inside the solver
 #: Capacity rows are normalised by their capacity C. Loads are integers (bit/s), so
 #: "load <= C" equals "load <= C + 0.5". The first solve uses exactly that; if HiGHS used
-#: its feasibility tolerance (1e-6 for MIPs) to accept a load the exact integer cost model
-#: finds over capacity, the rows are tightened by these margins and the model re-solved.
+#: its feasibility tolerance (1e-6 for MIPs) to accept a load that the exact integer cost
+#: model finds over capacity, only the violated rows are tightened by these relative
+#: margins and the model is re-solved within the same time limit. If the tightened model is
+#: infeasible the status is ``unproven``, never ``infeasible``.
 _RETRY_MARGINS = (0.0, 2e-6, 2e-5)
 
 
@@ -161,18 +163,25 @@ class ExactMILP(Policy):
             add([(col, v / sn) for col, v in node_terms[n]], -np.inf, 1.0)
         A = coo_matrix((vals, (rows, cols)), shape=(r, nvar)).tocsr()
         hi_arr = np.array(hi, dtype=np.float64)
-        for margin in _RETRY_MARGINS:
+        margin = {row: 0.0 for row, _ in cap_rows}
+        node_row = {row: n for n, (row, _) in enumerate(cap_rows[1:])}
+        deadline = t0 + self.time_limit_s
+        for attempt in range(len(_RETRY_MARGINS)):
             for row, cap in cap_rows:
-                hi_arr[row] = _rhs(cap, margin)
+                hi_arr[row] = _rhs(cap, margin[row])
             res = milp(c, constraints=LinearConstraint(A, lo, hi_arr), integrality=integrality,
                        bounds=Bounds(lb, ub),
-                       options={"time_limit": self.time_limit_s,
+                       options={"time_limit": max(deadline - time.perf_counter(), 1.0),
                                 "mip_rel_gap": self.mip_rel_gap, "disp": False})
             elapsed = time.perf_counter() - t0
             status = {0: "optimal", 1: "time_limit", 2: "infeasible", 3: "unbounded"}.get(
                 res.status, f"status_{res.status}")
+            if attempt and status == "infeasible":
+                # only the tightening made it infeasible: a solution may exist within the
+                # solver's tolerance of a capacity, which HiGHS cannot certify
+                status = "unproven"
             self._info = {"status": status, "time_s": elapsed, **size,
-                          "mip_gap": getattr(res, "mip_gap", None), "margin": margin}
+                          "mip_gap": getattr(res, "mip_gap", None), "attempts": attempt + 1}
             if res.x is None:
                 raise PolicyError(f"exact MILP for {inst.name or 'instance'}: {status} "
                                   f"({res.message}) after {elapsed:.2f}s")
@@ -183,12 +192,16 @@ class ExactMILP(Policy):
                 if K and ys.max() > 0.5:
                     channel[m] = int(np.argmax(ys)) + 1
             snap = evaluate(inst, channel)
-            if metrics_from(inst, channel, snap.node_traffic, snap.controller_bw,
-                            snap.controller_cpu, snap.total_traffic, snap.necessary,
-                            snap.sent_messages).feasible:
+            over = [row for row, cap in cap_rows
+                    if (snap.controller_bw if row not in node_row
+                        else int(snap.node_traffic[node_row[row]])) > cap]
+            if not over:
                 break
+            # HiGHS accepted a load over capacity within its tolerance: tighten those rows only
+            for row in over:
+                margin[row] = _RETRY_MARGINS[min(attempt + 1, len(_RETRY_MARGINS) - 1)]
         else:
-            self._info["status"] = "numerically_infeasible"
+            self._info["status"] = "unproven"
             raise PolicyError(f"exact MILP for {inst.name or 'instance'}: every solution the "
                               "solver returned violates a capacity in exact arithmetic")
         self._info["objective_bps"] = snap.total_traffic

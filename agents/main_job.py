@@ -8,6 +8,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from envs.dsmd.errors import DSMDError
 from envs.dsmd.problems import build_problems
 from envs.seeding import seed_everything
 
@@ -27,6 +28,10 @@ def run_main(cfg: DictConfig) -> dict[str, Any]:
     ps = build_problems(spec, cache_dir=cfg.paths.data_dir, batch_key=cfg.env.batch_key)
     split = str(cfg.eval_split)
     instances = ps.instances(split)
+    if not instances:
+        raise DSMDError(f"split '{split}' of scenario '{spec.name}' has no windows "
+                        f"({ps.parsed.num_windows} in the trace); lengthen duration_s or use "
+                        "eval_split=all")
     policies = make_policies(list(cfg.baseline.policies), ps, to_dict(cfg.baseline.params))
     run_name = cfg.get("run_name") or f"{spec.name}__baselines__{cfg.seed}"
     tags = {"scenario": spec.name, "task": "baselines", "split": split, "seed": str(cfg.seed),

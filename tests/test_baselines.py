@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from agents.baselines import IDCS, VITA, AlcorAuto, RPCOnly, vpc_topic
 from agents.exact import ExactMILP, InstanceTooLarge, milp_size
@@ -123,6 +124,50 @@ def test_greedy_feasible_where_idcs_is(tiny_problems):
         i = CostState(inst, IDCS().assign(inst)).metrics()
         if i.feasible:
             assert g.feasible and g.total_node_traffic_bps <= i.total_node_traffic_bps
+
+
+def test_greedy_regression_free_topics_are_revisited():
+    """Review finding: the free-move phase used to leave this infeasible (4 sends > 3)."""
+    inst = DSMDInstance.from_sets([[0, 1], [1, 2], [1, 3]], [9, 3, 6], [15, 18, 3, 16], 2,
+                                  controller_bw_bps=19, controller_cpu=3, vpc=np.array([3, 2, 1]))
+    assert CostState(inst, IDCS().assign(inst)).metrics().feasible
+    g = CostState(inst, GreedyLocalSearch().assign(inst)).metrics()
+    assert g.feasible and g.total_node_traffic_bps <= 51
+
+
+@settings(max_examples=150)
+@given(st.data())
+def test_greedy_never_worse_than_idcs_when_idcs_is_feasible(data):
+    """Capacities set at IDCS's loads (x 1-1.3): IDCS feasible, greedy must be too."""
+    n = data.draw(st.integers(2, 10))
+    m = data.draw(st.integers(1, 20))
+    k = data.draw(st.integers(1, 4))
+    dests = [data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=n, unique=True))
+             for _ in range(m)]
+    rates = [data.draw(st.integers(1, 100)) * 1000 for _ in range(m)]
+    vpc = np.array([data.draw(st.integers(1, 5)) for _ in range(m)])
+    loose = DSMDInstance.from_sets(dests, rates, 10**12, k, 10**12, 10**6, num_nodes=n, vpc=vpc)
+    idcs = IDCS().assign(loose)
+    si, sr = CostState(loose, idcs), CostState(loose, np.zeros(m, np.int64))
+    slack = data.draw(st.floats(1.0, 1.3))
+    cap = (np.maximum(si.node_traffic, sr.node_traffic) * slack).astype(np.int64) + 1
+    inst = DSMDInstance.from_sets(dests, rates, cap, k, int(si.controller_bw * slack),
+                                  si.controller_cpu + data.draw(st.integers(0, 2)),
+                                  num_nodes=n, vpc=vpc)
+    i = CostState(inst, idcs).metrics()
+    g = CostState(inst, GreedyLocalSearch().assign(inst)).metrics()
+    assert i.feasible and g.feasible
+    assert g.total_node_traffic_bps <= i.total_node_traffic_bps
+
+
+def test_exact_regression_load_exactly_at_capacity():
+    """Review finding: a retry used to tighten every row and call this feasible case infeasible."""
+    inst = DSMDInstance.from_sets([[0, 1]], [300_000_000], 300_000_000, 1,
+                                  controller_bw_bps=599_999_999, controller_cpu=2)
+    ex = ExactMILP()
+    ch = ex.assign(inst)
+    assert list(ch) == [1] and ex.info()["status"] == "optimal"
+    assert CostState(inst, ch).metrics().feasible
 
 
 def test_registry(tiny_problems):

@@ -201,3 +201,30 @@ def test_dataset_without_files(tmp_path):
     with pytest.raises(TraceError, match="not found"):
         read_dataset(tmp_path / "nothing")
     assert isinstance(Dataset, type)
+
+
+def test_edge_cases_found_in_review(tmp_path, good):
+    trace, topo = good
+    rows = [trace.hosts_of(i).tolist() for i in range(len(trace))]
+    rows[3] = [rows[3][0], None]
+    t = _replace(_table(trace), "hosts", pa.array(rows, type=pa.list_(pa.uint32())))
+    with pytest.raises(TraceError) as e:
+        read_trace(_write(tmp_path, t), topo)
+    assert (e.value.row, e.value.field) == (3, "hosts") and "null node id" in str(e.value)
+    big = pa.array([2**63 + 5] + trace.size_bytes[1:].tolist(), pa.uint64())
+    with pytest.raises(TraceError) as e:
+        read_trace(_write(tmp_path, _replace(_table(trace), "size_bytes", big)), topo)
+    assert (e.value.row, e.value.field) == (0, "size_bytes")
+    secs = pa.array([10**12] * len(trace), pa.timestamp("s", tz="UTC"))
+    with pytest.raises(TraceError, match="nanoseconds"):
+        read_trace(_write(tmp_path, _replace(_table(trace), "timestamp", secs)), topo)
+
+
+def test_garbage_side_files(tmp_path, tiny_dataset):
+    d = write_dataset(tmp_path / "ds", tiny_dataset)
+    (d / "scenario.json").write_text("{not json")
+    with pytest.raises(TraceError, match="not valid JSON"):
+        read_dataset(d)
+    (d / "nodes.parquet").write_text("garbage")
+    with pytest.raises(TopologyError, match="not a readable Parquet"):
+        read_dataset(d)

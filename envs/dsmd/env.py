@@ -112,11 +112,20 @@ class DSMDEnv(gym.Env):
             raise DSMDError(f"unknown split '{split}'; expected one of "
                             f"{', '.join(self.problems.windows)}")
         self.windows = list(windows) if windows is not None else self.problems.windows[split]
+        empty = [w for w in self.windows if self.problems.instance(w).num_types == 0]
+        if empty:
+            raise DSMDError(f"windows {empty} have no messages (an episode needs >= 1 type)")
         if not self.windows:
             raise DSMDError(f"split '{split}' of scenario '{self.problems.spec.name}' has no "
                             "windows; lengthen the trace or change the split")
-        self.reward_cfg = reward if isinstance(reward, RewardConfig) else RewardConfig(
-            **(reward or {}))
+        if isinstance(reward, RewardConfig):
+            self.reward_cfg = reward
+        else:
+            unknown = sorted(set(reward or {}) - set(RewardConfig.__dataclass_fields__))
+            if unknown:
+                raise DSMDError(f"unknown reward keys {unknown}; expected some of "
+                                f"{sorted(RewardConfig.__dataclass_fields__)}")
+            self.reward_cfg = RewardConfig(**(reward or {}))
         if action not in ("box", "discrete"):
             raise DSMDError(f"action must be 'box' or 'discrete', got {action!r}")
         if initial not in ("empty", "rpc"):
@@ -141,6 +150,9 @@ class DSMDEnv(gym.Env):
         w = options.get("window")
         if w is None:
             w = self.windows[int(self.np_random.integers(len(self.windows)))]
+        elif int(w) not in self.windows:
+            raise DSMDError(f"window {w} is not one of this environment's windows "
+                            f"({self.windows[:8]}{'...' if len(self.windows) > 8 else ''})")
         self.window = int(w)
         self.inst = self.problems.instance(self.window)
         self.state = CostState(self.inst)
@@ -178,13 +190,13 @@ class DSMDEnv(gym.Env):
         else:
             reward = terms["value"] if done else 0.0
         self._value = terms["value"]
+        info = self.state.metrics().as_dict()  # the assignment the reward describes
+        for k, v in terms.items():
+            info[_REWARD_KEYS[k]] = v
         m_next = None if done else int(self.order[self._step])
         if m_next is not None and self.initial == "rpc":
             self._unassign_for_decision(m_next)
         obs = self.obs_builder.observe(self.state, m_next, self._step / self.order.size)
-        info = self.state.metrics().as_dict()
-        for k, v in terms.items():
-            info[_REWARD_KEYS[k]] = v
         info.update(window=self.window, type=m, channel=c,
                     catalog_type=int(self.inst.catalog_index[m]))
         return obs, float(reward), done, False, info

@@ -111,6 +111,13 @@ class DSMDInstance:
         if self.dest_idx.size and (self.dest_idx.min() < 0
                                    or self.dest_idx.max() >= self.num_nodes):
             raise InstanceError("destination node index out of range")
+        if self.dest_idx.size:
+            row = np.repeat(np.arange(m), np.diff(self.dest_ptr))
+            order = np.lexsort((self.dest_idx, row))
+            dup = (np.diff(self.dest_idx[order]) == 0) & (np.diff(row[order]) == 0)
+            if dup.any():
+                bad = int(row[order][1:][dup][0])
+                raise InstanceError(f"type {bad} lists a destination node twice")
         if np.any(self.rate_bps < 0):
             raise InstanceError("rates f(m) must be non-negative")
         for k in ("messages", "vpc", "config", "catalog_index"):

@@ -163,6 +163,7 @@ class ObservationBuilder:
             load = buf[sl["load"]]
             np.log10(1.0 + state.topic_rate, out=load, casting="same_kind")
             load *= 1.0 / _LOG_RATE_SCALE
+            np.minimum(load, 1.0, out=load)
         else:
             buf[sl["controller"]] = (cb, cp)
             nodes = buf[sl["nodes"]]

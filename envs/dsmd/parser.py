@@ -189,12 +189,13 @@ class ParsedTrace:
 
 
 def parse_trace(trace: Trace, topology: Topology, interval_s: float,
-                batch_key: BatchKey = "hosts", catalog: TypeCatalog | None = None
-                ) -> ParsedTrace:
+                batch_key: BatchKey = "hosts", catalog: TypeCatalog | None = None,
+                start_ns: int | None = None, end_ns: int | None = None) -> ParsedTrace:
     """Parse a whole trace: the same type lookup as :class:`MessageParser`, counted per window.
 
-    Pass an existing ``catalog`` to keep type indices consistent with an earlier parse
-    (e.g. a test split parsed against the training catalogue).
+    Windows start at ``start_ns`` (the trace's start; default: its first message) and cover
+    up to ``end_ns`` (default: the last message). Pass an existing ``catalog`` to keep type
+    indices consistent with an earlier parse.
     """
     if interval_s <= 0:
         raise DSMDError(f"interval_s must be positive, got {interval_s}")
@@ -212,10 +213,14 @@ def parse_trace(trace: Trace, topology: Topology, interval_s: float,
     if n == 0:
         return ParsedTrace(cat, float(interval_s), 0, types, types.copy(),
                            np.zeros((0, len(cat)), np.int64), np.zeros((0, len(cat)), np.int64))
-    t0 = int(trace.timestamp_ns[0])
+    t0 = int(trace.timestamp_ns[0]) if start_ns is None else int(start_ns)
+    if trace.timestamp_ns[0] < t0:
+        raise TraceError(None, "timestamp", "message before the trace's start time", 0)
     step = int(round(interval_s * 1e9))
     win = (trace.timestamp_ns - t0) // step
     n_win = int(win[-1]) + 1
+    if end_ns is not None:
+        n_win = max(n_win, -(-(int(end_ns) - t0) // step))
     m = len(cat)
     flat = win * m + types
     counter = np.bincount(flat, weights=trace.size_bytes.astype(np.float64),

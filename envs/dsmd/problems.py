@@ -95,7 +95,10 @@ class ProblemSet:
 def build_problems(spec: ScenarioSpec, cache_dir: str | Path | None = DATASETS_DIR,
                    batch_key: BatchKey = "hosts") -> ProblemSet:
     ds = scenario_dataset(spec, cache_dir)
-    parsed = parse_trace(ds.trace, ds.topology, spec.interval_s, batch_key)
+    start = ds.meta.get("start_ns")
+    end = None if start is None else int(start) + int(round(float(ds.meta["duration_s"]) * 1e9))
+    parsed = parse_trace(ds.trace, ds.topology, spec.interval_s, batch_key, start_ns=start,
+                         end_ns=end)
     busy = np.flatnonzero(parsed.messages.sum(axis=1) > 0).tolist()
     return ProblemSet(spec, ds, parsed, split_windows(busy, spec.split))
 

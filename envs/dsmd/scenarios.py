@@ -46,6 +46,9 @@ __all__ = ["ScenarioSpec", "generate", "load_scenario", "scenario_dataset", "par
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "scenario"
 TRACE_EPOCH_NS = 1_767_225_600 * 10**9  # 2026-01-01T00:00:00Z
 
+#: Bumped when the generator's output or metadata changes, so stale caches are not reused.
+_DATASET_FORMAT = 2
+
 #: Keys of a scenario that change the generated trace (the cache key hashes only these).
 _TRACE_KEYS = ("num_nodes", "num_vms", "num_vpcs", "node_bandwidth_bps", "rate_per_vpc_bps",
                "peak_rate_bps", "phases", "duration_s", "mean_size_bytes", "top_share",
@@ -110,15 +113,22 @@ class ScenarioSpec:
     def from_dict(cls, d: dict[str, Any]) -> "ScenarioSpec":
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
-        if unknown:
-            raise DSMDError(f"scenario '{d.get('name', '?')}': unknown keys {unknown}")
-        d = dict(d)
+        d = {k: v for k, v in d.items() if k in known}
         if "phases" in d and d["phases"] is not None:
             d["phases"] = tuple((float(a), float(b)) for a, b in d["phases"])
         if "split" in d:
             d["split"] = tuple(float(x) for x in d["split"])
         d["extra"] = dict(d.get("extra") or {})
-        return cls(**d)
+        problems = [f"unknown keys {unknown}"] if unknown else []
+        try:
+            spec = cls(**d)
+        except DSMDError as e:
+            problems.append(str(e).split(": ", 1)[-1])
+        except TypeError as e:  # a required key is missing
+            problems.append(str(e))
+        if problems:
+            raise DSMDError(f"scenario '{d.get('name', '?')}': " + "; ".join(problems))
+        return spec
 
     def replace(self, **changes: Any) -> "ScenarioSpec":
         d = asdict(self)
@@ -134,7 +144,8 @@ class ScenarioSpec:
     def trace_key(self) -> str:
         """Content hash of the parameters that shape the trace (the cache key)."""
         d = self.to_dict()
-        blob = json.dumps({k: d[k] for k in _TRACE_KEYS}, sort_keys=True).encode()
+        blob = json.dumps({"format": _DATASET_FORMAT, **{k: d[k] for k in _TRACE_KEYS}},
+                          sort_keys=True).encode()
         return hashlib.blake2b(blob, digest_size=6).hexdigest()
 
     def total_rate_bps(self) -> float:
@@ -341,7 +352,8 @@ def generate(spec: ScenarioSpec) -> Dataset:
         hosts=topo.node_ids[hosts],
     )
     meta = {"name": spec.name, "generator": "envs.dsmd.scenarios.generate",
-            "trace_key": spec.trace_key(), "spec": spec.to_dict()}
+            "trace_key": spec.trace_key(), "spec": spec.to_dict(),
+            "start_ns": TRACE_EPOCH_NS, "duration_s": spec.duration_s}
     return Dataset(topo, trace, meta)
 
 

@@ -129,7 +129,10 @@ class Topology:
 def _read_checked(path: Path, schema: pa.Schema) -> dict[str, np.ndarray]:
     if not path.is_file():
         raise TopologyError(f"{path}: file not found")
-    table = pq.read_table(path)
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise TopologyError(f"{path}: not a readable Parquet file ({e})") from None
     out = {}
     for f in schema:
         if f.name not in table.column_names:

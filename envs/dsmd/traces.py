@@ -173,8 +173,11 @@ class Trace:
         ts = cols["timestamp"]
         if not pa.types.is_timestamp(ts.type):
             raise TraceError(path, "timestamp", f"expected an Arrow timestamp, got {ts.type}")
-        out["timestamp_ns"] = ts.cast(pa.timestamp("ns", tz=ts.type.tz)).cast(
-            pa.int64()).to_numpy()
+        try:
+            out["timestamp_ns"] = ts.cast(pa.timestamp("ns", tz=ts.type.tz)).cast(
+                pa.int64()).to_numpy()
+        except (pa.ArrowInvalid, OverflowError) as e:
+            raise TraceError(path, "timestamp", f"not representable in nanoseconds ({e})") from None
         for name, names in (("configuration_type", CONFIG_NAMES),
                             ("operation_type", OPERATION_NAMES)):
             col = cols[name]
@@ -197,9 +200,13 @@ class Trace:
             raise TraceError(path, "hosts",
                              f"expected integer node ids, got {hosts.type.value_type}")
         offsets = hosts.offsets.to_numpy().astype(np.int64)
-        values = hosts.values.to_numpy(zero_copy_only=False)
-        values = values[offsets[0]:offsets[-1]]
+        inner = hosts.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
         offsets = offsets - offsets[0]
+        if inner.null_count:
+            pos = int(np.flatnonzero(inner.is_null().to_numpy(zero_copy_only=False))[0])
+            row = int(np.searchsorted(offsets, pos, side="right") - 1)
+            raise TraceError(path, "hosts", "null node id in the destination list", row)
+        values = inner.to_numpy(zero_copy_only=False)
         if values.size and (values.min() < 0 or values.max() > _UINT32_MAX):
             bad = np.flatnonzero((values < 0) | (values > _UINT32_MAX))
             row = int(np.searchsorted(offsets, bad[0], side="right") - 1)
@@ -213,6 +220,9 @@ def _int_column(col: pa.Array, name: str, dtype, hi: int | None, path) -> np.nda
     if not pa.types.is_integer(col.type):
         raise TraceError(path, name, f"expected an integer, got {col.type}")
     arr = col.to_numpy()
+    if arr.dtype == np.uint64 and dtype != np.uint64 and arr.size and arr.max() > 2**63 - 1:
+        r = int(np.argmax(arr))
+        raise TraceError(path, name, f"value {int(arr[r])} does not fit in int64", r)
     if arr.size and arr.min() < 0:
         r = int(np.argmin(arr))
         if name == "size_bytes":
@@ -288,5 +298,8 @@ def read_dataset(directory: str | Path) -> Dataset:
     topology = Topology.read(d)
     trace = read_trace(d / "messages.parquet", topology)
     meta_path = d / "scenario.json"
-    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    try:
+        meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    except json.JSONDecodeError as e:
+        raise TraceError(meta_path, None, f"not valid JSON ({e})") from None
     return Dataset(topology, trace, meta)
