@@ -120,3 +120,13 @@ def test_parser_errors(tiny_dataset):
     with pytest.raises(TraceError) as e:
         parse_trace(Trace(**{**bad.__dict__, "hosts": hosts}), topo, 1.0)
     assert e.value.row == 4
+
+
+def test_batch_by_hosts_vpc_and_config_separates_configurations(tiny_dataset):
+    trace, topo = tiny_dataset.trace, tiny_dataset.topology
+    c = parse_trace(trace, topo, 10.0, "hosts+vpc+config")
+    for t in range(len(c.catalog)):
+        rows = c.message_type == t
+        assert len(set(trace.vpc_id[rows].tolist())) == 1
+        assert len(set(trace.configuration_type[rows].tolist())) == 1
+        assert c.catalog.config[t] == trace.configuration_type[rows][0]

@@ -30,18 +30,23 @@ from .errors import DSMDError, TraceError
 from .topology import Topology
 from .traces import Trace
 
-__all__ = ["BatchKey", "destination_key", "TypeCatalog", "MessageParser", "IntervalEstimate",
+__all__ = ["BatchKey", "BATCH_KEYS", "destination_key", "TypeCatalog", "MessageParser", "IntervalEstimate",
            "ParsedTrace", "parse_trace"]
 
-BatchKey = Literal["hosts", "hosts+vpc"]
+BatchKey = Literal["hosts", "hosts+vpc", "hosts+vpc+config"]
+BATCH_KEYS: tuple[str, ...] = ("hosts", "hosts+vpc", "hosts+vpc+config")
 
 
-def destination_key(node_ids: np.ndarray, vpc_id: int | None = None) -> int:
-    """64-bit stable hash of a destination set (Algorithm 1, line 7)."""
+def destination_key(node_ids: np.ndarray, vpc_id: int | None = None,
+                    config: int | None = None) -> int:
+    """64-bit stable hash of a destination set (Algorithm 1, line 7), optionally refined by
+    the VPC id and the configuration-type code."""
     ids = np.unique(np.asarray(node_ids, dtype=np.uint32)).astype("<u4")
     h = hashlib.blake2b(ids.tobytes(), digest_size=8)
     if vpc_id is not None:
         h.update(b"|vpc|" + int(vpc_id).to_bytes(4, "little"))
+    if config is not None:
+        h.update(b"|cfg|" + int(config).to_bytes(2, "little"))
     return int.from_bytes(h.digest(), "little")
 
 
@@ -49,8 +54,12 @@ def destination_key(node_ids: np.ndarray, vpc_id: int | None = None) -> int:
 class TypeCatalog:
     """Message types seen so far: key, destination node indices, and first-seen attributes.
 
-    ``vpc`` and ``config`` are the VPC id and configuration-type code of the first message
-    of each type (used by the VPC-based baselines VITA and Alcor AUTO).
+    ``batch_key`` says what makes a type: ``"hosts"`` is the paper's destination hash;
+    ``"hosts+vpc"`` also separates VPCs; ``"hosts+vpc+config"`` also separates
+    configuration types. ``vpc`` and ``config`` are the VPC id and configuration-type code
+    of the first message of each type, which the VPC-based baselines (VITA, IDCS's topic,
+    Alcor AUTO) use: with ``"hosts"`` a type can mix VPCs and configurations, so those rules
+    hold per type; with ``"hosts+vpc+config"`` they hold for every message.
     """
 
     topology: Topology
@@ -63,8 +72,8 @@ class TypeCatalog:
     _by_bytes: dict[bytes, int] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        if self.batch_key not in ("hosts", "hosts+vpc"):
-            raise DSMDError(f"batch_key must be 'hosts' or 'hosts+vpc', got {self.batch_key!r}")
+        if self.batch_key not in BATCH_KEYS:
+            raise DSMDError(f"batch_key must be one of {BATCH_KEYS}, got {self.batch_key!r}")
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -72,12 +81,14 @@ class TypeCatalog:
     def type_of(self, node_ids: np.ndarray, vpc_id: int = 0, config: int = 0) -> int:
         """The dense type index of a message with destinations ``node_ids`` (adds new types)."""
         ids = np.asarray(node_ids, dtype=np.uint32)
-        raw = ids.tobytes() + (int(vpc_id).to_bytes(4, "little")
-                               if self.batch_key == "hosts+vpc" else b"")
+        by_vpc = self.batch_key != "hosts"
+        by_cfg = self.batch_key == "hosts+vpc+config"
+        raw = (ids.tobytes() + (int(vpc_id).to_bytes(4, "little") if by_vpc else b"")
+               + (int(config).to_bytes(2, "little") if by_cfg else b""))
         hit = self._by_bytes.get(raw)
         if hit is not None:
             return hit
-        key = destination_key(ids, vpc_id if self.batch_key == "hosts+vpc" else None)
+        key = destination_key(ids, vpc_id if by_vpc else None, config if by_cfg else None)
         i = self._index.get(key)
         if i is None:
             idx = self.topology.node_index(np.unique(ids))
