@@ -132,3 +132,16 @@ def _json_default(o: Any) -> Any:
 
 def log(msg: str) -> None:
     print(msg, flush=True)
+
+
+def finish(name: str, payload: dict[str, Any], table: str, notes: Sequence[str],
+           total_s: float) -> Path:
+    """Write the result JSON, then print the table, the notes and the total time."""
+    path = write_result(name, payload, table, notes)
+    log("")
+    log(table)
+    log("")
+    for n in notes:
+        log(f"* {n}")
+    log(f"total {total_s:.0f} s; wrote {path}")
+    return path

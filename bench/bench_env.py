@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import fmt_stats, log, md_table, pin_one_core, stats, write_result  # noqa: E402
+from _common import finish, fmt_stats, log, md_table, pin_one_core, stats  # noqa: E402
 
 CORE = pin_one_core()
 
@@ -151,16 +151,10 @@ def main() -> None:
     notes.append(f"lowest process CPU time / wall of any run: {worst:.2f}"
                  + ("" if not shared else " -- core shared with other processes in: "
                     + ", ".join(shared)))
-    path = write_result("bench_env", {
+    finish("bench_env", {
         "settings": {"repeats": repeats, "budget_s": budget, "action_block": ACTION_BLOCK,
                      "seed": SEED, "pinned_core": CORE, "quick": args.quick},
-        "prepare_s": prepare, "rows": rows, "total_s": total}, table, notes)
-    log("")
-    log(table)
-    log("")
-    for n in notes:
-        log(f"* {n}")
-    log(f"total {total:.0f} s; wrote {path}")
+        "prepare_s": prepare, "rows": rows, "total_s": total}, table, notes, total)
 
 
 if __name__ == "__main__":

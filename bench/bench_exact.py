@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import fmt_stats, log, md_table, stats, write_result  # noqa: E402
+from _common import finish, fmt_stats, log, md_table, stats  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -228,18 +228,11 @@ def main() -> None:
         if r.get("note"):
             notes.append(f"{r['instance']}: {r['note']}")
     total = time.perf_counter() - t_start
-    path = write_result("bench_exact", {
+    finish("bench_exact", {
         "settings": {"time_limit_s": TIME_LIMIT_S, "repeats": REPEATS,
                      "repeat_budget_s": REPEAT_BUDGET_S, "total_budget_s": TOTAL_BUDGET_S,
                      "sizes": SIZES, "seed": SEED, "quick": args.quick},
-        "tiny": tiny, "synthetic": synth, "total_s": total}, table, notes)
-    log("")
-    log(table)
-    log("")
-    for note in notes:
-        log(f"* {note}")
-    log(f"total {total:.0f} s; wrote {path}")
-
+        "tiny": tiny, "synthetic": synth, "total_s": total}, table, notes, total)
 
 if __name__ == "__main__":
     main()

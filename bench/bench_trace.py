@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import fmt_stats, log, md_table, stats, write_result  # noqa: E402
+from _common import finish, fmt_stats, log, md_table, stats  # noqa: E402
 
 from envs.dsmd.instance import DSMDInstance  # noqa: E402
 from envs.dsmd.parser import parse_trace  # noqa: E402
@@ -107,20 +107,14 @@ def main() -> None:
              f"types per window, {disk / 2**20:.1f} MiB on disk")
     notes = [f"warm: median (min-max) of {repeats} runs after one cold run; wall time, "
              "not pinned", facts]
-    path = write_result("bench_trace", {
+    finish("bench_trace", {
         "settings": {"scenario": spec.name, "repeats": repeats, "quick": args.quick},
         "messages": n_msgs, "destination_entries": n_hosts,
         "catalog_types": parsed.num_types, "windows": parsed.num_windows,
         "types_per_window": types_per_window, "disk_bytes": disk,
         "stages": stages,
         "messages_per_s": {k: n_msgs / s["warm_s"]["median"] for k, s in stages.items()},
-        "total_s": total}, table, notes)
-    log("")
-    log(table)
-    log("")
-    for n in notes:
-        log(f"* {n}")
-    log(f"total {total:.0f} s; wrote {path}")
+        "total_s": total}, table, notes, total)
 
 
 if __name__ == "__main__":
