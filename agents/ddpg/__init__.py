@@ -1,7 +1,12 @@
 """DDPG (+TD3 flags) with prioritized experience replay on RLlib 2.60's new API stack.
 
-Built across the training issue; so far: :mod:`agents.ddpg.replay`, the fast prioritized
-replay buffer the design note (``rllib-ddpg.md`` section 8) calls for.
+* :mod:`agents.ddpg.replay` -- proportional prioritized replay on a numpy sum-tree;
+* :mod:`agents.ddpg.module` -- the RLModule (actor, critic(s), targets);
+* :mod:`agents.ddpg.learner` -- the torch Learner (TD3 flags, IS weights, TD errors);
+* :mod:`agents.ddpg.algorithm` -- ``DDPGConfig`` / ``DDPG`` with a training step that feeds
+  the fast replay straight to the learner group.
+
+The algorithm modules import Ray; this package's ``__init__`` does not.
 """
 
 from .replay import PrioritizedReplay, ReplayBatch, SumTree, linear_schedule

@@ -1,0 +1,124 @@
+"""The DDPG RLModule (torch): Lillicrap et al. actor and critic(s), TD3 twin critic and
+target policy smoothing as options. The paper's networks (SMART Section VII-A): two fully
+connected ReLU layers for actor and critic, tanh on the actor's output."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ray.rllib.algorithms.sac.sac_learner import QF_PREDS, QF_TARGET_NEXT, QF_TWIN_PREDS
+from ray.rllib.core.columns import Columns
+from ray.rllib.core.learner.utils import make_target_network
+from ray.rllib.core.rl_module.apis import InferenceOnlyAPI, QNetAPI, TargetNetworkAPI
+from ray.rllib.core.rl_module.torch import TorchRLModule
+
+__all__ = ["DDPGTorchRLModule", "mlp", "Q_PI"]
+
+Q_PI = "q_pi"
+
+
+def mlp(inp: int, hidden: list[int], out: int, out_act: nn.Module | None = None) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for h in hidden:
+        layers += [nn.Linear(inp, h), nn.ReLU()]
+        inp = h
+    layers.append(nn.Linear(inp, out))
+    if out_act is not None:
+        layers.append(out_act)
+    return nn.Sequential(*layers)
+
+
+class DDPGTorchRLModule(TorchRLModule, InferenceOnlyAPI, TargetNetworkAPI, QNetAPI):
+    """``pi`` (obs -> tanh action), ``qf`` (and ``qf_twin``) (obs, action -> Q)."""
+
+    def setup(self) -> None:
+        mc = self.model_config
+        obs_dim = int(self.observation_space.shape[0])
+        act_dim = int(self.action_space.shape[0])
+        hidden = list(mc.get("fcnet_hiddens", [256, 256]))
+        self.twin_q = bool(mc.get("twin_q", False))
+        self.noise_start = float(mc.get("exploration_noise", 0.1))
+        self.noise_end = float(mc.get("exploration_noise_final", self.noise_start))
+        self.noise_steps = int(mc.get("exploration_noise_steps", 0))
+        self.target_noise = float(mc.get("target_noise", 0.0))
+        self.target_noise_clip = float(mc.get("target_noise_clip", 0.5))
+        self.pi = mlp(obs_dim, hidden, act_dim, nn.Tanh())
+        if not self.inference_only:
+            self.qf = mlp(obs_dim + act_dim, hidden, 1)
+            if self.twin_q:
+                self.qf_twin = mlp(obs_dim + act_dim, hidden, 1)
+
+    # ------------------------------------------------------------------ forward passes
+    def _forward_inference(self, batch: dict[str, Any], **kw) -> dict[str, Any]:
+        with torch.no_grad():
+            return {Columns.ACTIONS: self.pi(batch[Columns.OBS])}
+
+    def _forward_exploration(self, batch: dict[str, Any], t: int = 0, **kw) -> dict[str, Any]:
+        with torch.no_grad():
+            a = self.pi(batch[Columns.OBS])
+            sigma = self.noise_sigma(t)
+            if sigma > 0:
+                a = (a + sigma * torch.randn_like(a)).clamp(-1.0, 1.0)
+            return {Columns.ACTIONS: a}
+
+    def noise_sigma(self, t: int) -> float:
+        """Gaussian exploration noise, linearly annealed over ``exploration_noise_steps``."""
+        if self.noise_steps <= 0:
+            return self.noise_start
+        frac = min(max(t, 0) / self.noise_steps, 1.0)
+        return self.noise_start + (self.noise_end - self.noise_start) * frac
+
+    def _q(self, net: nn.Module, obs: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
+        return net(torch.cat([obs, act], dim=-1)).squeeze(-1)
+
+    def _forward_train(self, batch: dict[str, Any], **kw) -> dict[str, Any]:
+        obs, act = batch[Columns.OBS], batch[Columns.ACTIONS]
+        out = {QF_PREDS: self._q(self.qf, obs, act)}
+        if self.twin_q:
+            out[QF_TWIN_PREDS] = self._q(self.qf_twin, obs, act)
+        # the actor's objective Q(s, pi(s)): gradients must reach pi only, never the critic
+        critic = [*self.qf.parameters(), *(self.qf_twin.parameters() if self.twin_q else [])]
+        flags = [p.requires_grad for p in critic]
+        for p in critic:
+            p.requires_grad_(False)
+        out[Q_PI] = self._q(self.qf, obs, self.pi(obs))
+        for p, f in zip(critic, flags):
+            p.requires_grad_(f)
+        with torch.no_grad():
+            out[QF_TARGET_NEXT] = self.forward_target({Columns.OBS: batch[Columns.NEXT_OBS]})
+        return out
+
+    # ------------------------------------------------------------------ TargetNetworkAPI
+    def make_target_networks(self) -> None:
+        self.target_pi = make_target_network(self.pi)
+        self.target_qf = make_target_network(self.qf)
+        if self.twin_q:
+            self.target_qf_twin = make_target_network(self.qf_twin)
+
+    def get_target_network_pairs(self):
+        pairs = [(self.pi, self.target_pi), (self.qf, self.target_qf)]
+        if self.twin_q:
+            pairs.append((self.qf_twin, self.target_qf_twin))
+        return pairs
+
+    def forward_target(self, batch: dict[str, Any], **kw) -> torch.Tensor:
+        obs = batch[Columns.OBS]
+        a = self.target_pi(obs)
+        if self.target_noise > 0:  # TD3 target policy smoothing
+            eps = (self.target_noise * torch.randn_like(a)).clamp(-self.target_noise_clip,
+                                                                 self.target_noise_clip)
+            a = (a + eps).clamp(-1.0, 1.0)
+        q = self._q(self.target_qf, obs, a)
+        if self.twin_q:
+            q = torch.min(q, self._q(self.target_qf_twin, obs, a))
+        return q
+
+    # ------------------------------------------------------------------ other APIs
+    def get_non_inference_attributes(self) -> list[str]:
+        return ["qf", "qf_twin", "target_pi", "target_qf", "target_qf_twin"]
+
+    def compute_q_values(self, batch: dict[str, Any]) -> dict[str, Any]:
+        return {QF_PREDS: self._q(self.qf, batch[Columns.OBS], batch[Columns.ACTIONS])}
