@@ -9,7 +9,12 @@ from agents.main_job import run_main
 
 @hydra.main(config_path="configs", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    run_main(cfg)
+    if cfg.agent.name == "ddpg":
+        from agents.training import run_training
+
+        run_training(cfg)
+    else:
+        run_main(cfg)
 
 
 if __name__ == "__main__":

@@ -95,3 +95,31 @@ def test_bad_scenario_override_is_clear(tmp_path):
     cfg = _cfg("train", tmp_path, ["scenario=tiny", "+scenario.colour=red", "logger=none"])
     with pytest.raises(Exception, match="unknown keys"):
         run_main(cfg)
+
+
+def test_train_ddpg_tiny_budget_end_to_end(tmp_path):
+    """`train.py agent=ddpg` in-process: trains, validates, compares with every baseline and
+    records the learning curve in MLflow."""
+    import ray
+
+    from agents.training import run_training
+
+    cfg = _cfg("train", tmp_path, [
+        "scenario=tiny", "agent=ddpg", "env.observation=channel", "agent.total_steps=400",
+        "agent.eval_every=200", "agent.training.random_warmup_steps=100",
+        "agent.training.num_steps_sampled_before_learning_starts=100",
+        "agent.training.train_batch_size_per_learner=32", "agent.training.fcnet_hiddens=[32,32]",
+        "baseline.policies=[rpc,idcs,greedy]", "ray.num_cpus=1"])
+    try:
+        res = run_training(cfg)
+    finally:
+        ray.shutdown()
+    assert list(res["summary"]["policy"]) == ["rpc", "idcs", "greedy", "ddpg"]
+    assert res["algo_steps"] >= 400 and len(res["history"]) >= 2
+    assert (tmp_path / "out" / "learning_curve.csv").is_file()
+    client = MlflowClient(tracking_uri=str(cfg.logger.tracking_uri))
+    run = client.get_run(res["run_id"])
+    assert run.info.status == "FINISHED" and run.data.tags["agent"] == "ddpg"
+    hist = client.get_metric_history(res["run_id"], "val/total_node_mbps")
+    assert len(hist) >= 2 and "train/critic_loss" in run.data.metrics
+    mlflow.set_tracking_uri("")
