@@ -10,6 +10,7 @@ the learner. Progress is printed every ``agent.log_every_s`` seconds with rates.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -153,6 +154,22 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
 
             curve = pd.DataFrame(history)
             log.table(curve, out / "learning_curve.csv")
+            # the exported policy (ONNX + metadata) for serving, and a resumable checkpoint
+            from ray.rllib.core import DEFAULT_MODULE_ID
+
+            from .bundle import export_bundle
+
+            bundle_dir = Path(str(cfg.paths.checkpoint_dir)) / run_name
+            module = algo.learner_group._learner.module[DEFAULT_MODULE_ID]
+            export_bundle(module.pi, layout, ps.signature(), bundle_dir, overwrite=True,
+                          order=str(cfg.env.order),
+                          extra={"run_id": log.run_id, "env_steps": steps,
+                                 "gradient_updates": algo.updates_done,
+                                 "reward": to_dict(cfg.env.reward), "seed": int(cfg.seed)})
+            for f in ("actor.onnx", "metadata.json"):
+                log.artifact(bundle_dir / f, "policy_bundle")
+            algo.save_to_path(str(out / "rllib_checkpoint"))
+            print(f"[train] exported the policy bundle to {bundle_dir}", flush=True)
             log.artifact(comparison_plot(summary, out / "comparison.png",
                                          f"{spec.name}: {cfg.eval_split} windows",
                                          limits={"ctrl_traffic_mbps": spec.controller_bw_bps / 1e6,
@@ -160,4 +177,5 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
     finally:
         algo.stop()
     return {"summary": summary, "per_window": per_window, "history": history,
-            "run_id": log.run_id, "output_dir": out, "algo_steps": steps}
+            "run_id": log.run_id, "output_dir": out, "algo_steps": steps,
+            "bundle_dir": bundle_dir, "layout": layout, "problems": ps}

@@ -14,6 +14,7 @@ from mlflow import MlflowClient
 from agents.config import CONFIG_DIR
 from agents.main_job import run_main
 from agents.sweep import run_sweep
+from envs.dsmd.cost import CostState
 
 
 def _cfg(name: str, tmp_path: Path, overrides: list[str]):
@@ -105,7 +106,7 @@ def test_train_ddpg_tiny_budget_end_to_end(tmp_path):
     from agents.training import run_training
 
     cfg = _cfg("train", tmp_path, [
-        "scenario=tiny", "agent=ddpg", "env.observation=channel", "agent.total_steps=400",
+        f"paths.checkpoint_dir={tmp_path / 'ckpt'}", "scenario=tiny", "agent=ddpg", "env.observation=channel", "agent.total_steps=400",
         "agent.eval_every=200", "agent.training.random_warmup_steps=100",
         "agent.training.num_steps_sampled_before_learning_starts=100",
         "agent.training.train_batch_size_per_learner=32", "agent.training.fcnet_hiddens=[32,32]",
@@ -122,4 +123,18 @@ def test_train_ddpg_tiny_budget_end_to_end(tmp_path):
     assert run.info.status == "FINISHED" and run.data.tags["agent"] == "ddpg"
     hist = client.get_metric_history(res["run_id"], "val/total_node_mbps")
     assert len(hist) >= 2 and "train/critic_loss" in run.data.metrics
+    # the exported bundle loads with ONNX Runtime and decides like the trained policy
+    from agents.bundle import load_bundle
+    from agents.learned import ActorPolicy
+
+    b = load_bundle(res["bundle_dir"], expect_layout=res["layout"],
+                    expect_signature=res["problems"].signature())
+    pw = res["per_window"]
+    for inst in res["problems"].instances("test"):
+        m = CostState(inst, ActorPolicy(b, b.layout).assign(inst)).metrics()
+        row = pw[(pw.policy == "ddpg") & (pw.instance == inst.name)].iloc[0]
+        assert m.total_node_traffic_bps == row["total_node_traffic_bps"]
+    assert {a.path for a in client.list_artifacts(res["run_id"], "policy_bundle")} == {
+        "policy_bundle/actor.onnx", "policy_bundle/metadata.json"}
+    assert (tmp_path / "out" / "rllib_checkpoint").is_dir()
     mlflow.set_tracking_uri("")

@@ -1,0 +1,152 @@
+"""The exported policy bundle: what serving loads, with ONNX Runtime alone (no Ray, no torch).
+
+A bundle is a directory::
+
+    actor.onnx       the actor: obs (float32, [B, size]) -> scores (float32, [B, K+1])
+    metadata.json    format and version, observation layout, scenario signature, action
+                     decoding, decision order, training facts, library versions, and the
+                     SHA-256 of actor.onnx
+
+:func:`load_bundle` refuses (``BundleError``, naming what differs) a bundle whose files are
+missing or unreadable, whose actor does not match its recorded hash, or whose observation
+layout or scenario signature differs from what the caller expects. Writing is atomic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from envs.dsmd.observation import ObservationLayout
+
+__all__ = ["BundleError", "PolicyBundle", "export_bundle", "load_bundle", "BUNDLE_FORMAT"]
+
+BUNDLE_FORMAT = "smart-dsmd-policy"
+BUNDLE_VERSION = 1
+DECODING = ("argmax over the K+1 channel scores (0 = RPC, t = MQ topic t); ties broken "
+            "uniformly at random")
+
+
+class BundleError(ValueError):
+    """A policy bundle that cannot be used (missing, corrupted or mismatched)."""
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def export_bundle(actor: Any, layout: ObservationLayout, signature: dict, directory: str | Path,
+                  *, order: str = "rate_desc", extra: dict | None = None,
+                  overwrite: bool = False) -> Path:
+    """Export a torch actor (``nn.Module``: obs -> scores in [-1, 1]) as a bundle."""
+    import torch
+
+    d = Path(directory)
+    if d.exists() and not overwrite:
+        raise FileExistsError(f"{d} exists; pass overwrite=True to replace it")
+    d.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{d.name}.", dir=d.parent))
+    try:
+        actor = actor.eval().cpu()
+        # torch.export-based exporter (needs onnxscript); weights embedded in one file so the
+        # content hash covers the whole actor
+        torch.onnx.export(actor, (torch.zeros(1, layout.size),), str(tmp / "actor.onnx"),
+                          input_names=["obs"], output_names=["scores"],
+                          dynamic_shapes=({0: torch.export.Dim("batch")},), dynamo=True,
+                          external_data=False, verbose=False)
+        import onnx
+        import onnxruntime
+
+        meta = {"format": BUNDLE_FORMAT, "version": BUNDLE_VERSION,
+                "observation_layout": layout.to_dict(), "scenario_signature": signature,
+                "action_decoding": DECODING, "decision_order": order,
+                "num_channels": layout.num_topics + 1,
+                "versions": {"torch": torch.__version__, "onnx": onnx.__version__,
+                             "onnxruntime": onnxruntime.__version__,
+                             "numpy": np.__version__},
+                "extra": extra or {}, "actor_sha256": _sha256(tmp / "actor.onnx")}
+        (tmp / "metadata.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
+        if d.exists():
+            shutil.rmtree(d)
+        os.replace(tmp, d)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return d
+
+
+@dataclass
+class PolicyBundle:
+    """A loaded bundle: call it with one observation (or a batch) to get channel scores."""
+
+    directory: Path
+    metadata: dict
+    layout: ObservationLayout
+    session: Any
+
+    @property
+    def signature(self) -> dict:
+        return self.metadata["scenario_signature"]
+
+    @property
+    def content_hash(self) -> str:
+        return self.metadata["actor_sha256"]
+
+    def __call__(self, obs: np.ndarray) -> np.ndarray:
+        x = np.asarray(obs, dtype=np.float32)
+        single = x.ndim == 1
+        if x.shape[-1] != self.layout.size:
+            raise BundleError(f"observation has {x.shape[-1]} values; the bundle's layout "
+                              f"expects {self.layout.size}")
+        out = self.session.run(["scores"], {"obs": x[None] if single else x})[0]
+        return out[0] if single else out
+
+
+def load_bundle(directory: str | Path, *, expect_layout: ObservationLayout | None = None,
+                expect_signature: dict | None = None) -> PolicyBundle:
+    """Load and verify a bundle with ONNX Runtime (CPU)."""
+    d = Path(directory)
+    meta_path, onnx_path = d / "metadata.json", d / "actor.onnx"
+    for p in (meta_path, onnx_path):
+        if not p.is_file():
+            raise BundleError(f"{d}: missing {p.name}")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError as e:
+        raise BundleError(f"{meta_path}: not valid JSON ({e})") from None
+    if meta.get("format") != BUNDLE_FORMAT or meta.get("version") != BUNDLE_VERSION:
+        raise BundleError(f"{d}: not a {BUNDLE_FORMAT} v{BUNDLE_VERSION} bundle "
+                          f"(format={meta.get('format')!r}, version={meta.get('version')!r})")
+    digest = _sha256(onnx_path)
+    if digest != meta.get("actor_sha256"):
+        raise BundleError(f"{onnx_path}: content hash {digest[:12]}... does not match the "
+                          f"metadata's {str(meta.get('actor_sha256'))[:12]}... (corrupted or "
+                          "replaced)")
+    lay = meta["observation_layout"]
+    layout = ObservationLayout(lay["variant"], lay["catalog_size"], lay["num_nodes"],
+                               lay["num_topics"])
+    if expect_layout is not None and expect_layout != layout:
+        diffs = [f"{k}: bundle {getattr(layout, k)!r} vs expected {getattr(expect_layout, k)!r}"
+                 for k in ("variant", "catalog_size", "num_nodes", "num_topics")
+                 if getattr(layout, k) != getattr(expect_layout, k)]
+        raise BundleError(f"{d}: observation layout mismatch ({'; '.join(diffs)})")
+    if expect_signature is not None and expect_signature != meta["scenario_signature"]:
+        keys = sorted(set(expect_signature) | set(meta["scenario_signature"]))
+        diffs = [k for k in keys
+                 if expect_signature.get(k) != meta["scenario_signature"].get(k)]
+        raise BundleError(f"{d}: scenario signature mismatch in {diffs}")
+    import onnxruntime as ort
+
+    try:
+        session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    except Exception as e:  # onnxruntime raises its own exception types
+        raise BundleError(f"{onnx_path}: ONNX Runtime cannot load it ({e})") from None
+    return PolicyBundle(d, meta, layout, session)
