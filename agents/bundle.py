@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from envs.dsmd.observation import ObservationLayout
+from envs.fsutil import atomic_directory
 
 __all__ = ["BundleError", "PolicyBundle", "export_bundle", "load_bundle", "BUNDLE_FORMAT"]
 
@@ -49,12 +47,7 @@ def export_bundle(actor: Any, layout: ObservationLayout, signature: dict, direct
     """Export a torch actor (``nn.Module``: obs -> scores in [-1, 1]) as a bundle."""
     import torch
 
-    d = Path(directory)
-    if d.exists() and not overwrite:
-        raise FileExistsError(f"{d} exists; pass overwrite=True to replace it")
-    d.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{d.name}.", dir=d.parent))
-    try:
+    with atomic_directory(directory, overwrite) as tmp:
         actor = actor.eval().cpu()
         # torch.export-based exporter (needs onnxscript); weights embedded in one file so the
         # content hash covers the whole actor
@@ -74,13 +67,7 @@ def export_bundle(actor: Any, layout: ObservationLayout, signature: dict, direct
                              "numpy": np.__version__},
                 "extra": extra or {}, "actor_sha256": _sha256(tmp / "actor.onnx")}
         (tmp / "metadata.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
-        if d.exists():
-            shutil.rmtree(d)
-        os.replace(tmp, d)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return d
+    return Path(directory)
 
 
 @dataclass

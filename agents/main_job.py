@@ -13,9 +13,9 @@ from envs.dsmd.problems import build_problems
 from envs.seeding import seed_everything
 
 from .config import output_dir, scenario_spec, to_dict
-from .evaluation import evaluate_policies, format_table, summarize
-from .plots import comparison_plot
+from .evaluation import evaluate_policies
 from .registry import make_policies
+from .reporting import report
 from .tracking import tracked_run
 
 __all__ = ["run_main"]
@@ -42,18 +42,7 @@ def run_main(cfg: DictConfig) -> dict[str, Any]:
           f"N={ps.num_nodes}, K={spec.num_topics}; output: {out}", flush=True)
     with tracked_run(cfg, run_name=run_name, tags=tags) as log:
         per_window = evaluate_policies(policies, instances, progress=bool(cfg.progress))
-        summary = summarize(per_window)
-        table = format_table(summary)
-        print(f"\nBaselines on {spec.name} ({split} windows, mean per window):\n{table}\n",
-              flush=True)
-        log.table(per_window, out / "per_window.csv")
-        log.table(summary, out / "summary.csv")
-        (out / "summary.txt").write_text(table + "\n")
-        log.artifact(out / "summary.txt", "tables")
-        png = comparison_plot(summary, out / "comparison.png", f"{spec.name}: {split} windows",
-                              limits={"ctrl_traffic_mbps": spec.controller_bw_bps / 1e6,
-                                      "ctrl_sends": spec.controller_cpu})
-        log.artifact(png, "plots")
+        summary = report(log, per_window, out, spec, split, "Baselines")
         for row in summary.itertuples(index=False):
             log.metrics({f"{row.policy}/total_node_mbps": row.total_node_mbps,
                          f"{row.policy}/ctrl_traffic_mbps": row.ctrl_traffic_mbps,

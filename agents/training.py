@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pandas as pd
 from omegaconf import DictConfig
 
 from envs.dsmd.observation import ObservationLayout
@@ -22,10 +23,10 @@ from envs.dsmd.scenarios import ScenarioSpec
 from envs.seeding import seed_everything
 
 from .config import output_dir, scenario_spec, to_dict
-from .evaluation import evaluate_policies, format_table, summarize
+from .evaluation import evaluate_policies, summarize
 from .learned import ActorPolicy
-from .plots import comparison_plot
 from .registry import make_policies
+from .reporting import report
 from .tracking import tracked_run
 
 __all__ = ["run_training", "make_dsmd_env", "RLLIB_ENV_NAME"]
@@ -142,16 +143,8 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
             pols = [*make_policies(list(cfg.baseline.policies), ps,
                                    to_dict(cfg.baseline.params)), actor]
             per_window = evaluate_policies(pols, test, progress=bool(cfg.progress))
-            summary = summarize(per_window)
-            table = format_table(summary)
-            print(f"\nDDPG vs baselines on {spec.name} ({cfg.eval_split} windows):\n{table}\n",
-                  flush=True)
-            log.table(per_window, out / "per_window.csv")
-            log.table(summary, out / "summary.csv")
-            (out / "summary.txt").write_text(table + "\n")
-            log.artifact(out / "summary.txt", "tables")
-            import pandas as pd
-
+            summary = report(log, per_window, out, spec, str(cfg.eval_split),
+                             "DDPG vs baselines")
             curve = pd.DataFrame(history)
             log.table(curve, out / "learning_curve.csv")
             # the exported policy (ONNX + metadata) for serving, and a resumable checkpoint
@@ -170,10 +163,6 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
                 log.artifact(bundle_dir / f, "policy_bundle")
             algo.save_to_path(str(out / "rllib_checkpoint"))
             print(f"[train] exported the policy bundle to {bundle_dir}", flush=True)
-            log.artifact(comparison_plot(summary, out / "comparison.png",
-                                         f"{spec.name}: {cfg.eval_split} windows",
-                                         limits={"ctrl_traffic_mbps": spec.controller_bw_bps / 1e6,
-                                                 "ctrl_sends": spec.controller_cpu}), "plots")
     finally:
         algo.stop()
     return {"summary": summary, "per_window": per_window, "history": history,

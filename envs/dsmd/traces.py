@@ -9,9 +9,6 @@ damages a trace that was already stored.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from ..fsutil import atomic_directory
 from .errors import TraceError
 from .schema import MESSAGE_SCHEMA, ConfigurationType, OperationType
 from .topology import Topology
@@ -268,27 +266,11 @@ class Dataset:
 
 def write_dataset(directory: str | Path, dataset: Dataset, overwrite: bool = False) -> Path:
     """Write ``dataset`` to ``directory`` atomically (temp dir, then rename)."""
-    d = Path(directory)
-    if d.exists() and not overwrite:
-        raise FileExistsError(f"{d} exists; pass overwrite=True to replace it")
-    d.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{d.name}.", dir=d.parent))
-    try:
+    with atomic_directory(directory, overwrite) as tmp:
         dataset.topology.write(tmp)
         write_trace(dataset.trace, tmp / "messages.parquet")
         (tmp / "scenario.json").write_text(json.dumps(dataset.meta, indent=2, sort_keys=True))
-        if d.exists():
-            old = d.with_name(f".{d.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(d, old)
-            os.replace(tmp, d)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, d)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return d
+    return Path(directory)
 
 
 def read_dataset(directory: str | Path) -> Dataset:
