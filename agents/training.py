@@ -9,6 +9,7 @@ the learner. Progress is printed every ``agent.log_every_s`` seconds with rates.
 
 from __future__ import annotations
 
+import copy
 import time
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,9 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
     if a.td3:
         algo_cfg.td3()
     algo = algo_cfg.build_algo()
+    from ray.rllib.core import DEFAULT_MODULE_ID
+
+    module = algo.learner_group._learner.module[DEFAULT_MODULE_ID]
     actor = ActorPolicy(_torch_actor(algo), layout, name="ddpg", order=str(cfg.env.order),
                         seed=int(cfg.seed))
     val = ps.instances("validation") or ps.instances("train")[-1:]
@@ -110,6 +114,7 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
     try:
         with tracked_run(cfg, run_name=run_name, tags=tags) as log:
             steps, next_eval, next_log = 0, int(a.eval_every), t0 + float(a.log_every_s)
+            best: tuple | None = None  # (key, steps, actor state) of the best validation
             while steps < total_steps:
                 res = algo.train()
                 steps = int(res["env_runners"]["num_env_steps_sampled_lifetime"])
@@ -128,6 +133,10 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
                                     "val/gap_to_greedy_pct":
                                         100 * (v.total_node_mbps * 1e6 / greedy_total - 1)})
                     history.append({"steps": steps, **metrics})
+                    # model selection on validation windows: feasibility first, then traffic
+                    key = (-float(v.feasible_frac), float(v.total_node_mbps))
+                    if best is None or key < best[0]:
+                        best = (key, steps, copy.deepcopy(module.pi.state_dict()))
                 log.metrics(metrics, step=steps)
                 if time.perf_counter() >= next_log or steps >= total_steps:
                     next_log = time.perf_counter() + float(a.log_every_s)
@@ -139,6 +148,13 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
                           f"feasible {last.get('val/feasible_frac', float('nan')):.2f}, "
                           f"vs greedy {last.get('val/gap_to_greedy_pct', float('nan')):+.1f}%",
                           flush=True)
+            if best is not None and a.get("keep_best", True):
+                module.pi.load_state_dict(best[2])  # evaluate and export the selected actor
+                log.metrics({"val/best_at_steps": best[1],
+                             "val/best_total_node_mbps": best[0][1],
+                             "val/best_feasible_frac": -best[0][0]})
+                print(f"[train] selected the actor of step {best[1]:,} (best validation: "
+                      f"feasible {-best[0][0]:.2f}, {best[0][1]:.2f} Mbps)", flush=True)
             test = ps.instances(str(cfg.eval_split))
             pols = [*make_policies(list(cfg.baseline.policies), ps,
                                    to_dict(cfg.baseline.params)), actor]
@@ -148,15 +164,13 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
             curve = pd.DataFrame(history)
             log.table(curve, out / "learning_curve.csv")
             # the exported policy (ONNX + metadata) for serving, and a resumable checkpoint
-            from ray.rllib.core import DEFAULT_MODULE_ID
-
             from .bundle import export_bundle
 
             bundle_dir = Path(str(cfg.paths.checkpoint_dir)) / run_name
-            module = algo.learner_group._learner.module[DEFAULT_MODULE_ID]
             export_bundle(module.pi, layout, ps.signature(), bundle_dir, overwrite=True,
                           order=str(cfg.env.order),
                           extra={"run_id": log.run_id, "env_steps": steps,
+                                 "selected_at_steps": None if best is None else best[1],
                                  "gradient_updates": algo.updates_done,
                                  "reward": to_dict(cfg.env.reward), "seed": int(cfg.seed)})
             for f in ("actor.onnx", "metadata.json"):
