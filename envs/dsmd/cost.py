@@ -352,11 +352,3 @@ class CostState:
         return metrics_from(self.inst, self.channel, self.node_traffic, self.controller_bw,
                             self.controller_cpu, self.total_traffic, self.necessary,
                             self.sent_messages, counts, self.node_stats())
-
-    def copy(self) -> "CostState":
-        other = CostState.__new__(CostState)
-        other.__dict__.update(self.__dict__)
-        for k in ("channel", "node_traffic", "topic_rate", "topic_subscribers", "topic_types",
-                  "sub_count"):
-            setattr(other, k, getattr(self, k).copy())
-        return other
