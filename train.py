@@ -9,12 +9,12 @@ from agents.main_job import run_main
 
 @hydra.main(config_path="configs", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    if cfg.agent.name == "ddpg":
+    if cfg.agent.name == "baselines":
+        run_main(cfg)
+    else:  # ddpg (default), sac, ppo, dqn
         from agents.training import run_training
 
         run_training(cfg)
-    else:
-        run_main(cfg)
 
 
 if __name__ == "__main__":

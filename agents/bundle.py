@@ -22,15 +22,19 @@ from typing import Any
 
 import numpy as np
 
+from envs.dsmd.decoding import check_decoding
 from envs.dsmd.observation import ObservationLayout
 from envs.fsutil import atomic_directory
 
 __all__ = ["BundleError", "PolicyBundle", "export_bundle", "load_bundle", "BUNDLE_FORMAT"]
 
 BUNDLE_FORMAT = "smart-dsmd-policy"
-BUNDLE_VERSION = 1
-DECODING = ("argmax over the K+1 channel scores (0 = RPC, t = MQ topic t); ties broken "
-            "uniformly at random")
+BUNDLE_VERSION = 2  # 2: the decoding mode (envs.dsmd.decoding) is recorded
+DECODING = {"argmax": "argmax over the K+1 channel scores (0 = RPC, t = MQ topic t); ties "
+                      "broken uniformly at random",
+            "feasible": "the highest-scoring channel (0 = RPC, t = MQ topic t) that keeps "
+                        "Eq. 1's constraints, the argmax if none does; ties broken uniformly "
+                        "at random (envs.dsmd.decoding)"}
 
 
 class BundleError(ValueError):
@@ -42,7 +46,8 @@ def _sha256(path: Path) -> str:
 
 
 def export_bundle(actor: Any, layout: ObservationLayout, signature: dict, directory: str | Path,
-                  *, order: str = "rate_desc", extra: dict | None = None,
+                  *, order: str = "rate_desc", decoding: str = "feasible",
+                  extra: dict | None = None,
                   overwrite: bool = False) -> Path:
     """Export a torch actor (``nn.Module``: obs -> scores in [-1, 1]) as a bundle."""
     import torch
@@ -60,7 +65,8 @@ def export_bundle(actor: Any, layout: ObservationLayout, signature: dict, direct
 
         meta = {"format": BUNDLE_FORMAT, "version": BUNDLE_VERSION,
                 "observation_layout": layout.to_dict(), "scenario_signature": signature,
-                "action_decoding": DECODING, "decision_order": order,
+                "action_decoding": DECODING[check_decoding(decoding)],
+                "decoding": decoding, "decision_order": order,
                 "num_channels": layout.num_topics + 1,
                 "versions": {"torch": torch.__version__, "onnx": onnx.__version__,
                              "onnxruntime": onnxruntime.__version__,
@@ -82,6 +88,16 @@ class PolicyBundle:
     @property
     def signature(self) -> dict:
         return self.metadata["scenario_signature"]
+
+    @property
+    def decoding(self) -> str:
+        """How scores become channels (:mod:`envs.dsmd.decoding`)."""
+        return self.metadata["decoding"]
+
+    @property
+    def order(self) -> str:
+        """The decision order the actor was trained with."""
+        return self.metadata["decision_order"]
 
     @property
     def content_hash(self) -> str:
@@ -117,6 +133,9 @@ def load_bundle(directory: str | Path, *, expect_layout: ObservationLayout | Non
         raise BundleError(f"{onnx_path}: content hash {digest[:12]}... does not match the "
                           f"metadata's {str(meta.get('actor_sha256'))[:12]}... (corrupted or "
                           "replaced)")
+    if meta.get("decoding") not in DECODING:
+        raise BundleError(f"{meta_path}: unknown decoding {meta.get('decoding')!r} (expected "
+                          f"one of {sorted(DECODING)})")
     lay = meta["observation_layout"]
     layout = ObservationLayout(lay["variant"], lay["catalog_size"], lay["num_nodes"],
                                lay["num_topics"])

@@ -34,8 +34,7 @@ def run_main(cfg: DictConfig) -> dict[str, Any]:
                         "eval_split=all")
     policies = make_policies(list(cfg.baseline.policies), ps, to_dict(cfg.baseline.params))
     run_name = cfg.get("run_name") or f"{spec.name}__baselines__{cfg.seed}"
-    tags = {"scenario": spec.name, "task": "baselines", "split": split, "seed": str(cfg.seed),
-            **{k: str(v) for k, v in (to_dict(cfg.get("tags")) or {}).items()}}
+    tags = {"scenario": spec.name, "task": "baselines", "split": split, "seed": str(cfg.seed)}
     print(f"[main] scenario={spec.name}: {len(ps.dataset.trace)} messages, "
           f"{ps.parsed.num_windows} windows of {spec.interval_s:g}s "
           f"({len(instances)} in '{split}'), {ps.catalog_size} message types, "

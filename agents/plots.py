@@ -10,11 +10,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-__all__ = ["comparison_plot", "sweep_plots", "SWEEP_FIGURES"]
+__all__ = ["comparison_plot", "sweep_plots", "learning_curve_plot", "SWEEP_FIGURES"]
 
 _STYLE = {"rpc": ("tab:red", "o"), "vita": ("tab:blue", "s"), "idcs": ("tab:green", "^"),
           "alcor": ("tab:purple", "v"), "greedy": ("tab:orange", "D"), "exact": ("black", "*"),
-          "ddpg": ("tab:brown", "P")}
+          "ddpg": ("tab:brown", "P"), "sac": ("tab:pink", "X"), "ppo": ("tab:olive", "h"),
+          "dqn": ("tab:cyan", "d")}
 
 #: file name, column of the sweep summary, scale, y label, paper figure
 SWEEP_FIGURES = [
@@ -84,3 +85,35 @@ def sweep_plots(summary: pd.DataFrame, outdir: Path, scenario: str) -> list[Path
         plt.close(fig)
         paths.append(p)
     return paths
+
+
+def learning_curve_plot(curve: pd.DataFrame, path: Path, title: str) -> Path:
+    """Training curves against environment steps: training return, validation node
+    traffic relative to greedy, validation feasibility and violations, and the Eq. 2 terms
+    of the training episodes."""
+    panels = [
+        ("Training episode return", ["train/episode_return_mean"]),
+        ("Validation node traffic vs greedy (%)", ["val/gap_to_greedy_pct"]),
+        ("Validation: feasible fraction / violations",
+         ["val/feasible_frac", "val/bw_violation", "val/cpu_violation", "val/node_violation"]),
+        ("Training episodes: Eq. 2 terms",
+         ["train/dsmd/reward_objective", "train/dsmd/reward_controller_bw_penalty",
+          "train/dsmd/reward_controller_cpu_penalty", "train/dsmd/reward_node_penalty"]),
+    ]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.4))
+    for ax, (label, cols) in zip(axes, panels):
+        for c in cols:
+            if c in curve and curve[c].notna().any():
+                ax.plot(curve["steps"], curve[c], marker=".", label=c.split("/")[-1])
+        if label.startswith("Validation node"):
+            ax.axhline(0.0, color="gray", ls="--", lw=1)
+        ax.set_title(label, fontsize=10)
+        ax.set_xlabel("environment steps")
+        if len(cols) > 1 and ax.lines:
+            ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -72,6 +72,21 @@ class RunLogger:
         mlflow.log_text(text, name)
 
 
+def _hydra_tags() -> dict[str, str]:
+    """The command-line overrides of this job and, in a ``-m`` sweep, the sweep directory
+    and job number (so every run of one sweep is one query: ``tags.sweep = '...'``)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        hc = HydraConfig.get()
+    except (ImportError, ValueError):  # not started by @hydra.main (e.g. compose API)
+        return {}
+    out = {"overrides": ",".join(hc.overrides.task)}
+    if str(hc.mode) == "RunMode.MULTIRUN":
+        out.update(sweep=str(hc.sweep.dir), sweep_job=str(hc.job.num))
+    return out
+
+
 @contextlib.contextmanager
 def tracked_run(cfg: DictConfig, *, run_name: str, tags: Mapping[str, str] | None = None
                 ) -> Iterator[RunLogger]:
@@ -97,7 +112,9 @@ def tracked_run(cfg: DictConfig, *, run_name: str, tags: Mapping[str, str] | Non
         exp_id = client.create_experiment(str(lcfg.experiment_name), artifact_location=loc)
     else:
         exp_id = exp.experiment_id
-    all_tags = {"command": shlex.join(sys.argv), **{k: str(v) for k, v in (tags or {}).items()}}
+    all_tags = {"command": shlex.join(sys.argv), **_hydra_tags(),
+                **{k: str(v) for k, v in (cfg.get("tags") or {}).items()},
+                **{k: str(v) for k, v in (tags or {}).items()}}
     run = mlflow.start_run(experiment_id=exp_id, run_name=run_name, tags=all_tags)
     try:
         resolved = OmegaConf.to_container(cfg, resolve=True)

@@ -19,7 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS_DIR, ROOT, log, machine_info  # noqa: E402
 
-BENCHMARKS = ("bench_env", "bench_trace", "bench_exact", "bench_replay", "bench_pendulum")
+BENCHMARKS = ("bench_env", "bench_trace", "bench_exact", "bench_replay", "bench_pendulum",
+              "bench_throughput")
 
 
 def run(name: str, extra: list[str]) -> tuple[int, float]:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from agents.bundle import BundleError, export_bundle, load_bundle
-from agents.ddpg.module import mlp
+from agents.ddpg.networks import mlp
 from agents.learned import ActorPolicy
 from envs.dsmd.observation import ObservationLayout
 

@@ -38,9 +38,17 @@ def test_module_shapes_bounds_and_targets(algo):
     assert expl.abs().max() <= 1.0
     out = m.forward_train({Columns.OBS: obs, Columns.ACTIONS: act,
                            Columns.NEXT_OBS: obs})
-    assert {"qf_preds", "qf_twin_preds", "q_target_next", "q_pi"} <= set(out)
+    assert {"qf_preds", "qf_twin_preds", "q_target_next"} <= set(out)
+    # the actor's objective reaches the actor only
+    m.zero_grad(set_to_none=True)
+    pi, q_pi = m.actor_objective(obs)
+    q_pi.sum().backward()
+    assert pi.shape == (5, 1) and all(p.grad is not None for p in m.pi.parameters())
+    assert all(p.grad is None for p in [*m.qf.parameters(), *m.qf_twin.parameters()])
+    assert all(p.requires_grad for p in m.qf.parameters())
+    m.zero_grad(set_to_none=True)
     names = {type(t).__name__ for _, t in m.get_target_network_pairs()}
-    assert len(m.get_target_network_pairs()) == 3 and names == {"Sequential"}
+    assert len(m.get_target_network_pairs()) == 3 and names == {"Sequential", "MLPCritic"}
 
 
 def test_priorities_follow_td_errors_of_the_sampled_transitions(algo):
@@ -103,3 +111,165 @@ def test_td3_delays_actor_and_target_updates(algo):
 def test_config_validation():
     with pytest.raises(ValueError, match="policy_delay"):
         DDPGConfig().environment("Pendulum-v1").training(policy_delay=0).validate()
+    with pytest.raises(ValueError, match="noise_type"):
+        DDPGConfig().environment("Pendulum-v1").training(noise_type="pink").validate()
+
+
+def test_checkpoint_restores_the_replay_buffer(algo, tmp_path):
+    """An RLlib checkpoint of DDPG carries its replay (transitions, priorities, cursor, RNG)
+    and update counters, so a restored run continues on the same data."""
+    while algo.updates_done == 0:
+        algo.train()
+    path = algo.save_to_path(str(tmp_path / "ckpt"))
+    cfg = algo.config.copy(copy_frozen=False)
+    other = cfg.build_algo()
+    try:
+        other.restore_from_path(path)
+        a, b = algo.replay, other.replay
+        assert len(b) == len(a) > 0 and b.pos == a.pos and b.added == a.added
+        n = len(a)
+        np.testing.assert_array_equal(b.obs[:n], a.obs[:n])
+        np.testing.assert_array_equal(b.actions[:n], a.actions[:n])
+        np.testing.assert_array_equal(b.priorities(), a.priorities())
+        assert other.updates_done == algo.updates_done > 0
+        np.testing.assert_array_equal(a.sample(16).indices, b.sample(16).indices)
+        wa = algo.learner_group._learner.module[DEFAULT_MODULE_ID].pi[0].weight
+        wb = other.learner_group._learner.module[DEFAULT_MODULE_ID].pi[0].weight
+        torch.testing.assert_close(wa, wb)
+    finally:
+        other.stop()
+
+
+def test_ou_noise_is_per_episode_correlated_and_off_in_evaluation():
+    from ray.rllib.env.single_agent_episode import SingleAgentEpisode
+
+    from agents.ddpg.noise import OrnsteinUhlenbeckNoise
+
+    ou = OrnsteinUhlenbeckNoise(theta=0.15, sigma=0.2, seed=0)
+    e1, e2 = SingleAgentEpisode(), SingleAgentEpisode()
+    zeros = torch.zeros(2, 3)
+    assert ou(rl_module=None, batch={Columns.ACTIONS: zeros.clone()}, episodes=[e1, e2],
+              explore=False)[Columns.ACTIONS].abs().sum() == 0
+    xs = []
+    for _ in range(2000):
+        out = ou(rl_module=None, batch={Columns.ACTIONS: zeros.clone()}, episodes=[e1, e2],
+                 explore=True)[Columns.ACTIONS]
+        assert out.abs().max() <= 1.0
+        xs.append(ou.state[e1.id_].copy())
+    x = np.array(xs)[:, 0]
+    lag1 = np.corrcoef(x[:-1], x[1:])[0, 1]
+    assert 0.75 < lag1 < 0.95  # theory: 1 - theta = 0.85 (not white noise)
+    assert abs(x.mean()) < 0.15  # mean-reverting to mu = 0
+    e3 = SingleAgentEpisode()  # e2 ended, e3 starts fresh
+    ou(rl_module=None, batch={Columns.ACTIONS: torch.zeros(2, 3)}, episodes=[e1, e3],
+       explore=True)
+    assert set(ou.state) == {e1.id_, e3.id_}
+    assert np.abs(ou.state[e3.id_]).max() < 1.0  # one step from mu, not the old state
+
+
+def test_ddpg_trains_with_ou_noise():
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    cfg = (DDPGConfig().environment("Pendulum-v1")
+           .env_runners(num_env_runners=0, rollout_fragment_length=8)
+           .training(train_batch_size_per_learner=16, random_warmup_steps=16,
+                     num_steps_sampled_before_learning_starts=16, fcnet_hiddens=[16, 16],
+                     noise_type="ou", ou_sigma=0.3)
+           .debugging(seed=0))
+    a = cfg.build_algo()
+    try:
+        names = [type(c).__name__ for c in a.env_runner._module_to_env.connectors]
+        assert names[0] == "OrnsteinUhlenbeckNoise"
+        m = a.learner_group._learner.module[DEFAULT_MODULE_ID]
+        assert m.noise_sigma(0) == 0.0  # the module's Gaussian noise is off
+        while a.updates_done == 0:
+            a.train()
+        assert a.updates_done > 0 and a.env_runner._module_to_env.connectors[0].state
+    finally:
+        a.stop()
+
+
+def test_per_channel_networks_are_permutation_equivariant():
+    """Relabelling the channels permutes the actor's scores and leaves Q unchanged."""
+    from agents.ddpg.networks import ChannelActor, ChannelCritic
+
+    g, blocks, a = 8, 4, 7
+    torch.manual_seed(0)
+    actor = ChannelActor(g + blocks * a, a, blocks, [16, 16])
+    critic = ChannelCritic(g + blocks * a, a, blocks, [16, 16])
+    obs = torch.randn(5, g + blocks * a)
+    act = torch.rand(5, a) * 2 - 1
+    perm = torch.randperm(a)
+    pobs = torch.cat([obs[:, :g], obs[:, g:].reshape(5, blocks, a)[:, :, perm].reshape(5, -1)], 1)
+    torch.testing.assert_close(actor(pobs), actor(obs)[:, perm])
+    torch.testing.assert_close(critic(pobs, act[:, perm]), critic(obs, act))
+    assert actor(obs).abs().max() <= 1.0 and critic(obs, act).shape == (5,)
+    with pytest.raises(ValueError, match="per_channel"):
+        ChannelActor(10, a, blocks, [16])
+
+
+def test_per_channel_architecture_needs_the_channel_observation():
+    with pytest.raises(ValueError, match="architecture"):
+        DDPGConfig().environment("Pendulum-v1").training(architecture="cnn").validate()
+
+
+def test_demonstrations_enter_every_batch_with_behaviour_cloning():
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    cfg = (DDPGConfig().environment("Pendulum-v1")
+           .env_runners(num_env_runners=0, rollout_fragment_length=8)
+           .training(train_batch_size_per_learner=16, random_warmup_steps=16,
+                     num_steps_sampled_before_learning_starts=16, fcnet_hiddens=[16, 16],
+                     demo_fraction=0.25, bc_weight=1.0)
+           .debugging(seed=0))
+    a = cfg.build_algo()
+    try:
+        rng = np.random.default_rng(0)
+        n = 40
+        obs = rng.standard_normal((n, 3)).astype(np.float32)
+        a.add_demonstrations(obs, np.full((n, 1), 0.5, np.float32), np.zeros(n, np.float32),
+                             obs, np.zeros(n, np.float32))
+        res = None
+        while a.updates_done == 0:
+            res = a.train()
+        assert "bc_loss" in res["learners"][DEFAULT_MODULE_ID]
+        cols, idx = a._batch(16, 0.4)
+        assert cols["demo"].tolist() == [0.0] * 12 + [1.0] * 4 and idx.size == 12
+        assert (cols[Columns.ACTIONS][12:] == 0.5).all()
+        a.replay.update_priorities(idx, np.ones(12))  # the replay rows are the PER sample
+    finally:
+        a.stop()
+
+
+def _trained_weights(seed: int) -> tuple[list[torch.Tensor], np.ndarray]:
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    from ray.tune.registry import register_env
+
+    from agents.training import RLLIB_ENV_NAME, make_dsmd_env
+    from envs.dsmd.scenarios import load_scenario
+
+    register_env(RLLIB_ENV_NAME, make_dsmd_env)
+    cfg = (DDPGConfig()
+           .environment(RLLIB_ENV_NAME, env_config={
+               "scenario_spec": load_scenario("tiny").to_dict(), "observation": "channel",
+               "cache_dir": None})
+           .env_runners(num_env_runners=0, rollout_fragment_length=8)
+           .training(train_batch_size_per_learner=16, random_warmup_steps=32,
+                     num_steps_sampled_before_learning_starts=32, fcnet_hiddens=[16, 16])
+           .td3().debugging(seed=seed))
+    a = cfg.build_algo()
+    try:
+        while a.updates_done < 50:
+            a.train()
+        m = a.learner_group._learner.module[DEFAULT_MODULE_ID]
+        return [p.detach().clone() for p in m.pi.parameters()], a.replay.rewards[:a.replay.count].copy()
+    finally:
+        a.stop()
+
+
+def test_same_seed_same_training():
+    """Two DDPG runs on the DSMD env with one seed give the same actor and the same data."""
+    w0, r0 = _trained_weights(3)
+    w1, r1 = _trained_weights(3)
+    w2, _ = _trained_weights(4)
+    np.testing.assert_array_equal(r0, r1)
+    assert all(torch.equal(x, y) for x, y in zip(w0, w1))
+    assert not all(torch.equal(x, y) for x, y in zip(w0, w2))

@@ -9,7 +9,8 @@ from gymnasium.utils.env_checker import check_env
 
 import envs
 from envs.dsmd.cost import CostState
-from envs.dsmd.env import DSMDEnv, decode_action
+from envs.dsmd.decoding import decode_action
+from envs.dsmd.env import DSMDEnv
 from envs.dsmd.errors import DSMDError
 from envs.dsmd.observation import VARIANTS, ObservationBuilder, ObservationLayout
 from envs.dsmd.reward import RewardConfig, eq2_terms
@@ -54,7 +55,7 @@ def test_ties_are_broken_at_random_not_towards_rpc():
 
 
 def test_episode_decides_every_type_and_reports_metrics(tiny_problems):
-    env = DSMDEnv(problems=tiny_problems, split="test")
+    env = DSMDEnv(problems=tiny_problems, split="test", decoding="argmax")  # all on RPC
     obs, info = env.reset(seed=0)
     n = info["num_types"]
     for i in range(n):
@@ -105,7 +106,7 @@ def test_reward_terms_follow_eq2(tiny_problems):
 
 
 def test_paper_observation_layout(tiny_problems):
-    env = DSMDEnv(problems=tiny_problems, observation="paper_type")
+    env = DSMDEnv(problems=tiny_problems, observation="paper_type", decoding="argmax")
     obs, _ = env.reset(seed=0, options={"window": 3})
     sl = env.layout.slices()
     inst = env.inst

@@ -14,12 +14,14 @@ def linear_actor(size: int, k1: int, seed: int = 0):
     return lambda obs: np.tanh(obs @ w)
 
 
+@pytest.mark.parametrize("decoding", ["feasible", "argmax"])
 @pytest.mark.parametrize("observation", ["paper", "paper_type", "channel"])
-def test_policy_and_env_agree(tiny_problems, observation):
+def test_policy_and_env_agree(tiny_problems, observation, decoding):
     windows = tiny_problems.windows["test"] + tiny_problems.windows["validation"]
-    env = DSMDEnv(problems=tiny_problems, windows=windows, observation=observation)
+    env = DSMDEnv(problems=tiny_problems, windows=windows, observation=observation,
+                  decoding=decoding)
     actor = linear_actor(env.layout.size, env.action_space.shape[0])
-    pol = ActorPolicy(actor, env.layout)
+    pol = ActorPolicy(actor, env.layout, decoding=decoding)
     for w in windows:
         obs, _ = env.reset(seed=0, options={"window": w})
         done = False

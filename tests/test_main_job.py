@@ -109,7 +109,8 @@ def test_train_ddpg_tiny_budget_end_to_end(tmp_path):
         f"paths.checkpoint_dir={tmp_path / 'ckpt'}", "scenario=tiny", "agent=ddpg", "env.observation=channel", "agent.total_steps=400",
         "agent.eval_every=200", "agent.training.random_warmup_steps=100",
         "agent.training.num_steps_sampled_before_learning_starts=100",
-        "agent.training.train_batch_size_per_learner=32", "agent.training.fcnet_hiddens=[32,32]",
+        "agent.training.train_batch_size_per_learner=32", "agent.training.per_channel_hiddens=[16,16]",
+        "agent.training.bc_pretrain_steps=50", "agent.training.critic_warmup_updates=0",
         "baseline.policies=[rpc,idcs,greedy]", "ray.num_cpus=1"])
     try:
         res = run_training(cfg)
@@ -131,10 +132,73 @@ def test_train_ddpg_tiny_budget_end_to_end(tmp_path):
                     expect_signature=res["problems"].signature())
     pw = res["per_window"]
     for inst in res["problems"].instances("test"):
-        m = CostState(inst, ActorPolicy(b, b.layout).assign(inst)).metrics()
+        m = CostState(inst, ActorPolicy.from_bundle(b).assign(inst)).metrics()
         row = pw[(pw.policy == "ddpg") & (pw.instance == inst.name)].iloc[0]
         assert m.total_node_traffic_bps == row["total_node_traffic_bps"]
     assert {a.path for a in client.list_artifacts(res["run_id"], "policy_bundle")} == {
         "policy_bundle/actor.onnx", "policy_bundle/metadata.json"}
     assert (tmp_path / "out" / "rllib_checkpoint").is_dir()
     mlflow.set_tracking_uri("")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ["sac", "ppo", "dqn"])
+def test_train_builtin_algorithms_tiny_budget(tmp_path, algo):
+    """RLlib's SAC, PPO and DQN (Discrete variant) through the same entry point: trained,
+    evaluated against the baselines, exported, and the bundle decides like the policy."""
+    import ray
+
+    from agents.bundle import load_bundle
+    from agents.learned import ActorPolicy
+    from agents.training import run_training
+
+    budget = {"sac": ["agent.training.num_steps_sampled_before_learning_starts=100",
+                      "agent.training.train_batch_size_per_learner=32"],
+              "ppo": ["agent.training.train_batch_size_per_learner=200",
+                      "agent.training.minibatch_size=50", "agent.training.num_epochs=2"],
+              "dqn": ["agent.training.num_steps_sampled_before_learning_starts=100",
+                      "agent.training.train_batch_size_per_learner=32"]}[algo]
+    cfg = _cfg("train", tmp_path, [
+        f"paths.checkpoint_dir={tmp_path / 'ckpt'}", "scenario=tiny", f"agent={algo}",
+        "agent.total_steps=400", "agent.eval_every=200", "agent.training.fcnet_hiddens=[32,32]",
+        "baseline.policies=[rpc,greedy]", "ray.num_cpus=1", *budget])
+    try:
+        res = run_training(cfg)
+    finally:
+        ray.shutdown()
+    assert list(res["summary"]["policy"]) == ["rpc", "greedy", algo]
+    b = load_bundle(res["bundle_dir"], expect_layout=res["layout"])
+    assert b.decoding == ("argmax" if algo == "dqn" else "feasible")
+    pw = res["per_window"]
+    for inst in res["problems"].instances("test"):
+        m = CostState(inst, ActorPolicy.from_bundle(b).assign(inst)).metrics()
+        row = pw[(pw.policy == algo) & (pw.instance == inst.name)].iloc[0]
+        assert m.total_node_traffic_bps == row["total_node_traffic_bps"]
+    run = MlflowClient(tracking_uri=str(cfg.logger.tracking_uri)).get_run(res["run_id"])
+    assert run.data.tags["agent"] == algo and "val/total_node_mbps" in run.data.metrics
+    mlflow.set_tracking_uri("")
+
+
+def test_multirun_sweep_is_one_query(tmp_path):
+    """`train.py -m ...` runs one job per combination; every run carries the sweep's tag and
+    its own overrides, so the whole ablation is one MLflow query."""
+    import subprocess
+    import sys
+
+    from agents.config import PROJECT_ROOT
+
+    uri = f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}"
+    cmd = [sys.executable, "train.py", "-m", "scenario=tiny", "agent=baselines",
+           "baseline.policies=[rpc,greedy]", "seed=0,1", "progress=false",
+           f"logger.tracking_uri={uri}", f"logger.artifact_location={tmp_path / 'art'}",
+           f"paths.data_dir={tmp_path / 'data'}",
+           f"hydra.sweep.dir={tmp_path / 'sweep'}", "+tags.study=seeds"]
+    r = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name("smart-dsmd")
+    runs = client.search_runs([exp.experiment_id], f"tags.sweep = '{tmp_path / 'sweep'}'")
+    assert sorted(r.data.tags["seed"] for r in runs) == ["0", "1"]
+    assert all(r.data.tags["study"] == "seeds" and r.info.status == "FINISHED" for r in runs)
+    assert {r.data.tags["sweep_job"] for r in runs} == {"0", "1"}
+    assert any("seed=1" in r.data.tags["overrides"] for r in runs)

@@ -14,6 +14,8 @@ random warm-up and beta annealed from ``per_beta`` to ``per_beta_final``.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,8 +31,9 @@ from ray.rllib.utils.metrics import (ENV_RUNNER_RESULTS, LEARNER_RESULTS,
                                      NUM_ENV_STEPS_SAMPLED_LIFETIME, TD_ERROR_KEY)
 from ray.rllib.utils.numpy import convert_to_numpy
 
-from .learner import DDPGTorchLearner
-from .module import DDPGTorchRLModule
+from .learner import DEMO, DDPGTorchLearner
+from .module import ARCHITECTURES, DDPGTorchRLModule
+from .noise import OrnsteinUhlenbeckNoise
 from .replay import PrioritizedReplay, linear_schedule
 
 __all__ = ["DDPGConfig", "DDPG"]
@@ -47,6 +50,9 @@ class DDPGConfig(SACConfig):
         super().__init__(algo_class=algo_class or DDPG)
         self.twin_q = False
         self.policy_delay = 1
+        self.noise_type = "gaussian"
+        self.ou_theta = 0.15
+        self.ou_sigma = 0.2
         self.exploration_noise = 0.1
         self.exploration_noise_final = None
         self.exploration_noise_steps = 0
@@ -58,6 +64,13 @@ class DDPGConfig(SACConfig):
         self.tau = 5e-3
         self.gamma = 0.99
         self.fcnet_hiddens = [256, 256]
+        self.architecture = "mlp"
+        self.demo_fraction = 0.25
+        self.bc_weight = 0.0
+        self.bc_pretrain_steps = 0
+        self.critic_warmup_updates = 0
+        self.per_channel_hiddens = [64, 64]
+        self.channel_blocks = 4
         self.prioritized_replay = True
         self.per_alpha = 0.6
         self.per_beta = 0.4
@@ -73,6 +86,11 @@ class DDPGConfig(SACConfig):
         self.n_step = 1
 
     def training(self, *, twin_q=NotProvided, policy_delay=NotProvided,
+                 noise_type=NotProvided, ou_theta=NotProvided, ou_sigma=NotProvided,
+                 architecture=NotProvided, per_channel_hiddens=NotProvided,
+                 demo_fraction=NotProvided, bc_weight=NotProvided,
+                 bc_pretrain_steps=NotProvided, critic_warmup_updates=NotProvided,
+                 channel_blocks=NotProvided,
                  exploration_noise=NotProvided, exploration_noise_final=NotProvided,
                  exploration_noise_steps=NotProvided, target_noise=NotProvided,
                  target_noise_clip=NotProvided, critic_weight_decay=NotProvided,
@@ -82,7 +100,12 @@ class DDPGConfig(SACConfig):
                  random_warmup_steps=NotProvided, updates_per_step=NotProvided,
                  **kwargs) -> "DDPGConfig":
         super().training(**kwargs)
-        for k, v in dict(twin_q=twin_q, policy_delay=policy_delay,
+        for k, v in dict(twin_q=twin_q, policy_delay=policy_delay, noise_type=noise_type,
+                         ou_theta=ou_theta, ou_sigma=ou_sigma, architecture=architecture,
+                         demo_fraction=demo_fraction, bc_weight=bc_weight,
+                         bc_pretrain_steps=bc_pretrain_steps,
+                         critic_warmup_updates=critic_warmup_updates,
+                         per_channel_hiddens=per_channel_hiddens, channel_blocks=channel_blocks,
                          exploration_noise=exploration_noise,
                          exploration_noise_final=exploration_noise_final,
                          exploration_noise_steps=exploration_noise_steps,
@@ -108,6 +131,13 @@ class DDPGConfig(SACConfig):
         problems = []
         if self.policy_delay < 1:
             problems.append(f"policy_delay must be >= 1, got {self.policy_delay}")
+        if self.architecture not in ARCHITECTURES:
+            problems.append(f"architecture must be one of {ARCHITECTURES}, got "
+                            f"{self.architecture!r}")
+        if not 0 <= self.demo_fraction < 1 or self.bc_weight < 0:
+            problems.append("demo_fraction must be in [0, 1) and bc_weight >= 0")
+        if self.noise_type not in ("gaussian", "ou"):
+            problems.append(f"noise_type must be 'gaussian' or 'ou', got {self.noise_type!r}")
         if self.n_step != 1:
             problems.append("n_step > 1 is not supported by this replay (use 1)")
         if self.updates_per_step <= 0:
@@ -116,6 +146,14 @@ class DDPGConfig(SACConfig):
             problems.append("per_beta and per_beta_final must be in [0, 1]")
         if problems:
             raise ValueError("DDPGConfig: " + "; ".join(problems))
+
+    def build_module_to_env_connector(self, env=None, spaces=None):
+        """RLlib's pipeline, led by :class:`OrnsteinUhlenbeckNoise` when ``noise_type='ou'``."""
+        pipeline = super().build_module_to_env_connector(env, spaces)
+        if self.noise_type == "ou":
+            pipeline.prepend(OrnsteinUhlenbeckNoise(theta=self.ou_theta, sigma=self.ou_sigma,
+                                                    seed=self.seed))
+        return pipeline
 
     def get_default_rl_module_spec(self) -> RLModuleSpec:
         return RLModuleSpec(module_class=DDPGTorchRLModule)
@@ -127,12 +165,18 @@ class DDPGConfig(SACConfig):
     def _model_config_auto_includes(self) -> dict[str, Any]:
         final = (self.exploration_noise if self.exploration_noise_final is None
                  else self.exploration_noise_final)
+        if self.noise_type != "gaussian":
+            final = 0.0
         return super()._model_config_auto_includes | {
-            "twin_q": self.twin_q, "exploration_noise": self.exploration_noise,
+            "twin_q": self.twin_q,
+            # with OU noise (a connector) the module's Gaussian noise is off
+            "exploration_noise": self.exploration_noise if self.noise_type == "gaussian" else 0.0,
             "exploration_noise_final": final,
             "exploration_noise_steps": self.exploration_noise_steps,
             "target_noise": self.target_noise, "target_noise_clip": self.target_noise_clip,
-            "fcnet_hiddens": list(self.fcnet_hiddens)}
+            "fcnet_hiddens": list(self.fcnet_hiddens), "architecture": self.architecture,
+            "per_channel_hiddens": list(self.per_channel_hiddens),
+            "channel_blocks": self.channel_blocks}
 
 
 class DDPG(SAC):
@@ -156,9 +200,101 @@ class DDPG(SAC):
             int(cfg.buffer_capacity), int(np.prod(obs_space.shape)),
             int(np.prod(act_space.shape)), alpha=cfg.per_alpha, beta=cfg.per_beta,
             eps=cfg.per_eps, prioritized=cfg.prioritized_replay, seed=int(cfg.seed or 0))
+        self.demos: PrioritizedReplay | None = None  # see add_demonstrations
         self._beta = linear_schedule(cfg.per_beta, cfg.per_beta_final, cfg.per_beta_steps)
         self._update_credit = 0.0
         self.updates_done = 0
+        if cfg.seed is not None:  # RLlib does not seed the spaces its random warm-up samples
+            seed = int(cfg.seed)
+
+            def seed_spaces(runner) -> None:
+                i = int(getattr(runner, "worker_index", 0))
+                runner.env.action_space.seed(seed + i)
+                runner.env.single_action_space.seed(seed + i)
+
+            self.env_runner_group.foreach_env_runner(seed_spaces, local_env_runner=True)
+
+    # ------------------------------------------------------------------ checkpoints
+    REPLAY_FILE = "replay.npz"
+
+    def save_to_path(self, path=None, *args, **kwargs) -> str:
+        """RLlib's checkpoint plus the replay buffer (``replay.npz``) and the update counters,
+        so a restored run continues with the same data and priorities."""
+        path = super().save_to_path(path, *args, **kwargs)
+        self.replay.save(Path(path) / self.REPLAY_FILE)
+        (Path(path) / "ddpg_counters.json").write_text(json.dumps(
+            {"updates_done": self.updates_done, "update_credit": self._update_credit}))
+        return path
+
+    def restore_from_path(self, path, *args, **kwargs) -> None:
+        super().restore_from_path(path, *args, **kwargs)
+        replay = Path(path) / self.REPLAY_FILE
+        if replay.is_file():
+            self.replay.load(replay)
+            c = json.loads((Path(path) / "ddpg_counters.json").read_text())
+            self.updates_done, self._update_credit = c["updates_done"], c["update_credit"]
+
+    # ------------------------------------------------------------------ demonstrations
+    def add_demonstrations(self, obs: np.ndarray, actions: np.ndarray, rewards: np.ndarray,
+                           next_obs: np.ndarray, terminateds: np.ndarray) -> None:
+        """Keep demonstration transitions (actions in the module's [-1, 1] space) apart from
+        the replay: every batch then draws ``demo_fraction`` of its rows from them,
+        uniformly, for the critic's TD loss and the actor's behaviour-cloning term
+        (DDPGfD, Vecerik et al.; ``bc_weight``)."""
+        n = int(np.asarray(obs).shape[0])
+        if n == 0:
+            raise ValueError("no demonstration transitions")
+        self.demos = PrioritizedReplay(n, self.replay.obs.shape[1], self.replay.actions.shape[1],
+                                       prioritized=False, seed=int(self.config.seed or 0) + 1)
+        self.demos.add(obs, np.clip(actions, -1.0, 1.0), rewards, next_obs, terminateds)
+
+    def pretrain_actor(self, steps: int | None = None, lr: float | None = None) -> float:
+        """Behaviour cloning before reinforcement learning: ``steps`` Adam steps of the
+        actor on the demonstrations (squared error to the demonstrated action), then the
+        target actor and the env runners get the new weights. Returns the last loss."""
+        import torch
+
+        if self.demos is None:
+            raise ValueError("pretrain_actor() needs add_demonstrations() first")
+        steps = int(self.config.bc_pretrain_steps if steps is None else steps)
+        module = self.learner_group._learner.module[DEFAULT_MODULE_ID]
+        dev = next(module.pi.parameters()).device
+        opt = torch.optim.Adam(module.pi.parameters(), lr=lr or self.config.actor_lr)
+        loss = torch.zeros(())
+        bs = int(self.config.train_batch_size_per_learner)
+        for _ in range(steps):
+            d = self.demos.sample(bs)
+            self.demos.update_priorities(d.indices, np.zeros(bs))
+            out = module.pi(torch.as_tensor(d.obs, device=dev))
+            loss = (out - torch.as_tensor(d.actions, device=dev)).pow(2).sum(-1).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        module.target_pi.load_state_dict(module.pi.state_dict())
+        self.env_runner_group.sync_weights(from_worker_or_learner_group=self.learner_group,
+                                           policies=[DEFAULT_MODULE_ID], inference_only=True)
+        return float(loss)
+
+    def _batch(self, batch_size: int, beta: float):
+        """A training batch: replay rows (PER) then demonstration rows; the replay's indices."""
+        n_demo = (int(round(batch_size * self.config.demo_fraction))
+                  if self.demos is not None else 0)
+        b = self.replay.sample(batch_size - n_demo, beta=beta)
+        cols = {Columns.OBS: b.obs, Columns.ACTIONS: b.actions, Columns.REWARDS: b.rewards,
+                Columns.NEXT_OBS: b.next_obs, Columns.TERMINATEDS: b.terminateds,
+                "weights": b.weights}
+        if self.demos is not None:
+            d = self.demos.sample(n_demo) if n_demo else None
+            for k, v in zip((Columns.OBS, Columns.ACTIONS, Columns.REWARDS, Columns.NEXT_OBS,
+                             Columns.TERMINATEDS, "weights"),
+                            () if d is None else (d.obs, d.actions, d.rewards, d.next_obs,
+                                                  d.terminateds, d.weights)):
+                cols[k] = np.concatenate([cols[k], v])
+            cols[DEMO] = np.concatenate([np.zeros(batch_size - n_demo, np.float32),
+                                         np.ones(n_demo, np.float32)])
+            if d is not None:
+                self.demos.update_priorities(d.indices, np.zeros(n_demo))
+        return cols, b.indices
 
     # ------------------------------------------------------------------ replay I/O
     def _store(self, episodes, random_actions: bool) -> int:
@@ -199,16 +335,13 @@ class DDPG(SAC):
         self._update_credit -= n_updates
         batch_size = int(cfg.train_batch_size_per_learner)
         for _ in range(n_updates):
-            b = self.replay.sample(batch_size, beta=self._beta(steps))
-            batch = MultiAgentBatch({DEFAULT_MODULE_ID: SampleBatch({
-                Columns.OBS: b.obs, Columns.ACTIONS: b.actions, Columns.REWARDS: b.rewards,
-                Columns.NEXT_OBS: b.next_obs, Columns.TERMINATEDS: b.terminateds,
-                "weights": b.weights})}, env_steps=batch_size)
+            cols, indices = self._batch(batch_size, self._beta(steps))
+            batch = MultiAgentBatch({DEFAULT_MODULE_ID: SampleBatch(cols)}, env_steps=batch_size)
             results = self.learner_group.update(
                 batch=batch, timesteps={NUM_ENV_STEPS_SAMPLED_LIFETIME: steps})
             td = np.concatenate([np.asarray(convert_to_numpy(
                 r[DEFAULT_MODULE_ID].pop(TD_ERROR_KEY).peek())).reshape(-1) for r in results])
-            self.replay.update_priorities(b.indices, td)
+            self.replay.update_priorities(indices, td[:indices.size])
             self.metrics.aggregate(results, key=LEARNER_RESULTS)
             self.updates_done += 1
         if n_updates:

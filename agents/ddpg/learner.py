@@ -1,6 +1,8 @@
 """The DDPG torch Learner: critic regression to the (n-step) TD target, deterministic policy
 gradient for the actor, importance-sampling weights from prioritized replay, TD3's delayed
-actor and target updates (Fujimoto et al.) as an option."""
+actor and target updates (Fujimoto et al.) as an option, and, with demonstrations, a
+behaviour-cloning term with a Q-filter (Nair et al., arXiv:1709.10089; DDPGfD, Vecerik et
+al., arXiv:1707.08817)."""
 
 from __future__ import annotations
 
@@ -17,9 +19,10 @@ from ray.rllib.core.columns import Columns
 from ray.rllib.core.learner.learner import POLICY_LOSS_KEY
 from ray.rllib.utils.metrics import ALL_MODULES, TD_ERROR_KEY
 
-from .module import Q_PI
 
-__all__ = ["DDPGTorchLearner"]
+__all__ = ["DDPGTorchLearner", "DEMO"]
+
+DEMO = "demo"  # batch column: 1.0 for demonstration transitions
 
 
 class DDPGTorchLearner(SACTorchLearner):
@@ -46,40 +49,54 @@ class DDPGTorchLearner(SACTorchLearner):
         w = batch.get("weights", torch.ones_like(r))
         y = (r + config.gamma * (1.0 - done) * fwd_out[QF_TARGET_NEXT]).detach()
         td = y - fwd_out[QF_PREDS]
-        self._temp_losses[(module_id, QF_LOSS_KEY)] = (w * td.pow(2)).mean()
+        losses = {QF_LOSS_KEY: (w * td.pow(2)).mean()}
         td_abs = td.abs()
         if config.twin_q:
             td2 = y - fwd_out[QF_TWIN_PREDS]
-            self._temp_losses[(module_id, QF_TWIN_LOSS_KEY)] = (w * td2.pow(2)).mean()
+            losses[QF_TWIN_LOSS_KEY] = (w * td2.pow(2)).mean()
             td_abs = 0.5 * (td_abs + td2.abs())
-        self._temp_losses[(module_id, POLICY_LOSS_KEY)] = -fwd_out[Q_PI].mean()
+        # critic-only updates first (critic_warmup_updates), then the actor every
+        # policy_delay-th update (TD3); its forward pass runs only when it is updated
+        n = self._updates[module_id]
+        actor = n >= config.critic_warmup_updates and n % config.policy_delay == 0
+        self._actor_step[module_id] = actor
+        self._updates[module_id] = n + 1
+        logs = {"critic_loss": losses[QF_LOSS_KEY], "q_mean": fwd_out[QF_PREDS].mean()}
+        if actor:
+            pi, q_pi = self.module[module_id].unwrapped().actor_objective(batch[Columns.OBS])
+            policy_loss = -q_pi.mean()
+            logs["actor_loss"] = policy_loss
+            if config.bc_weight > 0 and DEMO in batch:
+                # behaviour cloning on demonstration rows, with Nair et al.'s Q-filter
+                # (only where the critic rates the demonstrated action above the actor's)
+                demo = batch[DEMO].float()
+                keep = demo * (fwd_out[QF_PREDS] > q_pi).float().detach()
+                err = (pi - batch[Columns.ACTIONS]).pow(2).sum(-1)
+                bc = (keep * err).sum() / demo.sum().clamp(min=1.0)
+                policy_loss = policy_loss + config.bc_weight * bc
+                logs["bc_loss"] = bc
+            losses[POLICY_LOSS_KEY] = policy_loss
         self.metrics.log_value((module_id, TD_ERROR_KEY), td_abs.detach(),
                                reduce="item_series")
-        self.metrics.log_dict({"critic_loss": self._temp_losses[(module_id, QF_LOSS_KEY)],
-                               "actor_loss": self._temp_losses[(module_id, POLICY_LOSS_KEY)],
-                               "q_mean": fwd_out[QF_PREDS].mean()}, key=module_id,
-                              window=1)
-        return sum(v for (m, _), v in self._temp_losses.items() if m == module_id)
+        self.metrics.log_dict(logs, key=module_id, window=1)
+        return sum(losses.values())
 
     def compute_gradients(self, loss_per_module, **kwargs) -> Dict[str, Any]:
+        """One backward pass per module: the critic losses reach only the critics (the
+        actions come from the batch, the target under no_grad) and the actor loss only the
+        actor (:meth:`DDPGTorchRLModule.actor_objective`), so their sum separates."""
         grads: Dict[str, Any] = {}
         for mid in set(loss_per_module) - {ALL_MODULES}:
-            delay = self.config.get_config_for_module(mid).policy_delay
-            actor = self._updates[mid] % delay == 0
-            self._actor_step[mid] = actor
-            self._updates[mid] += 1
-            for name, opt in self.get_optimizers_for_module(mid):
-                # always clear: apply_gradients steps every optimizer, so a skipped actor
-                # step must leave grad=None (Adam then skips those parameters entirely;
-                # zero gradients would still move them through Adam's momentum)
+            optimizers = self.get_optimizers_for_module(mid)
+            for _, opt in optimizers:
+                # set_to_none: apply_gradients steps every optimizer, and a skipped actor step
+                # must leave grad=None (Adam then skips those parameters; zero gradients would
+                # still move them through Adam's momentum)
                 opt.zero_grad(set_to_none=True)
-                loss = self._temp_losses.pop((mid, name + "_loss"))
-                if name == "policy" and not actor:
-                    continue
-                loss.backward(retain_graph=True)
+            loss_per_module[mid].backward()
+            for _, opt in optimizers:
                 grads.update({k: p.grad for k, p in
                               self.filter_param_dict_for_optimizer(self._params, opt).items()})
-        assert not self._temp_losses
         return grads
 
     def after_gradient_based_update(self, *, timesteps: Dict[str, Any]) -> None:

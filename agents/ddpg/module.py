@@ -1,6 +1,7 @@
 """The DDPG RLModule (torch): Lillicrap et al. actor and critic(s), TD3 twin critic and
-target policy smoothing as options. The paper's networks (SMART Section VII-A): two fully
-connected ReLU layers for actor and critic, tanh on the actor's output."""
+target policy smoothing as options. Networks (:mod:`agents.ddpg.networks`): the paper's
+(SMART Section VII-A: two fully connected ReLU layers for actor and critic, tanh on the
+actor's output) or the same layers shared across channels (``architecture="per_channel"``)."""
 
 from __future__ import annotations
 
@@ -15,20 +16,11 @@ from ray.rllib.core.learner.utils import make_target_network
 from ray.rllib.core.rl_module.apis import InferenceOnlyAPI, QNetAPI, TargetNetworkAPI
 from ray.rllib.core.rl_module.torch import TorchRLModule
 
-__all__ = ["DDPGTorchRLModule", "mlp", "Q_PI"]
+from .networks import ChannelActor, ChannelCritic, MLPCritic, mlp
 
-Q_PI = "q_pi"
+__all__ = ["DDPGTorchRLModule", "mlp", "ARCHITECTURES"]
 
-
-def mlp(inp: int, hidden: list[int], out: int, out_act: nn.Module | None = None) -> nn.Sequential:
-    layers: list[nn.Module] = []
-    for h in hidden:
-        layers += [nn.Linear(inp, h), nn.ReLU()]
-        inp = h
-    layers.append(nn.Linear(inp, out))
-    if out_act is not None:
-        layers.append(out_act)
-    return nn.Sequential(*layers)
+ARCHITECTURES = ("mlp", "per_channel")
 
 
 class DDPGTorchRLModule(TorchRLModule, InferenceOnlyAPI, TargetNetworkAPI, QNetAPI):
@@ -45,11 +37,25 @@ class DDPGTorchRLModule(TorchRLModule, InferenceOnlyAPI, TargetNetworkAPI, QNetA
         self.noise_steps = int(mc.get("exploration_noise_steps", 0))
         self.target_noise = float(mc.get("target_noise", 0.0))
         self.target_noise_clip = float(mc.get("target_noise_clip", 0.5))
-        self.pi = mlp(obs_dim, hidden, act_dim, nn.Tanh())
+        arch = mc.get("architecture", "mlp")
+        if arch == "mlp":
+            self.pi = mlp(obs_dim, hidden, act_dim, nn.Tanh())
+
+            def critic() -> nn.Module:
+                return MLPCritic(obs_dim, act_dim, hidden)
+        elif arch == "per_channel":
+            blocks = int(mc.get("channel_blocks", 4))
+            hidden = list(mc.get("per_channel_hiddens", [64, 64]))
+            self.pi = ChannelActor(obs_dim, act_dim, blocks, hidden)
+
+            def critic() -> nn.Module:
+                return ChannelCritic(obs_dim, act_dim, blocks, hidden)
+        else:
+            raise ValueError(f"architecture must be one of {ARCHITECTURES}, got {arch!r}")
         if not self.inference_only:
-            self.qf = mlp(obs_dim + act_dim, hidden, 1)
+            self.qf = critic()
             if self.twin_q:
-                self.qf_twin = mlp(obs_dim + act_dim, hidden, 1)
+                self.qf_twin = critic()
 
     # ------------------------------------------------------------------ forward passes
     def _forward_inference(self, batch: dict[str, Any], **kw) -> dict[str, Any]:
@@ -72,24 +78,31 @@ class DDPGTorchRLModule(TorchRLModule, InferenceOnlyAPI, TargetNetworkAPI, QNetA
         return self.noise_start + (self.noise_end - self.noise_start) * frac
 
     def _q(self, net: nn.Module, obs: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
-        return net(torch.cat([obs, act], dim=-1)).squeeze(-1)
+        return net(obs, act)
 
     def _forward_train(self, batch: dict[str, Any], **kw) -> dict[str, Any]:
         obs, act = batch[Columns.OBS], batch[Columns.ACTIONS]
         out = {QF_PREDS: self._q(self.qf, obs, act)}
         if self.twin_q:
             out[QF_TWIN_PREDS] = self._q(self.qf_twin, obs, act)
-        # the actor's objective Q(s, pi(s)): gradients must reach pi only, never the critic
+        with torch.no_grad():
+            out[QF_TARGET_NEXT] = self.forward_target({Columns.OBS: batch[Columns.NEXT_OBS]})
+        return out
+
+    def actor_objective(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(pi(s), Q(s, pi(s)))`` for the actor's loss: gradients reach ``pi`` only, never
+        the critic (its parameters are frozen for this pass). The learner calls it only on
+        actor steps (TD3's delay), so critic-only updates skip the actor's forward pass."""
         critic = [*self.qf.parameters(), *(self.qf_twin.parameters() if self.twin_q else [])]
         flags = [p.requires_grad for p in critic]
         for p in critic:
             p.requires_grad_(False)
-        out[Q_PI] = self._q(self.qf, obs, self.pi(obs))
-        for p, f in zip(critic, flags):
-            p.requires_grad_(f)
-        with torch.no_grad():
-            out[QF_TARGET_NEXT] = self.forward_target({Columns.OBS: batch[Columns.NEXT_OBS]})
-        return out
+        try:
+            pi = self.pi(obs)
+            return pi, self._q(self.qf, obs, pi)
+        finally:
+            for p, f in zip(critic, flags):
+                p.requires_grad_(f)
 
     # ------------------------------------------------------------------ TargetNetworkAPI
     def make_target_networks(self) -> None:

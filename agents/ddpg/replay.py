@@ -23,7 +23,10 @@ ablation switch.
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -209,3 +212,41 @@ class PrioritizedReplay:
     def priorities(self) -> np.ndarray:
         """``p_i^alpha`` of the stored transitions (for tests and diagnostics)."""
         return self.tree.leaves()[:self.count].copy()
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, path: str | Path) -> None:
+        """Write the stored transitions, priorities, cursor and RNG state to ``path`` (.npz;
+        atomic: a crash leaves the previous file)."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        n = self.count
+        with open(tmp, "wb") as fh:
+            np.savez(fh, obs=self.obs[:n], next_obs=self.next_obs[:n],
+                     actions=self.actions[:n], rewards=self.rewards[:n],
+                     terminateds=self.terminateds[:n], leaves=self.tree.leaves()[:n],
+                     meta=np.array(json.dumps({
+                         "capacity": self.capacity, "pos": self.pos, "count": n,
+                         "added": self.added, "max_priority": self.max_priority,
+                         "alpha": self.alpha, "prioritized": self.prioritized,
+                         "rng": self.rng.bit_generator.state})))
+        os.replace(tmp, path)
+
+    def load(self, path: str | Path) -> None:
+        """Restore what :meth:`save` wrote; the buffer's shapes and capacity must match."""
+        with np.load(Path(path)) as z:
+            meta = json.loads(str(z["meta"]))
+            if meta["capacity"] != self.capacity or z["obs"].shape[1:] != self.obs.shape[1:] \
+                    or z["actions"].shape[1:] != self.actions.shape[1:]:
+                raise ValueError(
+                    f"{path}: replay of capacity {meta['capacity']}, obs {z['obs'].shape[1:]}, "
+                    f"actions {z['actions'].shape[1:]} does not fit this buffer (capacity "
+                    f"{self.capacity}, obs {self.obs.shape[1:]}, actions "
+                    f"{self.actions.shape[1:]})")
+            n = int(meta["count"])
+            for name in ("obs", "next_obs", "actions", "rewards", "terminateds"):
+                getattr(self, name)[:n] = z[name]
+            self.tree.set(np.arange(n), z["leaves"])
+        self.pos, self.count, self.added = int(meta["pos"]), n, int(meta["added"])
+        self.max_priority = float(meta["max_priority"])
+        self.rng.bit_generator.state = meta["rng"]
+        self._pending = None

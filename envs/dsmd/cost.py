@@ -188,6 +188,11 @@ class CostState:
         self._msgs = inst.messages.tolist()
         ptr = inst.dest_ptr
         self._dest = [inst.dest_idx[ptr[i]:ptr[i + 1]] for i in range(m)]
+        # what the unassigned types will cost at least, whatever their channel: f(m) on
+        # each destination node and f(m) (one publish) on the controller
+        self.pending_node = np.zeros(n, dtype=np.int64)
+        np.add.at(self.pending_node, inst.dest_idx, inst.rate_bps[inst.type_of_entry])
+        self.pending_rate = int(inst.rate_bps.sum())
         if channel is not None:
             self.assign_all(channel)
 
@@ -212,6 +217,11 @@ class CostState:
         self.sent_messages = snap.sent_messages
         self.assigned = int(np.count_nonzero(channel >= 0))
         self.rpc_types = int(np.count_nonzero(channel == RPC))
+        free = channel == UNASSIGNED
+        self.pending_node[:] = 0
+        e = free[row]
+        np.add.at(self.pending_node, self.inst.dest_idx[e], self.inst.rate_bps[row[e]])
+        self.pending_rate = int(self.inst.rate_bps[free].sum())
         self.version += 1
 
     def move(self, m: int, c: int) -> None:
@@ -255,6 +265,8 @@ class CostState:
             self.controller_cpu += 1
             self.sent_messages += self._msgs[m]
         self.necessary += f * d
+        self.pending_node[dest] -= f
+        self.pending_rate -= f
         self.assigned += 1
         self.channel[m] = c
 
@@ -285,6 +297,8 @@ class CostState:
             self.controller_cpu -= 1
             self.sent_messages -= self._msgs[m]
         self.necessary -= f * d
+        self.pending_node[dest] += f
+        self.pending_rate += f
         self.assigned -= 1
         self.channel[m] = UNASSIGNED
 
@@ -324,6 +338,40 @@ class CostState:
         if fresh.size:
             peak = max(peak, float(((b[fresh] + self.topic_rate[c] + f) / cap[fresh]).max()))
         return peak
+
+    def fits(self, m: int, c: int, reserve: bool = False) -> bool:
+        """Whether putting unassigned ``m`` on channel ``c`` keeps Eq. 1's constraints: the
+        controller's bandwidth and CPU within C_b and C_p, and every node whose traffic the
+        move changes within s(n) (the same float test as :func:`node_stats`).
+
+        With ``reserve``, the types still unassigned after ``m`` are counted at the least
+        they will cost on any channel (one publish and one send on the controller, f(m') on
+        each destination node), so a move that fits leaves the rest of the episode a chance
+        to fit too."""
+        inst = self.inst
+        f, d, dest = self._rate[m], self._fan[m], self._dest[m]
+        bw, cpu = (f * d, d) if c == RPC else (f, 1)
+        if reserve:
+            bw += self.pending_rate - f
+            cpu += inst.num_types - self.assigned - 1
+        if (self.controller_bw + bw > inst.controller_bw_bps
+                or self.controller_cpu + cpu > inst.controller_cpu):
+            return False
+        b, inv = self.node_traffic, inst.inv_capacity
+        if reserve:  # lower bound of each node's final traffic; m's own f is in it already
+            b = b + self.pending_node
+        row = self.sub_count[c] if c != RPC else None
+        if c == RPC:
+            return not bool(((b[dest] + (0 if reserve else f)) * inv[dest] > 1.0).any())
+        if f and self.topic_subscribers[c]:
+            subs = row > 0
+            if reserve:
+                subs[dest] = False  # subscribed destinations: f moves from pending to b
+            if ((b[subs] + f) * inv[subs] > 1.0).any():
+                return False
+        fresh = dest[row[dest] == 0]
+        add = int(self.topic_rate[c]) + (0 if reserve else f)
+        return not bool(((b[fresh] + add) * inv[fresh] > 1.0).any())
 
     # ------------------------------------------------------------------ views
     def snapshot(self) -> CostSnapshot:

@@ -10,9 +10,11 @@ types (destination-hash buckets, Algorithm 1) are decided one per step, largest
 ``f(m)|D(m)|`` first by default. The final assignment is a solution of DSMD (Eq. 1).
 
 ## Action space
-``Box(-1, 1, (K+1,), float32)``: one score per channel, decoded by argmax (0 = RPC,
-t = MQ topic t) with ties broken uniformly at random by the environment's RNG.
-With ``action="discrete"``: ``Discrete(K+1)``.
+``Box(-1, 1, (K+1,), float32)``: one score per channel (0 = RPC, t = MQ topic t), decoded
+by :mod:`envs.dsmd.decoding`: ``decoding="feasible"`` (default) takes the highest-scoring
+channel that keeps Eq. 1's constraints (the argmax if none does), ``"argmax"`` is the
+paper's plain argmax; ties are broken uniformly at random by the environment's RNG.
+With ``action="discrete"``: ``Discrete(K+1)``, applied as chosen.
 
 ## Observation space
 ``Box(-1, 1, (size,), float32)``; the layout depends on ``observation``
@@ -39,7 +41,8 @@ term, ``window``, ``type`` (instance index just decided), ``channel`` and
 ``scenario`` (name in ``configs/scenario`` or a :class:`ScenarioSpec`),
 ``scenario_overrides``, ``split``, ``windows`` (explicit window list), ``observation``,
 ``action`` (``"box"``/``"discrete"``), ``reward`` (dict of :class:`RewardConfig`),
-``order`` (``"rate_desc"``, ``"random"``, ``"index"``), ``initial``, ``cache_dir``,
+``order`` (``"rate_desc"``, ``"random"``, ``"index"``), ``decoding`` (``"feasible"``,
+``"argmax"``), ``initial``, ``cache_dir``,
 ``batch_key``, ``problems`` (a prebuilt :class:`ProblemSet`).
 
 ## Version history
@@ -56,6 +59,7 @@ import numpy as np
 from gymnasium import spaces
 
 from .cost import CostState
+from .decoding import check_decoding, decode
 from .errors import DSMDError
 from .instance import RPC, DSMDInstance
 from .observation import ObservationBuilder, ObservationLayout
@@ -63,21 +67,10 @@ from .problems import DATASETS_DIR, ProblemSet, problems_for
 from .reward import RewardConfig, eq2_terms
 from .scenarios import ScenarioSpec
 
-__all__ = ["DSMDEnv", "decode_action", "decision_order"]
+__all__ = ["DSMDEnv", "decision_order"]
 
 _REWARD_KEYS = {k: f"reward/{k}" for k in ("objective", "controller_bw_penalty",
                                           "controller_cpu_penalty", "node_penalty", "value")}
-
-
-def decode_action(action: np.ndarray, rng: np.random.Generator) -> int:
-    """argmax over channel scores, ties broken uniformly at random."""
-    a = np.asarray(action).reshape(-1)
-    best = int(a.argmax())
-    top = a[best]
-    if np.count_nonzero(a == top) > 1:
-        ties = np.flatnonzero(a == top)
-        best = int(ties[rng.integers(ties.size)])
-    return best
 
 
 def decision_order(inst: DSMDInstance, order: str, rng: np.random.Generator | None = None
@@ -102,7 +95,7 @@ class DSMDEnv(gym.Env):
                  windows: list[int] | None = None, observation: str = "paper_type",
                  action: str = "box", reward: dict | RewardConfig | None = None,
                  order: str = "rate_desc", initial: str = "empty",
-                 scenario_overrides: dict | None = None,
+                 decoding: str = "feasible", scenario_overrides: dict | None = None,
                  cache_dir: str | Path | None = DATASETS_DIR, batch_key: str = "hosts",
                  problems: ProblemSet | None = None) -> None:
         super().__init__()
@@ -133,6 +126,7 @@ class DSMDEnv(gym.Env):
         decision_order(self.problems.instance(self.windows[0]), order,
                        np.random.default_rng(0))  # validates ``order``
         self.order_mode, self.initial, self.action_mode = order, initial, action
+        self.decoding = check_decoding(decoding)
         k = self.problems.spec.num_topics
         self.layout = ObservationLayout(observation, self.problems.catalog_size,
                                         self.problems.num_nodes, k)
@@ -176,7 +170,7 @@ class DSMDEnv(gym.Env):
             raise DSMDError("episode is over; call reset()")
         m = int(self.order[self._step])
         c = (int(action) if self.action_mode == "discrete"
-             else decode_action(action, self.np_random))
+             else decode(action, self.state, m, self.np_random, self.decoding))
         self.state.move(m, c)
         self.obs_builder.on_move(m, c)
         self._step += 1
@@ -208,6 +202,14 @@ class DSMDEnv(gym.Env):
         self.obs_builder.on_move(m, -1)
 
     # ------------------------------------------------------------------ helpers
+    @property
+    def next_type(self) -> int | None:
+        """The instance index of the type the next step decides (None when the episode is
+        over)."""
+        if self.state is None or self._step >= self.order.size:
+            return None
+        return int(self.order[self._step])
+
     def final_metrics(self) -> dict:
         if self.state is None:
             raise DSMDError("call reset() first")

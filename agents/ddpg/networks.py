@@ -1,0 +1,92 @@
+"""Actor and critic networks of the DDPG module.
+
+``mlp`` -- the paper's networks (SMART Section VII-A): two fully connected ReLU layers,
+tanh on the actor's output; the critic reads ``[obs, action]``.
+
+``per_channel`` -- the same two-layer networks applied to each channel with shared weights
+(a Deep Sets / permutation-equivariant design, Zaheer et al., arXiv:1703.06114), for the
+``channel`` observation (:mod:`envs.dsmd.observation`): ``G`` global values followed by
+``P`` blocks of ``K+1`` per-channel values. The actor scores channel ``c`` from
+``[globals, features_c]``; the critic reads the globals and the features of the channel
+the action picks, softly: their average weighted by a softmax of the action with a learned
+temperature (the channel the decoder picks weighs most). Parameters do not grow with K, a
+topic's score does not depend on its index (which is arbitrary), and the critic costs
+O(K) per sample instead of an MLP over all K+1 channels.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["mlp", "MLPCritic", "ChannelActor", "ChannelCritic", "channel_split"]
+
+
+def mlp(inp: int, hidden: list[int], out: int, out_act: nn.Module | None = None) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for h in hidden:
+        layers += [nn.Linear(inp, h), nn.ReLU()]
+        inp = h
+    layers.append(nn.Linear(inp, out))
+    if out_act is not None:
+        layers.append(out_act)
+    return nn.Sequential(*layers)
+
+
+class MLPCritic(nn.Module):
+    """``Q(s, a) = mlp([s, a])``."""
+
+    def __init__(self, obs_dim: int, act_dim: int, hidden: list[int]) -> None:
+        super().__init__()
+        self.net = mlp(obs_dim + act_dim, hidden, 1)
+
+    def forward(self, obs: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
+        return self.net(torch.cat([obs, act], dim=-1)).squeeze(-1)
+
+
+def channel_split(obs_dim: int, num_channels: int, blocks: int) -> int:
+    """The number of global values of a per-channel observation (raises if it does not fit)."""
+    g = obs_dim - blocks * num_channels
+    if g < 0:
+        raise ValueError(
+            f"architecture 'per_channel' needs an observation of G globals + {blocks} blocks "
+            f"of {num_channels} per-channel values (env.observation=channel); got "
+            f"{obs_dim} values")
+    return g
+
+
+def _per_channel(obs: torch.Tensor, g: int, blocks: int, a: int) -> torch.Tensor:
+    """``[B, G + P*A] -> [B, A, G + P]``: each channel's row is [globals, its features]."""
+    b = obs.shape[0]
+    feats = obs[:, g:].reshape(b, blocks, a).transpose(1, 2)
+    return torch.cat([obs[:, None, :g].expand(b, a, g), feats], dim=-1)
+
+
+class ChannelActor(nn.Module):
+    def __init__(self, obs_dim: int, num_channels: int, blocks: int, hidden: list[int]) -> None:
+        super().__init__()
+        self.g, self.blocks, self.a = channel_split(obs_dim, num_channels, blocks), blocks, \
+            num_channels
+        self.net = mlp(self.g + blocks, hidden, 1, nn.Tanh())
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.net(_per_channel(obs, self.g, self.blocks, self.a)).squeeze(-1)
+
+
+class ChannelCritic(nn.Module):
+    """``Q(s, a) = mlp([globals, sum_c softmax(a / T)_c features_c])``: the features of the
+    channel the action picks (softly, with a learned temperature), and the globals."""
+
+    def __init__(self, obs_dim: int, num_channels: int, blocks: int, hidden: list[int]) -> None:
+        super().__init__()
+        self.g, self.blocks, self.a = channel_split(obs_dim, num_channels, blocks), blocks, \
+            num_channels
+        self.head = mlp(self.g + blocks, hidden, 1)
+        self.log_inv_temp = nn.Parameter(torch.tensor(2.3))  # 1/T = e^2.3 ~ 10
+
+    def forward(self, obs: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
+        b = obs.shape[0]
+        feats = obs[:, self.g:].reshape(b, self.blocks, self.a)  # [B, P, A]
+        w = torch.softmax(act * self.log_inv_temp.exp(), dim=-1)  # [B, A]
+        picked = torch.bmm(feats, w[..., None]).squeeze(-1)  # [B, P]
+        return self.head(torch.cat([obs[:, :self.g], picked], dim=-1)).squeeze(-1)

@@ -1,0 +1,63 @@
+"""From channel scores to a channel: the one decoder shared by the environment, evaluation,
+the policy bundle and serving.
+
+An actor outputs one score per channel (index 0 = RPC, t = MQ topic t; SMART Section V-D-2
+uses the argmax of the actor's K+1 outputs). Two modes:
+
+``argmax``   the paper's decoding: the highest score, ties broken uniformly at random.
+``feasible`` a safety layer: the argmax if that move fits (:meth:`CostState.fits` with
+             ``reserve=True``); otherwise the highest-scoring channel that fits (ties by
+             channel index); if no channel fits, the argmax all the same (the reward's
+             penalty terms then see the violation). It draws from ``rng`` exactly as
+             ``argmax`` does, so both modes agree whenever the argmax fits.
+
+A move *fits* if Eq. 1's constraints (controller bandwidth C_b and CPU C_p, node bandwidth
+s(n)) still hold once every type not yet decided is counted at the least it will cost on
+any channel: one publish of f(m) and one send on the controller, f(m) on each of its
+destination nodes. Those costs are lower bounds, so a move that does not fit makes a
+violation certain, and an episode of fitting moves ends feasible. When the first type is
+decided nothing fits only if the window itself is infeasible (then the exact MILP says so
+too); later, a type can still find no fitting channel because the bounds are not tight.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .cost import CostState
+from .errors import DSMDError
+
+__all__ = ["DECODINGS", "decode_action", "decode", "check_decoding"]
+
+DECODINGS: tuple[str, ...] = ("argmax", "feasible")
+
+
+def check_decoding(mode: str) -> str:
+    if mode not in DECODINGS:
+        raise DSMDError(f"decoding must be one of {DECODINGS}, got {mode!r}")
+    return mode
+
+
+def decode_action(action: np.ndarray, rng: np.random.Generator) -> int:
+    """argmax over channel scores, ties broken uniformly at random."""
+    a = np.asarray(action).reshape(-1)
+    best = int(a.argmax())
+    top = a[best]
+    if np.count_nonzero(a == top) > 1:
+        ties = np.flatnonzero(a == top)
+        best = int(ties[rng.integers(ties.size)])
+    return best
+
+
+def decode(action: np.ndarray, state: CostState, m: int, rng: np.random.Generator,
+           mode: str = "feasible") -> int:
+    """The channel for unassigned type ``m`` in ``state`` (see the module docstring)."""
+    best = decode_action(action, rng)
+    if mode == "argmax" or state.fits(m, best, reserve=True):
+        return best
+    scores = np.asarray(action).reshape(-1)
+    for c in np.argsort(-scores, kind="stable"):
+        c = int(c)
+        if c != best and state.fits(m, c, reserve=True):
+            return c
+    return best
