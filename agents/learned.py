@@ -28,7 +28,7 @@ __all__ = ["ActorPolicy"]
 class ActorPolicy(Policy):
     def __init__(self, actor: Callable[[np.ndarray], np.ndarray], layout: ObservationLayout,
                  *, name: str = "learned", order: str = "rate_desc",
-                 decoding: str = "feasible", seed: int = 0) -> None:
+                 decoding: str = "argmax", seed: int = 0) -> None:
         self.actor = actor
         self.layout = layout
         self.name = name

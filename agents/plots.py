@@ -32,6 +32,15 @@ SWEEP_FIGURES = [
 ]
 
 
+def _save(fig, path: Path, title: str) -> Path:
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def comparison_plot(summary: pd.DataFrame, path: Path, title: str,
                     limits: dict[str, float] | None = None) -> Path:
     """Bars per policy; ``limits`` maps a column to its capacity (drawn dashed)."""
@@ -53,12 +62,7 @@ def comparison_plot(summary: pd.DataFrame, path: Path, title: str,
             ax.text(len(names) - 0.5, limits[c], " limit", va="bottom", ha="right", fontsize=8)
         ax.set_title(label, fontsize=10)
         ax.tick_params(axis="x", rotation=30)
-    fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path, title)
 
 
 def sweep_plots(summary: pd.DataFrame, outdir: Path, scenario: str) -> list[Path]:
@@ -111,9 +115,4 @@ def learning_curve_plot(curve: pd.DataFrame, path: Path, title: str) -> Path:
         ax.set_xlabel("environment steps")
         if len(cols) > 1 and ax.lines:
             ax.legend(fontsize=7)
-    fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path, title)

@@ -66,7 +66,8 @@ def test_priorities_follow_td_errors_of_the_sampled_transitions(algo):
     finally:
         algo.replay.update_priorities = real
     idx, td = calls[-1]
-    assert td.shape == idx.shape == (32,) and np.all(td >= 0)
+    # one write-back per learner call of n updates: n x 32 sampled transitions
+    assert td.shape == idx.shape and idx.size % 32 == 0 and np.all(td >= 0)
     leaves = algo.replay.tree.leaves(idx)
     # the stored priority of every sampled transition is (|td| + eps)^alpha (the last
     # occurrence wins for a transition sampled twice)
@@ -167,15 +168,18 @@ def test_ou_noise_is_per_episode_correlated_and_off_in_evaluation():
     assert np.abs(ou.state[e3.id_]).max() < 1.0  # one step from mu, not the old state
 
 
-def test_ddpg_trains_with_ou_noise():
+def _small_pendulum_algo(**training):
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
-    cfg = (DDPGConfig().environment("Pendulum-v1")
-           .env_runners(num_env_runners=0, rollout_fragment_length=8)
-           .training(train_batch_size_per_learner=16, random_warmup_steps=16,
-                     num_steps_sampled_before_learning_starts=16, fcnet_hiddens=[16, 16],
-                     noise_type="ou", ou_sigma=0.3)
-           .debugging(seed=0))
-    a = cfg.build_algo()
+    return (DDPGConfig().environment("Pendulum-v1")
+            .env_runners(num_env_runners=0, rollout_fragment_length=8)
+            .training(train_batch_size_per_learner=16, random_warmup_steps=16,
+                      num_steps_sampled_before_learning_starts=16, fcnet_hiddens=[16, 16],
+                      **training)
+            .debugging(seed=0).build_algo())
+
+
+def test_ddpg_trains_with_ou_noise():
+    a = _small_pendulum_algo(noise_type="ou", ou_sigma=0.3)
     try:
         names = [type(c).__name__ for c in a.env_runner._module_to_env.connectors]
         assert names[0] == "OrnsteinUhlenbeckNoise"
@@ -213,14 +217,7 @@ def test_per_channel_architecture_needs_the_channel_observation():
 
 
 def test_demonstrations_enter_every_batch_with_behaviour_cloning():
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
-    cfg = (DDPGConfig().environment("Pendulum-v1")
-           .env_runners(num_env_runners=0, rollout_fragment_length=8)
-           .training(train_batch_size_per_learner=16, random_warmup_steps=16,
-                     num_steps_sampled_before_learning_starts=16, fcnet_hiddens=[16, 16],
-                     demo_fraction=0.25, bc_weight=1.0)
-           .debugging(seed=0))
-    a = cfg.build_algo()
+    a = _small_pendulum_algo(demo_fraction=0.25, bc_weight=1.0)
     try:
         rng = np.random.default_rng(0)
         n = 40
@@ -231,10 +228,12 @@ def test_demonstrations_enter_every_batch_with_behaviour_cloning():
         while a.updates_done == 0:
             res = a.train()
         assert "bc_loss" in res["learners"][DEFAULT_MODULE_ID]
-        cols, idx = a._batch(16, 0.4)
-        assert cols["demo"].tolist() == [0.0] * 12 + [1.0] * 4 and idx.size == 12
-        assert (cols[Columns.ACTIONS][12:] == 0.5).all()
-        a.replay.update_priorities(idx, np.ones(12))  # the replay rows are the PER sample
+        cols, idx, rows = a._batch(16, 0.4, n=2)  # two minibatches of 12 replay + 4 demo rows
+        assert cols["demo"].tolist() == ([0.0] * 12 + [1.0] * 4) * 2 and idx.size == 24
+        assert rows.tolist() == [*range(12), *range(16, 28)]
+        assert (cols[Columns.ACTIONS][cols["demo"] == 1] == 0.5).all()
+        np.testing.assert_array_equal(cols[Columns.OBS][rows], a.replay.obs[idx])
+        a.replay.update_priorities(idx, np.ones(24))  # the replay rows are one PER sample
     finally:
         a.stop()
 
@@ -254,10 +253,11 @@ def _trained_weights(seed: int) -> tuple[list[torch.Tensor], np.ndarray]:
            .env_runners(num_env_runners=0, rollout_fragment_length=8)
            .training(train_batch_size_per_learner=16, random_warmup_steps=32,
                      num_steps_sampled_before_learning_starts=32, fcnet_hiddens=[16, 16])
+           .reporting(min_time_s_per_iteration=None, min_sample_timesteps_per_iteration=40)
            .td3().debugging(seed=seed))
     a = cfg.build_algo()
     try:
-        while a.updates_done < 50:
+        for _ in range(3):  # a fixed amount of work (iterations are not time-bound)
             a.train()
         m = a.learner_group._learner.module[DEFAULT_MODULE_ID]
         return [p.detach().clone() for p in m.pi.parameters()], a.replay.rewards[:a.replay.count].copy()

@@ -182,6 +182,8 @@ class DDPGConfig(SACConfig):
 class DDPG(SAC):
     """DDPG / TD3 with fast prioritized replay (see the module docstring)."""
 
+    MAX_UPDATES_PER_CALL = 32
+
     @classmethod
     def get_default_config(cls) -> DDPGConfig:
         return DDPGConfig()
@@ -275,26 +277,35 @@ class DDPG(SAC):
                                            policies=[DEFAULT_MODULE_ID], inference_only=True)
         return float(loss)
 
-    def _batch(self, batch_size: int, beta: float):
-        """A training batch: replay rows (PER) then demonstration rows; the replay's indices."""
+    def _batch(self, batch_size: int, beta: float, n: int = 1
+               ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+        """``n`` training minibatches of ``batch_size`` rows, concatenated: each is replay rows
+        (one PER sample for all ``n``) then demonstration rows. Returns the columns, the
+        replay indices, and the rows of the columns that hold them (for the TD errors)."""
         n_demo = (int(round(batch_size * self.config.demo_fraction))
                   if self.demos is not None else 0)
-        b = self.replay.sample(batch_size - n_demo, beta=beta)
-        cols = {Columns.OBS: b.obs, Columns.ACTIONS: b.actions, Columns.REWARDS: b.rewards,
-                Columns.NEXT_OBS: b.next_obs, Columns.TERMINATEDS: b.terminateds,
-                "weights": b.weights}
-        if self.demos is not None:
-            d = self.demos.sample(n_demo) if n_demo else None
-            for k, v in zip((Columns.OBS, Columns.ACTIONS, Columns.REWARDS, Columns.NEXT_OBS,
-                             Columns.TERMINATEDS, "weights"),
-                            () if d is None else (d.obs, d.actions, d.rewards, d.next_obs,
-                                                  d.terminateds, d.weights)):
-                cols[k] = np.concatenate([cols[k], v])
-            cols[DEMO] = np.concatenate([np.zeros(batch_size - n_demo, np.float32),
-                                         np.ones(n_demo, np.float32)])
-            if d is not None:
-                self.demos.update_priorities(d.indices, np.zeros(n_demo))
-        return cols, b.indices
+        n_rep = batch_size - n_demo
+        b = self.replay.sample(n_rep * n, beta=beta)
+        keys = (Columns.OBS, Columns.ACTIONS, Columns.REWARDS, Columns.NEXT_OBS,
+                Columns.TERMINATEDS, "weights")
+        rep = dict(zip(keys, (b.obs, b.actions, b.rewards, b.next_obs, b.terminateds,
+                              b.weights)))
+        rows = (np.arange(n)[:, None] * batch_size + np.arange(n_rep)).reshape(-1)
+        if self.demos is None:
+            return rep, b.indices, rows
+        d = self.demos.sample(n_demo * n) if n_demo else None
+        if d is not None:
+            self.demos.update_priorities(d.indices, np.zeros(d.indices.size))  # uniform
+        dem = dict(zip(keys, (d.obs, d.actions, d.rewards, d.next_obs, d.terminateds,
+                              d.weights))) if d is not None else None
+        cols = {}
+        for k in keys:
+            r = rep[k].reshape(n, n_rep, *rep[k].shape[1:])
+            if dem is not None:
+                r = np.concatenate([r, dem[k].reshape(n, n_demo, *dem[k].shape[1:])], axis=1)
+            cols[k] = r.reshape(n * batch_size, *rep[k].shape[1:])
+        cols[DEMO] = np.tile(np.r_[np.zeros(n_rep, np.float32), np.ones(n_demo, np.float32)], n)
+        return cols, b.indices, rows
 
     # ------------------------------------------------------------------ replay I/O
     def _store(self, episodes, random_actions: bool) -> int:
@@ -334,16 +345,25 @@ class DDPG(SAC):
         n_updates = int(self._update_credit)
         self._update_credit -= n_updates
         batch_size = int(cfg.train_batch_size_per_learner)
-        for _ in range(n_updates):
-            cols, indices = self._batch(batch_size, self._beta(steps))
-            batch = MultiAgentBatch({DEFAULT_MODULE_ID: SampleBatch(cols)}, env_steps=batch_size)
+        done = 0
+        while done < n_updates:
+            # up to MAX_UPDATES_PER_CALL updates in one learner call, one minibatch each (in
+            # order, not shuffled): the learner's per-call overhead is paid once; the
+            # priorities of all their transitions are written back after the call
+            n = min(n_updates - done, self.MAX_UPDATES_PER_CALL)
+            cols, indices, rows = self._batch(batch_size, self._beta(steps), n)
+            batch = MultiAgentBatch({DEFAULT_MODULE_ID: SampleBatch(cols)},
+                                    env_steps=batch_size * n)
             results = self.learner_group.update(
-                batch=batch, timesteps={NUM_ENV_STEPS_SAMPLED_LIFETIME: steps})
+                batch=batch, minibatch_size=batch_size, num_epochs=1,
+                shuffle_batch_per_epoch=False,
+                timesteps={NUM_ENV_STEPS_SAMPLED_LIFETIME: steps})
             td = np.concatenate([np.asarray(convert_to_numpy(
                 r[DEFAULT_MODULE_ID].pop(TD_ERROR_KEY).peek())).reshape(-1) for r in results])
-            self.replay.update_priorities(indices, td[:indices.size])
+            self.replay.update_priorities(indices, td[rows])
             self.metrics.aggregate(results, key=LEARNER_RESULTS)
-            self.updates_done += 1
+            self.updates_done += n
+            done += n
         if n_updates:
             self.env_runner_group.sync_weights(from_worker_or_learner_group=self.learner_group,
                                                policies=[DEFAULT_MODULE_ID],

@@ -17,6 +17,7 @@ from ray.rllib.algorithms.sac.sac_learner import (QF_LOSS_KEY, QF_PREDS, QF_TARG
 from ray.rllib.algorithms.sac.torch.sac_torch_learner import SACTorchLearner
 from ray.rllib.core.columns import Columns
 from ray.rllib.core.learner.learner import POLICY_LOSS_KEY
+from ray.rllib.core.learner.utils import update_target_network
 from ray.rllib.utils.metrics import ALL_MODULES, TD_ERROR_KEY
 
 
@@ -99,8 +100,18 @@ class DDPGTorchLearner(SACTorchLearner):
                               self.filter_param_dict_for_optimizer(self._params, opt).items()})
         return grads
 
+    def apply_gradients(self, gradients_dict) -> None:
+        """The optimizer steps, then (on actor steps: TD3 delays them with the actor) the
+        Polyak averaging of every target network, once per gradient update, so several
+        updates can share one ``learner_group.update`` call (minibatches)."""
+        super().apply_gradients(gradients_dict)
+        for mid, actor in self._actor_step.items():
+            if not actor:
+                continue
+            tau = self.config.get_config_for_module(mid).tau
+            for main, target in self.module[mid].unwrapped().get_target_network_pairs():
+                update_target_network(main_net=main, target_net=target, tau=tau)
+
     def after_gradient_based_update(self, *, timesteps: Dict[str, Any]) -> None:
-        if all(self._actor_step.values()):  # polyak-average targets with the actor (TD3)
-            super().after_gradient_based_update(timesteps=timesteps)
-        else:  # learning-rate schedules only
-            super(DQNLearner, self).after_gradient_based_update(timesteps=timesteps)
+        # learning-rate schedules only; the targets moved in apply_gradients
+        super(DQNLearner, self).after_gradient_based_update(timesteps=timesteps)

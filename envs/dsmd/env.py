@@ -11,9 +11,10 @@ types (destination-hash buckets, Algorithm 1) are decided one per step, largest
 
 ## Action space
 ``Box(-1, 1, (K+1,), float32)``: one score per channel (0 = RPC, t = MQ topic t), decoded
-by :mod:`envs.dsmd.decoding`: ``decoding="feasible"`` (default) takes the highest-scoring
-channel that keeps Eq. 1's constraints (the argmax if none does), ``"argmax"`` is the
-paper's plain argmax; ties are broken uniformly at random by the environment's RNG.
+by :mod:`envs.dsmd.decoding`: ``decoding="argmax"`` (default) is the paper's plain argmax,
+``"feasible"`` (the training configuration's choice, ``configs/env/dsmd.yaml``) takes the
+highest-scoring channel that keeps Eq. 1's constraints (the argmax if none does); ties are
+broken uniformly at random by the environment's RNG.
 With ``action="discrete"``: ``Discrete(K+1)``, applied as chosen.
 
 ## Observation space
@@ -41,8 +42,8 @@ term, ``window``, ``type`` (instance index just decided), ``channel`` and
 ``scenario`` (name in ``configs/scenario`` or a :class:`ScenarioSpec`),
 ``scenario_overrides``, ``split``, ``windows`` (explicit window list), ``observation``,
 ``action`` (``"box"``/``"discrete"``), ``reward`` (dict of :class:`RewardConfig`),
-``order`` (``"rate_desc"``, ``"random"``, ``"index"``), ``decoding`` (``"feasible"``,
-``"argmax"``), ``initial``, ``cache_dir``,
+``order`` (``"rate_desc"``, ``"random"``, ``"index"``), ``decoding`` (``"argmax"``,
+``"feasible"``), ``initial``, ``cache_dir``,
 ``batch_key``, ``problems`` (a prebuilt :class:`ProblemSet`).
 
 ## Version history
@@ -95,7 +96,7 @@ class DSMDEnv(gym.Env):
                  windows: list[int] | None = None, observation: str = "paper_type",
                  action: str = "box", reward: dict | RewardConfig | None = None,
                  order: str = "rate_desc", initial: str = "empty",
-                 decoding: str = "feasible", scenario_overrides: dict | None = None,
+                 decoding: str = "argmax", scenario_overrides: dict | None = None,
                  cache_dir: str | Path | None = DATASETS_DIR, batch_key: str = "hosts",
                  problems: ProblemSet | None = None) -> None:
         super().__init__()
