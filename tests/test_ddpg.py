@@ -105,6 +105,10 @@ def test_td3_delays_actor_and_target_updates(algo):
         assert moved(q, m.qf)  # the critic learns on every update
         assert moved(pi, m.pi) == actor_turn  # the actor every second one (policy_delay=2)
         assert moved(tq, m.target_qf) == actor_turn  # and the targets with it
+        if actor_turn:  # Polyak averaging with tau, after the critic's step
+            tau = algo.config.tau
+            for old, t, q_new in zip(tq, m.target_qf.parameters(), m.qf.parameters()):
+                torch.testing.assert_close(t.detach(), (1 - tau) * old + tau * q_new.detach())
         seen.add(actor_turn)
     assert seen == {True, False}
 

@@ -17,7 +17,6 @@ from ray.rllib.algorithms.sac.sac_learner import (QF_LOSS_KEY, QF_PREDS, QF_TARG
 from ray.rllib.algorithms.sac.torch.sac_torch_learner import SACTorchLearner
 from ray.rllib.core.columns import Columns
 from ray.rllib.core.learner.learner import POLICY_LOSS_KEY
-from ray.rllib.core.learner.utils import update_target_network
 from ray.rllib.utils.metrics import ALL_MODULES, TD_ERROR_KEY
 
 
@@ -109,8 +108,10 @@ class DDPGTorchLearner(SACTorchLearner):
             if not actor:
                 continue
             tau = self.config.get_config_for_module(mid).tau
-            for main, target in self.module[mid].unwrapped().get_target_network_pairs():
-                update_target_network(main_net=main, target_net=target, tau=tau)
+            with torch.no_grad():  # target <- target + tau (main - target), fused
+                for main, target in self.module[mid].unwrapped().get_target_network_pairs():
+                    torch._foreach_lerp_(list(target.parameters()), list(main.parameters()),
+                                         tau)
 
     def after_gradient_based_update(self, *, timesteps: Dict[str, Any]) -> None:
         # learning-rate schedules only; the targets moved in apply_gradients
