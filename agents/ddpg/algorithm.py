@@ -275,7 +275,7 @@ class DDPG(SAC):
         module.target_pi.load_state_dict(module.pi.state_dict())
         self.env_runner_group.sync_weights(from_worker_or_learner_group=self.learner_group,
                                            policies=[DEFAULT_MODULE_ID], inference_only=True)
-        return float(loss)
+        return float(loss.detach())
 
     def _batch(self, batch_size: int, beta: float, n: int = 1
                ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
