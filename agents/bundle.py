@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,10 +57,18 @@ def export_bundle(actor: Any, layout: ObservationLayout, signature: dict, direct
         actor = actor.eval().cpu()
         # torch.export-based exporter (needs onnxscript); weights embedded in one file so the
         # content hash covers the whole actor
-        torch.onnx.export(actor, (torch.zeros(1, layout.size),), str(tmp / "actor.onnx"),
-                          input_names=["obs"], output_names=["scores"],
-                          dynamic_shapes=({0: torch.export.Dim("batch")},), dynamo=True,
-                          external_data=False, verbose=False)
+        quiet = [logging.getLogger(n) for n in ("onnxscript", "onnx_ir")]
+        levels = [lg.level for lg in quiet]
+        for lg in quiet:  # the exporter's optimiser logs every pass at INFO
+            lg.setLevel(logging.WARNING)
+        try:
+            torch.onnx.export(actor, (torch.zeros(1, layout.size),), str(tmp / "actor.onnx"),
+                              input_names=["obs"], output_names=["scores"],
+                              dynamic_shapes=({0: torch.export.Dim("batch")},), dynamo=True,
+                              external_data=False, verbose=False)
+        finally:
+            for lg, lv in zip(quiet, levels):
+                lg.setLevel(lv)
         import onnx
         import onnxruntime
 

@@ -189,10 +189,10 @@ class CostState:
         ptr = inst.dest_ptr
         self._dest = [inst.dest_idx[ptr[i]:ptr[i + 1]] for i in range(m)]
         # what the unassigned types will cost at least, whatever their channel: f(m) on
-        # each destination node and f(m) (one publish) on the controller
-        self.pending_node = np.zeros(n, dtype=np.int64)
-        np.add.at(self.pending_node, inst.dest_idx, inst.rate_bps[inst.type_of_entry])
-        self.pending_rate = int(inst.rate_bps.sum())
+        # each destination node and f(m) (one publish) on the controller; tracked from the
+        # first fits(reserve=True) on (see _track_pending), so plain moves pay nothing for it
+        self.pending_node: np.ndarray | None = None
+        self.pending_rate = 0
         if channel is not None:
             self.assign_all(channel)
 
@@ -217,11 +217,8 @@ class CostState:
         self.sent_messages = snap.sent_messages
         self.assigned = int(np.count_nonzero(channel >= 0))
         self.rpc_types = int(np.count_nonzero(channel == RPC))
-        free = channel == UNASSIGNED
-        self.pending_node[:] = 0
-        e = free[row]
-        np.add.at(self.pending_node, self.inst.dest_idx[e], self.inst.rate_bps[row[e]])
-        self.pending_rate = int(self.inst.rate_bps[free].sum())
+        if self.pending_node is not None:
+            self._track_pending()
         self.version += 1
 
     def move(self, m: int, c: int) -> None:
@@ -265,8 +262,9 @@ class CostState:
             self.controller_cpu += 1
             self.sent_messages += self._msgs[m]
         self.necessary += f * d
-        self.pending_node[dest] -= f
-        self.pending_rate -= f
+        if self.pending_node is not None:
+            self.pending_node[dest] -= f
+            self.pending_rate -= f
         self.assigned += 1
         self.channel[m] = c
 
@@ -297,8 +295,9 @@ class CostState:
             self.controller_cpu -= 1
             self.sent_messages -= self._msgs[m]
         self.necessary -= f * d
-        self.pending_node[dest] += f
-        self.pending_rate += f
+        if self.pending_node is not None:
+            self.pending_node[dest] += f
+            self.pending_rate += f
         self.assigned -= 1
         self.channel[m] = UNASSIGNED
 
@@ -339,6 +338,16 @@ class CostState:
             peak = max(peak, float(((b[fresh] + self.topic_rate[c] + f) / cap[fresh]).max()))
         return peak
 
+    def _track_pending(self) -> None:
+        """(Re)compute the unassigned types' least costs and keep them up to date."""
+        inst = self.inst
+        free = self.channel == UNASSIGNED
+        row = inst.type_of_entry
+        e = free[row]
+        self.pending_node = np.zeros(inst.num_nodes, dtype=np.int64)
+        np.add.at(self.pending_node, inst.dest_idx[e], inst.rate_bps[row[e]])
+        self.pending_rate = int(inst.rate_bps[free].sum())
+
     def fits(self, m: int, c: int, reserve: bool = False) -> bool:
         """Whether putting unassigned ``m`` on channel ``c`` keeps Eq. 1's constraints: the
         controller's bandwidth and CPU within C_b and C_p, and every node whose traffic the
@@ -351,6 +360,8 @@ class CostState:
         inst = self.inst
         f, d, dest = self._rate[m], self._fan[m], self._dest[m]
         bw, cpu = (f * d, d) if c == RPC else (f, 1)
+        if reserve and self.pending_node is None:
+            self._track_pending()
         if reserve:
             bw += self.pending_rate - f
             cpu += inst.num_types - self.assigned - 1
