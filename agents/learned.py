@@ -5,7 +5,8 @@ module, an ONNX Runtime session wrapper, or a plain function. Decisions are made
 in ``smart/DSMD-v0``: the same decision order, the same :class:`ObservationBuilder` (so the
 observation is identical to the environment's for the same state) and the same decoding
 (:mod:`envs.dsmd.decoding`) with random tie-breaks. A train/evaluate/serve feature
-difference is then impossible by construction (``tests/test_learned.py`` checks env and policy agree).
+difference is then impossible by construction (``tests/test_learned.py`` checks env and
+policy agree).
 """
 
 from __future__ import annotations

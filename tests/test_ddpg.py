@@ -264,7 +264,8 @@ def _trained_weights(seed: int) -> tuple[list[torch.Tensor], np.ndarray]:
         for _ in range(3):  # a fixed amount of work (iterations are not time-bound)
             a.train()
         m = a.learner_group._learner.module[DEFAULT_MODULE_ID]
-        return [p.detach().clone() for p in m.pi.parameters()], a.replay.rewards[:a.replay.count].copy()
+        weights = [p.detach().clone() for p in m.pi.parameters()]
+        return weights, a.replay.rewards[:a.replay.count].copy()
     finally:
         a.stop()
 

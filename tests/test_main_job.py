@@ -106,10 +106,12 @@ def test_train_ddpg_tiny_budget_end_to_end(tmp_path):
     from agents.training import run_training
 
     cfg = _cfg("train", tmp_path, [
-        f"paths.checkpoint_dir={tmp_path / 'ckpt'}", "scenario=tiny", "agent=ddpg", "env.observation=channel", "agent.total_steps=400",
+        f"paths.checkpoint_dir={tmp_path / 'ckpt'}", "scenario=tiny", "agent=ddpg",
+        "env.observation=channel", "agent.total_steps=400",
         "agent.eval_every=200", "agent.training.random_warmup_steps=100",
         "agent.training.num_steps_sampled_before_learning_starts=100",
-        "agent.training.train_batch_size_per_learner=32", "agent.training.per_channel_hiddens=[16,16]",
+        "agent.training.train_batch_size_per_learner=32",
+        "agent.training.per_channel_hiddens=[16,16]",
         "agent.training.bc_pretrain_steps=50", "agent.training.critic_warmup_updates=0",
         "baseline.policies=[rpc,idcs,greedy]", "ray.num_cpus=1"])
     try:

@@ -265,8 +265,7 @@ class DDPG(SAC):
         loss = torch.zeros(())
         bs = int(self.config.train_batch_size_per_learner)
         for _ in range(steps):
-            d = self.demos.sample(bs)
-            self.demos.update_priorities(d.indices, np.zeros(bs))
+            d = self.demos.sample(bs)  # uniform: no priorities to write back
             out = module.pi(torch.as_tensor(d.obs, device=dev))
             loss = (out - torch.as_tensor(d.actions, device=dev)).pow(2).sum(-1).mean()
             opt.zero_grad()
@@ -293,9 +292,7 @@ class DDPG(SAC):
         rows = (np.arange(n)[:, None] * batch_size + np.arange(n_rep)).reshape(-1)
         if self.demos is None:
             return rep, b.indices, rows
-        d = self.demos.sample(n_demo * n) if n_demo else None
-        if d is not None:
-            self.demos.update_priorities(d.indices, np.zeros(d.indices.size))  # uniform
+        d = self.demos.sample(n_demo * n) if n_demo else None  # uniform: nothing to write back
         dem = dict(zip(keys, (d.obs, d.actions, d.rewards, d.next_obs, d.terminateds,
                               d.weights))) if d is not None else None
         cols = {}
