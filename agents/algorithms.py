@@ -19,7 +19,6 @@ dqn    the Q-values (argmax = the greedy action)
 
 from __future__ import annotations
 
-from typing import Any
 
 import numpy as np
 import torch
