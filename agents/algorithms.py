@@ -19,7 +19,6 @@ dqn    the Q-values (argmax = the greedy action)
 
 from __future__ import annotations
 
-
 import numpy as np
 import torch
 from ray.rllib.algorithms.dqn.dqn_learner import QF_PREDS
