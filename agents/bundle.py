@@ -38,6 +38,9 @@ DECODING = {"argmax": "argmax over the K+1 channel scores (0 = RPC, t = MQ topic
                         "at random (envs.dsmd.decoding)"}
 
 
+_OUTPUTS = ["scores"]
+
+
 class BundleError(ValueError):
     """A policy bundle that cannot be used (missing, corrupted or mismatched)."""
 
@@ -62,7 +65,9 @@ def export_bundle(actor: Any, layout: ObservationLayout, signature: dict, direct
         for lg in quiet:  # the exporter's optimiser logs every pass at INFO
             lg.setLevel(logging.WARNING)
         try:
-            torch.onnx.export(actor, (torch.zeros(1, layout.size),), str(tmp / "actor.onnx"),
+            # an example batch of 2: torch.export specialises a dimension of size 1, which
+            # would fix the exported batch to 1 wherever the network reshapes by it
+            torch.onnx.export(actor, (torch.zeros(2, layout.size),), str(tmp / "actor.onnx"),
                               input_names=["obs"], output_names=["scores"],
                               dynamic_shapes=({0: torch.export.Dim("batch")},), dynamo=True,
                               external_data=False, verbose=False)
@@ -113,31 +118,49 @@ class PolicyBundle:
         return self.metadata["actor_sha256"]
 
     def __call__(self, obs: np.ndarray) -> np.ndarray:
+        """Channel scores of one observation (``[size]`` -> ``[K+1]``) or a batch
+        (``[B, size]`` -> ``[B, K+1]``)."""
         x = np.asarray(obs, dtype=np.float32)
         single = x.ndim == 1
         if x.shape[-1] != self.layout.size:
             raise BundleError(f"observation has {x.shape[-1]} values; the bundle's layout "
                               f"expects {self.layout.size}")
-        out = self.session.run(["scores"], {"obs": x[None] if single else x})[0]
-        return out[0] if single else out
+        if single:
+            return self.session.run(_OUTPUTS, {"obs": x.reshape(1, -1)})[0][0]
+        fixed = self.session.get_inputs()[0].shape[0]
+        if isinstance(fixed, int) and fixed != x.shape[0]:  # an actor exported for one row
+            return np.concatenate([self.session.run(_OUTPUTS, {"obs": x[i:i + fixed]})[0]
+                                   for i in range(0, x.shape[0], fixed)])
+        return self.session.run(_OUTPUTS, {"obs": x})[0]
 
 
 def load_bundle(directory: str | Path, *, expect_layout: ObservationLayout | None = None,
-                expect_signature: dict | None = None) -> PolicyBundle:
-    """Load and verify a bundle with ONNX Runtime (CPU)."""
+                expect_signature: dict | None = None, threads: int = 1) -> PolicyBundle:
+    """Load and verify a bundle with ONNX Runtime (CPU).
+
+    ``threads``: ONNX Runtime's intra-op threads. The default, 1, runs each call on the
+    caller's thread without spinning: these actors are small, and ORT's default (a worker
+    per core that busy-waits after every call, pinned to a core of its own choosing) doubled
+    the tail latency of the policy server and burned the other core (``bench/bench_serving.py``).
+    """
     d = Path(directory)
     meta_path, onnx_path = d / "metadata.json", d / "actor.onnx"
-    for p in (meta_path, onnx_path):
-        if not p.is_file():
-            raise BundleError(f"{d}: missing {p.name}")
     try:
+        for p in (meta_path, onnx_path):
+            if not p.is_file():
+                raise BundleError(f"{d}: missing {p.name}")
         meta = json.loads(meta_path.read_text())
+        digest = _sha256(onnx_path)
     except json.JSONDecodeError as e:
         raise BundleError(f"{meta_path}: not valid JSON ({e})") from None
+    except (OSError, UnicodeDecodeError) as e:  # unreadable, name too long, not text, ...
+        raise BundleError(f"{str(d)[:200]}: cannot read the bundle ({e.__class__.__name__}: "
+                          f"{getattr(e, 'strerror', None) or e})") from None
+    if not isinstance(meta, dict):
+        raise BundleError(f"{meta_path}: not a JSON object")
     if meta.get("format") != BUNDLE_FORMAT or meta.get("version") != BUNDLE_VERSION:
         raise BundleError(f"{d}: not a {BUNDLE_FORMAT} v{BUNDLE_VERSION} bundle "
                           f"(format={meta.get('format')!r}, version={meta.get('version')!r})")
-    digest = _sha256(onnx_path)
     if digest != meta.get("actor_sha256"):
         raise BundleError(f"{onnx_path}: content hash {digest[:12]}... does not match the "
                           f"metadata's {str(meta.get('actor_sha256'))[:12]}... (corrupted or "
@@ -161,7 +184,13 @@ def load_bundle(directory: str | Path, *, expect_layout: ObservationLayout | Non
     import onnxruntime as ort
 
     try:
-        session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = int(threads)
+        opts.inter_op_num_threads = 1
+        opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        session = ort.InferenceSession(str(onnx_path), sess_options=opts,
+                                       providers=["CPUExecutionProvider"])
     except Exception as e:  # onnxruntime raises its own exception types
         raise BundleError(f"{onnx_path}: ONNX Runtime cannot load it ({e})") from None
     return PolicyBundle(d, meta, layout, session)

@@ -11,9 +11,10 @@ TD3 (twin critics, target smoothing 0.2 clip 0.5, policy delay 2, tau 0.005), ba
 hidden [256, 256], one gradient update per environment step, actor and critic lr 1e-3,
 gamma 0.95, exploration noise 0.1, replay capacity 200,000 (the ``agent=ddpg`` config
 values), a single environment, torch on CPU with one thread. Ours samples through its
-single local env runner (``num_env_runners=0``, ``rollout_fragment_length=8``) and learns
-on the driver (``num_learners=0``), i.e. 8 env steps then 8 updates per training step; the
-reference alternates 1 step and 1 update (CleanRL's loop).
+single local env runner (``num_env_runners=0``, ``rollout_fragment_length`` as in
+``configs/agent/ddpg.yaml``, 32) and learns on the driver (``num_learners=0``), i.e. 32 env
+steps then 32 updates per training iteration; the reference alternates 1 step and 1 update
+(CleanRL's loop). Both do one update per environment step.
 
 Protocol: each measurement is a fresh subprocess pinned to core 0 (one BLAS/OpenMP/torch
 thread; Ray's helper processes inherit the pinning, so ours pays for them on the same core).
@@ -66,6 +67,10 @@ GAMMA = 0.95
 TAU = 0.005
 BUFFER = 200_000
 OBSERVATION = "channel"
+# ours: env steps per training iteration (then as many updates), the training config's value
+FRAGMENT = int(os.environ.get("BENCH_FRAGMENT", "0")) or int(
+    (HERE.parent / "configs" / "agent" / "ddpg.yaml").read_text()
+    .split("rollout_fragment_length:")[1].split()[0])
 CPU_SHARE_OK = 0.85  # process CPU s / wall s below this: another process took core 0
 RETRIES = 3  # re-runs of a contended measurement
 
@@ -105,7 +110,8 @@ def run_ours(scenario: str, per: bool, seed: int, segment: int, profile: Path | 
            .environment(env=RLLIB_ENV_NAME,
                         env_config={"scenario_spec": spec.to_dict(), "observation": OBSERVATION,
                                     "split": "train"})
-           .env_runners(num_env_runners=0, rollout_fragment_length=8)
+           .env_runners(num_env_runners=0,
+                        rollout_fragment_length=FRAGMENT)
            .learners(num_learners=0)
            .training(train_batch_size_per_learner=BATCH, fcnet_hiddens=HIDDEN,
                      updates_per_step=1.0, random_warmup_steps=WARMUP,
@@ -246,7 +252,7 @@ def main() -> None:
              "reference: single-file port of CleanRL td3_continuous_action.py "
              "(bench/reference_td3.py; numpy uniform replay, no RLlib), same env, batch "
              f"{BATCH}, hidden {HIDDEN}, 1 update per env step",
-             "ours: DDPGConfig().td3(), num_env_runners=0, rollout_fragment_length=8, "
+             f"ours: DDPGConfig().td3(), num_env_runners=0, rollout_fragment_length={FRAGMENT}, "
              "num_learners=0, updates_per_step=1.0; Ray helper processes share the core",
              f"a run whose process CPU time was < {CPU_SHARE_OK} of its wall time (another "
              f"process on core 0) is re-run, up to {RETRIES} times; re-runs: "

@@ -53,3 +53,31 @@ def random_instance(seed: int, n: int = 30, m: int = 60, k: int = 5) -> DSMDInst
              for _ in range(m)]
     return DSMDInstance.from_sets(dests, rng.integers(1, 10**6, m), 3 * 10**6, k, 10**8, 400,
                                   num_nodes=n)
+
+
+def _export_tiny_bundle(directory, problems, seed: int, num_topics: int | None = None):
+    """A seeded (untrained) actor for the tiny scenario, exported as a policy bundle."""
+    import torch
+
+    from agents.bundle import export_bundle
+    from agents.ddpg.networks import mlp
+    from envs.dsmd.observation import ObservationLayout
+
+    torch.manual_seed(seed)
+    k = problems.spec.num_topics if num_topics is None else num_topics
+    layout = ObservationLayout("channel", problems.catalog_size, problems.num_nodes, k)
+    actor = mlp(layout.size, [32, 32], k + 1, torch.nn.Tanh())
+    sig = problems.signature() | {"num_topics": k}
+    return export_bundle(actor, layout, sig, directory, decoding="feasible",
+                         extra={"algorithm": f"test-seed{seed}"})
+
+
+@pytest.fixture(scope="session")
+def tiny_bundles(tmp_path_factory, tiny_problems):
+    """Two tiny-scenario bundles (different weights) and one for another K (mismatched)."""
+    root = tmp_path_factory.mktemp("bundles")
+    a = _export_tiny_bundle(root / "a", tiny_problems, 0)
+    b = _export_tiny_bundle(root / "b", tiny_problems, 1)
+    bad = _export_tiny_bundle(root / "other_k", tiny_problems, 2,
+                              num_topics=tiny_problems.spec.num_topics + 1)
+    return {"a": a, "b": b, "mismatched": bad}

@@ -65,3 +65,21 @@ def test_corrupted_or_mismatched_bundles_are_refused(exported, tmp_path):
         load_bundle(tmp_path / "nowhere")
     with pytest.raises(FileExistsError):
         export_bundle(actor, layout, ps.signature(), d)
+
+
+def test_per_channel_actor_exports_with_a_dynamic_batch(tmp_path, tiny_problems):
+    """The per-channel actor reshapes by the batch size: the bundle must still take any batch
+    (the server scores whole batches of types in one call)."""
+    from agents.ddpg.networks import ChannelActor
+
+    torch.manual_seed(0)
+    ps = tiny_problems
+    layout = ObservationLayout("channel", ps.catalog_size, ps.num_nodes, ps.spec.num_topics)
+    actor = ChannelActor(layout.size, layout.num_topics + 1, 4, [16, 16])
+    b = load_bundle(export_bundle(actor, layout, ps.signature(), tmp_path / "pc"))
+    x = np.random.default_rng(1).uniform(-1, 1, (5, layout.size)).astype(np.float32)
+    with torch.no_grad():
+        ref = actor(torch.as_tensor(x)).numpy()
+    for rows in (x[:1], x[:3], x):
+        np.testing.assert_allclose(b(rows), ref[:len(rows)], atol=1e-5)
+    np.testing.assert_allclose(b(x[0]), ref[0], atol=1e-5)

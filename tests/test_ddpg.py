@@ -278,3 +278,35 @@ def test_same_seed_same_training():
     np.testing.assert_array_equal(r0, r1)
     assert all(torch.equal(x, y) for x, y in zip(w0, w1))
     assert not all(torch.equal(x, y) for x, y in zip(w0, w2))
+
+
+@pytest.mark.parametrize("noise_type", ["gaussian", "ou"])
+def test_fast_connectors_match_rllibs_pipelines(noise_type):
+    """The lean env-runner connectors sample exactly what RLlib's default pipelines sample
+    (same seed: same observations, module actions stored in the episodes, rewards), on an
+    action space that is not [-1, 1] so unsquashing matters, and with the learner stepping
+    in between (weights synced to the runner)."""
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    stored = {}
+    for fast in (True, False):
+        cfg = (DDPGConfig().environment("Pendulum-v1")  # actions in [-2, 2]
+               .env_runners(num_env_runners=0, rollout_fragment_length=16)
+               .training(train_batch_size_per_learner=16, random_warmup_steps=32,
+                         num_steps_sampled_before_learning_starts=32, fcnet_hiddens=[16],
+                         noise_type=noise_type, fast_connectors=fast)
+               .td3().debugging(seed=3))
+        algo = cfg.build_algo()
+        pipe = type(algo.env_runner._module_to_env.connectors[-1]).__name__
+        assert (pipe == "ActionsToEnv") == fast
+        for _ in range(6):  # one training step each: 16 env steps (+ updates after 32)
+            algo.training_step()
+        n = len(algo.replay)
+        stored[fast] = (n, algo.replay.obs[:n].copy(), algo.replay.actions[:n].copy(),
+                        algo.replay.rewards[:n].copy())
+        algo.stop()
+    (n1, o1, a1, r1), (n2, o2, a2, r2) = stored[True], stored[False]
+    assert n1 == n2 == 96
+    np.testing.assert_allclose(o1, o2, rtol=1e-6)
+    np.testing.assert_allclose(a1, a2, rtol=1e-6)
+    np.testing.assert_allclose(r1, r2, rtol=1e-6)
+    assert np.abs(a1[32:]).max() <= 1.0  # module actions in [-1, 1] are what is stored

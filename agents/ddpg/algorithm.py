@@ -19,18 +19,23 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from ray.rllib.algorithms.algorithm_config import NotProvided
 from ray.rllib.algorithms.sac.sac import SAC, SACConfig
+from ray.rllib.connectors.env_to_module import EnvToModulePipeline
+from ray.rllib.connectors.module_to_env import ModuleToEnvPipeline
 from ray.rllib.core import DEFAULT_MODULE_ID
+from ray.rllib.env import INPUT_ENV_SINGLE_SPACES
 from ray.rllib.core.columns import Columns
+from ray.rllib.core.rl_module.multi_rl_module import MultiRLModule
 from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 from ray.rllib.execution.rollout_ops import synchronous_parallel_sample
 from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
 from ray.rllib.utils.metrics import (ENV_RUNNER_RESULTS, LEARNER_RESULTS,
                                      NUM_ENV_STEPS_SAMPLED_LIFETIME, TD_ERROR_KEY)
-from ray.rllib.utils.numpy import convert_to_numpy
 
+from .connectors import ActionsToEnv, LatestObservationsToTensor, supports_fast_connectors
 from .learner import DEMO, DDPGTorchLearner
 from .module import ARCHITECTURES, DDPGTorchRLModule
 from .noise import OrnsteinUhlenbeckNoise
@@ -82,8 +87,9 @@ class DDPGConfig(SACConfig):
         self.num_steps_sampled_before_learning_starts = 1_000
         self.updates_per_step = 1.0
         self.train_batch_size_per_learner = 256
-        self.rollout_fragment_length = 8
+        self.rollout_fragment_length = 32
         self.n_step = 1
+        self.fast_connectors = True
 
     def training(self, *, twin_q=NotProvided, policy_delay=NotProvided,
                  noise_type=NotProvided, ou_theta=NotProvided, ou_sigma=NotProvided,
@@ -98,7 +104,7 @@ class DDPGConfig(SACConfig):
                  per_alpha=NotProvided, per_beta=NotProvided, per_beta_final=NotProvided,
                  per_beta_steps=NotProvided, per_eps=NotProvided, buffer_capacity=NotProvided,
                  random_warmup_steps=NotProvided, updates_per_step=NotProvided,
-                 **kwargs) -> "DDPGConfig":
+                 fast_connectors=NotProvided, **kwargs) -> "DDPGConfig":
         super().training(**kwargs)
         for k, v in dict(twin_q=twin_q, policy_delay=policy_delay, noise_type=noise_type,
                          ou_theta=ou_theta, ou_sigma=ou_sigma, architecture=architecture,
@@ -116,7 +122,8 @@ class DDPGConfig(SACConfig):
                          per_beta_steps=per_beta_steps, per_eps=per_eps,
                          buffer_capacity=buffer_capacity,
                          random_warmup_steps=random_warmup_steps,
-                         updates_per_step=updates_per_step).items():
+                         updates_per_step=updates_per_step,
+                         fast_connectors=fast_connectors).items():
             if v is not NotProvided:
                 setattr(self, k, v)
         return self
@@ -147,9 +154,46 @@ class DDPGConfig(SACConfig):
         if problems:
             raise ValueError("DDPGConfig: " + "; ".join(problems))
 
+    def _single_spaces(self, env, spaces) -> tuple[Any, Any]:
+        if env is not None:
+            return (getattr(env, "single_observation_space", env.observation_space),
+                    getattr(env, "single_action_space", env.action_space))
+        if spaces is not None and INPUT_ENV_SINGLE_SPACES in spaces:
+            return tuple(spaces[INPUT_ENV_SINGLE_SPACES])
+        return self.observation_space, self.action_space
+
+    def _fast(self, custom: Any, default_on: bool, obs_space: Any, act_space: Any) -> bool:
+        """Whether the lean connectors (:mod:`agents.ddpg.connectors`) replace RLlib's
+        default pipeline: on by ``fast_connectors``, with no user connector, RLlib's defaults
+        on, one agent and flat Box spaces."""
+        return (self.fast_connectors and custom is None and default_on
+                and not self.is_multi_agent and supports_fast_connectors(obs_space, act_space))
+
+    def build_env_to_module_connector(self, env=None, spaces=None, device=None):
+        """RLlib's pipeline, or :class:`LatestObservationsToTensor` (see :meth:`_fast`)."""
+        obs_space, act_space = self._single_spaces(env, spaces)
+        if not self._fast(self._env_to_module_connector,
+                          self.add_default_connectors_to_env_to_module_pipeline,
+                          obs_space, act_space):
+            return super().build_env_to_module_connector(env, spaces, device)
+        return EnvToModulePipeline(
+            input_observation_space=obs_space, input_action_space=act_space,
+            connectors=[LatestObservationsToTensor(obs_space, act_space, device=device)])
+
     def build_module_to_env_connector(self, env=None, spaces=None):
-        """RLlib's pipeline, led by :class:`OrnsteinUhlenbeckNoise` when ``noise_type='ou'``."""
-        pipeline = super().build_module_to_env_connector(env, spaces)
+        """RLlib's pipeline or :class:`ActionsToEnv` (see :meth:`_fast`), led by
+        :class:`OrnsteinUhlenbeckNoise` when ``noise_type='ou'``."""
+        obs_space, act_space = self._single_spaces(env, spaces)
+        if self._fast(self._module_to_env_connector,
+                      self.add_default_connectors_to_module_to_env_pipeline,
+                      obs_space, act_space):
+            pipeline = ModuleToEnvPipeline(
+                input_observation_space=obs_space, input_action_space=act_space,
+                connectors=[ActionsToEnv(obs_space, act_space,
+                                         normalize=self.normalize_actions,
+                                         clip=self.clip_actions)])
+        else:
+            pipeline = super().build_module_to_env_connector(env, spaces)
         if self.noise_type == "ou":
             pipeline.prepend(OrnsteinUhlenbeckNoise(theta=self.ou_theta, sigma=self.ou_sigma,
                                                     seed=self.seed))
@@ -349,19 +393,73 @@ class DDPG(SAC):
             # priorities of all their transitions are written back after the call
             n = min(n_updates - done, self.MAX_UPDATES_PER_CALL)
             cols, indices, rows = self._batch(batch_size, self._beta(steps), n)
-            batch = MultiAgentBatch({DEFAULT_MODULE_ID: SampleBatch(cols)},
-                                    env_steps=batch_size * n)
-            results = self.learner_group.update(
-                batch=batch, minibatch_size=batch_size, num_epochs=1,
-                shuffle_batch_per_epoch=False,
-                timesteps={NUM_ENV_STEPS_SAMPLED_LIFETIME: steps})
-            td = np.concatenate([np.asarray(convert_to_numpy(
-                r[DEFAULT_MODULE_ID].pop(TD_ERROR_KEY).peek())).reshape(-1) for r in results])
+            timesteps = {NUM_ENV_STEPS_SAMPLED_LIFETIME: steps}
+            if self.learner_group.is_local:
+                results = self._local_update(cols, n, batch_size, timesteps)
+            else:
+                batch = MultiAgentBatch({DEFAULT_MODULE_ID: SampleBatch(cols)},
+                                        env_steps=batch_size * n)
+                results = self.learner_group.update(
+                    batch=batch, minibatch_size=batch_size, num_epochs=1,
+                    shuffle_batch_per_epoch=False, timesteps=timesteps)
+            # one float32 array per call (the series is a list of per-update lists; RLlib's
+            # convert_to_numpy walks it element by element)
+            td = np.concatenate([np.asarray(r[DEFAULT_MODULE_ID].pop(TD_ERROR_KEY).peek(),
+                                            dtype=np.float32).reshape(-1) for r in results])
             self.replay.update_priorities(indices, td[rows])
             self.metrics.aggregate(results, key=LEARNER_RESULTS)
             self.updates_done += n
             done += n
-        if n_updates:
+        if n_updates and not self._sync_local_weights():
             self.env_runner_group.sync_weights(from_worker_or_learner_group=self.learner_group,
                                                policies=[DEFAULT_MODULE_ID],
                                                inference_only=True)
+
+    def _local_update(self, cols: dict[str, np.ndarray], n: int, batch_size: int,
+                      timesteps: dict[str, Any]) -> list[dict]:
+        """``Learner.update`` for a local learner (``num_learners=0``), without its
+        per-minibatch machinery: the ``n`` minibatches become tensors on the learner's device
+        once and go through ``Learner._update`` (forward, losses, gradients, optimizer steps,
+        Polyak averaging: the same code) one after another, in order. What ``update`` logs
+        per minibatch (trained-step counters) is logged once for the call, summed;
+        ``before/after_gradient_based_update`` run once, as in ``update``. Returns the
+        reduced metrics in ``learner_group.update``'s format."""
+        learner = self.learner_group._learner
+        learner.before_gradient_based_update(timesteps=timesteps)
+        learner._weights_seq_no += 1
+        dev = learner._device
+        tensors = {k: torch.from_numpy(np.ascontiguousarray(v)).to(dev)
+                   for k, v in cols.items()}
+        losses: dict = {}
+        for i in range(n):
+            mb = {k: v[i * batch_size:(i + 1) * batch_size] for k, v in tensors.items()}
+            _, losses, _ = learner._update({DEFAULT_MODULE_ID: mb})
+        learner._log_steps_trained_metrics(MultiAgentBatch(
+            {DEFAULT_MODULE_ID: SampleBatch({Columns.REWARDS: cols[Columns.REWARDS]})},
+            env_steps=n * batch_size))
+        for mid, loss in losses.items():
+            learner.metrics.log_value((mid, learner.TOTAL_LOSS_KEY), loss, window=1)
+        learner.after_gradient_based_update(timesteps=timesteps)
+        return [learner.metrics.reduce()]
+
+    def _sync_local_weights(self) -> bool:
+        """With a local learner and only the local env runner (``num_learners=0``,
+        ``num_env_runners=0``), copy the actor's weights tensor to tensor, in place. RLlib's
+        ``sync_weights`` converts the state to numpy, puts it in the object store even with no
+        remote runner, and converts it back (~4 ms a call here). Returns False (nothing done)
+        in any other layout, where ``sync_weights`` is the way."""
+        runner = self.env_runner_group.local_env_runner
+        if (runner is None or self.env_runner_group.num_remote_workers() > 0
+                or not self.learner_group.is_local):
+            return False
+        dst = runner.module
+        if isinstance(dst, MultiRLModule):
+            dst = dst[DEFAULT_MODULE_ID]
+        src = dict(self.learner_group._learner.module[DEFAULT_MODULE_ID].unwrapped()
+                   .named_parameters())
+        dst_params = list(dst.unwrapped().named_parameters())
+        if not dst_params or any(name not in src for name, _ in dst_params):
+            return False
+        with torch.no_grad():
+            torch._foreach_copy_([p for _, p in dst_params], [src[n] for n, _ in dst_params])
+        return True

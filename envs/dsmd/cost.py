@@ -317,6 +317,29 @@ class CostState:
         delta[0] = f * d
         return delta, fresh
 
+    def channel_costs_many(self, ms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`channel_costs` of several unassigned types at once, each as if it were the
+        only one to move: ``(delta, fresh)``, int64 ``[len(ms), K+1]``."""
+        ms = np.asarray(ms, dtype=np.int64)
+        if ms.size and np.any(self.channel[ms] != UNASSIGNED):
+            raise InstanceError("channel_costs_many needs unassigned types")
+        inst = self.inst
+        k1 = inst.num_topics + 1
+        if ms.size == 0:
+            z = np.zeros((0, k1), np.int64)
+            return z, z.copy()
+        ptr = inst.dest_ptr
+        lens = ptr[ms + 1] - ptr[ms]
+        starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
+        idx = np.concatenate([inst.dest_idx[ptr[m]:ptr[m + 1]] for m in ms.tolist()])
+        zero = self.sub_count[:, idx] == 0  # [K+1, E]
+        fresh = np.add.reduceat(zero, starts, axis=1, dtype=np.int64).T  # [B, K+1]
+        fresh[:, 0] = 0
+        f = inst.rate_bps[ms][:, None]
+        delta = f * self.topic_subscribers[None, :] + (self.topic_rate[None, :] + f) * fresh
+        delta[:, 0] = inst.rate_bps[ms] * lens
+        return delta, fresh
+
     def topic_deltas(self, m: int) -> np.ndarray:
         """The first half of :meth:`channel_costs`."""
         return self.channel_costs(m)[0]
@@ -347,6 +370,20 @@ class CostState:
         self.pending_node = np.zeros(inst.num_nodes, dtype=np.int64)
         np.add.at(self.pending_node, inst.dest_idx[e], inst.rate_bps[row[e]])
         self.pending_rate = int(inst.rate_bps[free].sum())
+
+    def topic_room(self, m: int, reserve: bool = False) -> bool:
+        """Whether the controller has room for unassigned ``m`` on a topic (one publish of
+        f(m), one send; the same test as :meth:`fits` makes for any topic, and RPC costs the
+        controller at least as much): if not, no channel fits."""
+        inst = self.inst
+        bw, cpu = self._rate[m], 1
+        if reserve:
+            if self.pending_node is None:
+                self._track_pending()
+            bw += self.pending_rate - self._rate[m]
+            cpu += inst.num_types - self.assigned - 1
+        return (self.controller_bw + bw <= inst.controller_bw_bps
+                and self.controller_cpu + cpu <= inst.controller_cpu)
 
     def fits(self, m: int, c: int, reserve: bool = False) -> bool:
         """Whether putting unassigned ``m`` on channel ``c`` keeps Eq. 1's constraints: the

@@ -55,6 +55,8 @@ def decode(action: np.ndarray, state: CostState, m: int, rng: np.random.Generato
     best = decode_action(action, rng)
     if mode == "argmax" or state.fits(m, best, reserve=True):
         return best
+    if not state.topic_room(m, reserve=True):  # the controller is full: nothing can fit
+        return best
     scores = np.asarray(action).reshape(-1)
     for c in np.argsort(-scores, kind="stable"):
         c = int(c)

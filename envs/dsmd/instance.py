@@ -16,10 +16,18 @@ import numpy as np
 from .errors import InstanceError
 from .parser import IntervalEstimate, TypeCatalog
 
-__all__ = ["DSMDInstance", "RPC", "UNASSIGNED"]
+__all__ = ["DSMDInstance", "RPC", "UNASSIGNED", "rates_bps"]
 
 RPC = 0
 UNASSIGNED = -1
+
+
+def rates_bps(counter_bytes: np.ndarray, interval_s: float) -> np.ndarray:
+    """Algorithm 1, line 10, as integers: ``f(m) = round(8 Counter_i / T)`` bit/s, at least 1
+    (a type seen in the interval has a positive rate). Shared by the simulator and the
+    controller adapter so both see the same rates for the same messages."""
+    return np.maximum(np.rint(8.0 * np.asarray(counter_bytes) / float(interval_s)), 1
+                      ).astype(np.int64)
 
 
 @dataclass(frozen=True, eq=False)
@@ -75,7 +83,7 @@ class DSMDInstance:
                       node_capacity_bps: np.ndarray | None = None, name: str = "") -> "DSMDInstance":
         """The instance of one interval: the types with traffic in it and their rates."""
         types = estimate.types
-        rates = np.maximum(np.rint(8.0 * estimate.counter_bytes / estimate.interval_s), 1)
+        rates = rates_bps(estimate.counter_bytes, estimate.interval_s)
         lens = np.fromiter((catalog.destinations[t].size for t in types), np.int64, types.size)
         ptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
         idx = (np.concatenate([catalog.destinations[t] for t in types]) if types.size

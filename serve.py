@@ -1,0 +1,38 @@
+"""Policy server: `python serve.py` (Hydra; see configs/serve.yaml and serving/app.py)."""
+
+import hydra
+from omegaconf import DictConfig
+
+import agents.config  # noqa: F401  (registers the ${project_root:} resolver)
+
+
+def settings_from(cfg: DictConfig):
+    from serving.app import ServerSettings
+
+    def keys(v) -> list[str]:
+        if v is None:
+            return []
+        items = v.split(",") if isinstance(v, str) else list(v)
+        return [str(k).strip() for k in items if str(k).strip()]
+
+    return ServerSettings(bundle=cfg.bundle, api_keys=keys(cfg.api_keys),
+                          admin_keys=keys(cfg.admin_keys), auth=bool(cfg.auth),
+                          fallback=cfg.fallback, max_body_bytes=int(cfg.max_body_bytes),
+                          max_batch=int(cfg.max_batch), max_sessions=int(cfg.max_sessions),
+                          max_types=int(cfg.max_types), watch=bool(cfg.watch),
+                          watch_period_s=float(cfg.watch_period_s),
+                          require_policy=bool(cfg.require_policy))
+
+
+@hydra.main(config_path="configs", config_name="serve", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    import uvicorn
+
+    from serving.app import create_app
+
+    app = create_app(settings_from(cfg))
+    uvicorn.run(app, host=cfg.host, port=int(cfg.port), log_level=cfg.log_level)
+
+
+if __name__ == "__main__":
+    main()

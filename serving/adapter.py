@@ -1,0 +1,359 @@
+"""The thin controller adapter: the library a live controller imports to ask which channel
+each message type takes.
+
+It reuses the simulator's pieces: :class:`~envs.dsmd.message.Message` (Table I) and
+:class:`~envs.dsmd.parser.MessageParser` (destination-hash batching, Algorithm 1's rate
+estimation, with :func:`~envs.dsmd.instance.rates_bps`), and it keeps a local copy of the
+session (:class:`serving.session.Session`, the same engine as the server's). Two modes:
+
+``remote``  asks the policy server: one keep-alive HTTP client, a timeout per request,
+            bounded retries, and a circuit breaker (``failures`` consecutive failures open
+            it for ``reset_s``; then one trial request half-opens it). While the server is
+            slow or down, the local copy decides with the configured heuristic and every
+            decision says ``source="fallback"`` with the reason. When the server answers
+            again the adapter re-creates its session there from the local copy (assignment
+            included) and asks it again.
+``cached``  (Stemflow-style, decision logic near the data plane) fetches the policy bundle
+            and the session knowledge once, decides locally with ONNX Runtime, and checks
+            every ``refresh_s`` whether the server publishes a new policy version; if so it
+            downloads and swaps it. A server that is down only delays the refresh.
+
+With ``decision_log`` every decision is appended as one JSON line (time, type, destinations,
+rate, channel, source, policy version, mode, latency); with ``trace_log`` every submitted
+message is kept and written as a trace (``messages.parquet``, the simulator's format) by
+:meth:`ControllerAdapter.flush_trace`, so live traffic is training data for the next run.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from agents.bundle import BundleError, load_bundle
+from envs.dsmd.instance import rates_bps
+from envs.dsmd.message import Message, messages_to_trace
+from envs.dsmd.parser import BatchKey, IntervalEstimate, MessageParser, TypeCatalog
+from envs.dsmd.topology import Topology
+from envs.dsmd.traces import write_trace
+
+from .session import Decision, Session, SessionSpec
+
+__all__ = ["AdapterError", "CircuitBreaker", "ControllerAdapter", "AdapterDecision", "MODES"]
+
+log = logging.getLogger(__name__)
+MODES = ("remote", "cached")
+
+
+class AdapterError(RuntimeError):
+    """A request the server refused as wrong (4xx): a bug in the caller, not an outage."""
+
+
+class _Unavailable(Exception):
+    pass
+
+
+class CircuitBreaker:
+    """closed -> (``failures`` consecutive failures) -> open -> (``reset_s``) -> half-open ->
+    one trial: success closes it, failure opens it again."""
+
+    def __init__(self, failures: int = 3, reset_s: float = 2.0) -> None:
+        if failures < 1 or reset_s <= 0:
+            raise ValueError("circuit breaker needs failures >= 1 and reset_s > 0")
+        self.threshold, self.reset_s = failures, reset_s
+        self.failures = 0
+        self.opened_at: float | None = None
+
+    @property
+    def state(self) -> str:
+        if self.opened_at is None:
+            return "closed"
+        return "half_open" if time.monotonic() - self.opened_at >= self.reset_s else "open"
+
+    def allow(self) -> bool:
+        return self.state != "open"
+
+    def success(self) -> None:
+        self.failures, self.opened_at = 0, None
+
+    def failure(self) -> None:
+        self.failures += 1
+        if self.failures >= self.threshold or self.opened_at is not None:
+            self.opened_at = time.monotonic()
+
+
+@dataclass(frozen=True)
+class AdapterDecision:
+    type_id: int
+    channel: int
+    source: str  # "policy" | "fallback"
+    reason: str | None
+    policy_version: int
+
+
+class ControllerAdapter:
+    def __init__(self, topology: Topology, *, num_topics: int, controller_bw_bps: int,
+                 controller_cpu: int, interval_s: float = 1.0, base_url: str | None = None,
+                 api_key: str | None = None, mode: str = "remote", batch_key: BatchKey = "hosts",
+                 timeout_s: float = 0.25, retries: int = 1, breaker_failures: int = 3,
+                 breaker_reset_s: float = 2.0, fallback: str = "greedy",
+                 refresh_s: float = 5.0, cache_dir: str | Path | None = None,
+                 scenario_signature: dict | None = None, seed: int = 0,
+                 decision_log: str | Path | None = None, trace_log: bool = False,
+                 session_id: str | None = None, catalog: TypeCatalog | None = None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if retries < 0 or timeout_s <= 0:
+            raise ValueError("retries must be >= 0 and timeout_s > 0")
+        self.mode, self.base_url, self.fallback = mode, base_url, fallback
+        self.timeout_s, self.retries, self.refresh_s = timeout_s, retries, refresh_s
+        # a known catalogue (e.g. the controller's types before a restart) keeps type ids
+        self.parser = MessageParser(topology, interval_s, batch_key, catalog=catalog)
+        self.local = Session(SessionSpec(topology.node_ids.astype(np.int64),
+                                         topology.bandwidth_bps, int(controller_bw_bps),
+                                         int(controller_cpu), int(num_topics), float(interval_s),
+                                         dict(scenario_signature or {})), seed=seed)
+        self.breaker = CircuitBreaker(breaker_failures, breaker_reset_s)
+        self.session_id: str | None = None
+        self._synced = False  # the server's session equals the local copy
+        self._registered = 0  # catalogue types known to the local copy
+        self.policy = None  # cached mode: the loaded bundle
+        self.policy_version = 0
+        self._last_refresh = -float("inf")
+        self.cache_dir = Path(cache_dir) if cache_dir else None
+        self._log = open(decision_log, "a") if decision_log else None
+        self._messages: list[Message] | None = [] if trace_log else None
+        self._client = None
+        if base_url is not None:
+            import httpx
+
+            self._client = httpx.Client(base_url=base_url, timeout=timeout_s,
+                                        headers={"X-API-Key": api_key} if api_key else {})
+        if session_id is not None:
+            self.attach(session_id)
+        if mode == "cached":
+            self.refresh(force=True)
+
+    def attach(self, session_id: str) -> None:
+        """Take the server's session ``session_id`` as this adapter's (its types must have
+        dense ids 0..M-1, as an adapter registers them): the local copy is rebuilt from the
+        server's snapshot and the parser learns the same types in the same order."""
+        snap = self._request("GET", f"/v1/sessions/{session_id}", None)
+        types = sorted(snap["types"], key=lambda t: t["id"])
+        if [t["id"] for t in types] != list(range(len(types))):
+            raise AdapterError(f"session {session_id}: type ids are not 0..{len(types) - 1}")
+        for t in types:
+            if self.parser.catalog.type_of(np.asarray(t["destinations"])) != t["id"]:
+                raise AdapterError(f"session {session_id}: type {t['id']} collides with "
+                                   "another's destinations under this batch key")
+        self.local = Session.from_snapshot(snap)
+        self._registered = len(types)
+        self.session_id, self._synced = session_id, True
+
+    # ------------------------------------------------------------------ messages and rates
+    def submit(self, msg: Message) -> int:
+        """A Table I message (Algorithm 1, lines 6-8). Returns its type id."""
+        t = self.parser.add(np.asarray(msg.hosts), msg.size_bytes, msg.vpc_id, msg.config_code)
+        if self._messages is not None:
+            self._messages.append(msg)
+        return t
+
+    def _register_new_types(self) -> None:
+        cat = self.parser.catalog
+        if len(cat) > self._registered:
+            ids = self.parser.catalog.topology.node_ids
+            self.local.add_types((t, ids[cat.destinations[t]].tolist())
+                                 for t in range(self._registered, len(cat)))
+            self._registered = len(cat)
+            self._synced = False
+
+    def close_interval(self) -> IntervalEstimate:
+        """Lines 10-11: the interval's rates become the session's (every type not seen in
+        the interval becomes inactive)."""
+        est = self.parser.close_interval()
+        self._register_new_types()
+        rates = rates_bps(est.counter_bytes, est.interval_s)
+        self.local.update_rates(dict(zip(est.types.tolist(), rates.tolist())),
+                                dict(zip(est.types.tolist(), est.messages.tolist())),
+                                replace=True)
+        self._synced = False
+        return est
+
+    # ------------------------------------------------------------------ decisions
+    def decide(self, types: Sequence[int] | None = None, replan: bool = False,
+               parallel: bool = False) -> list[AdapterDecision]:
+        """Channels for ``types`` (None: every active undecided type, or all with ``replan``);
+        ``parallel``: the batch scored in one policy call (``Session.decide``)."""
+        t0 = time.perf_counter()
+        self._register_new_types()
+        if self.mode == "cached":
+            if time.monotonic() - self._last_refresh >= self.refresh_s:
+                self.refresh()
+            ds = self.local.decide(types, self.policy, fallback=self.fallback, replan=replan,
+                                   parallel=parallel)
+            out = [_from(d, self.policy_version if d.source == "policy" else 0) for d in ds]
+        else:
+            out = self._decide_remote(types, replan, parallel)
+        self._write_log(out, time.perf_counter() - t0)
+        return out
+
+    def channel_of(self, type_id: int) -> int:
+        return int(self.local.channel[self.local.slot(type_id)])
+
+    def _decide_remote(self, types, replan, parallel) -> list[AdapterDecision]:
+        try:
+            self._ensure_session()
+            body = {"types": None if types is None else [int(t) for t in types],
+                    "replan": replan, "parallel": parallel}
+            r = self._request("POST", f"/v1/sessions/{self.session_id}/decide/batch", body)
+        except _Unavailable as e:
+            ds = self.local.decide(types, None, fallback=self.fallback, replan=replan,
+                                   parallel=parallel)
+            self._synced = False  # the server has not seen these decisions
+            return [AdapterDecision(d.type_id, d.channel, "fallback",
+                                    f"server unavailable: {e}", 0) for d in ds]
+        self.local.set_assignment({d["type"]: d["channel"] for d in r["decisions"]})
+        self.policy_version = int(r["policy_version"])
+        return [AdapterDecision(d["type"], d["channel"], d["source"], d.get("reason"),
+                                self.policy_version) for d in r["decisions"]]
+
+    def _ensure_session(self) -> None:
+        """(Re-)create the server's session from the local copy when they may differ."""
+        if self._synced and self.session_id is not None:
+            return
+        snap = self.local.snapshot()
+        body = {"nodes": snap["nodes"], "controller": snap["controller"],
+                "num_topics": snap["num_topics"], "interval_s": snap["interval_s"],
+                "scenario_signature": snap["scenario_signature"], "seed": snap["seed"],
+                "types": [{k: t[k] for k in ("id", "destinations", "rate_bps", "messages",
+                                             "channel")} for t in snap["types"]]}
+        old = self.session_id
+        r = self._request("POST", "/v1/sessions", body)
+        self.session_id, self._synced = r["session_id"], True
+        if old is not None:
+            try:
+                self._request("DELETE", f"/v1/sessions/{old}", None, expect_json=False)
+            except (_Unavailable, AdapterError):
+                pass
+
+    def _request(self, method: str, path: str, body: Any, expect_json: bool = True) -> Any:
+        import httpx
+
+        if self._client is None:
+            raise _Unavailable("no server configured")
+        if not self.breaker.allow():
+            raise _Unavailable("circuit open")
+        err = "?"
+        for _ in range(1 + self.retries):
+            try:
+                r = self._client.request(method, path, json=body)
+            except httpx.HTTPError as e:  # timeouts, refused connections, broken streams
+                err = f"{type(e).__name__}"
+                self.breaker.failure()
+                if not self.breaker.allow():
+                    break
+                continue
+            if r.status_code >= 500:
+                err = f"HTTP {r.status_code}"
+                self.breaker.failure()
+                if not self.breaker.allow():
+                    break
+                continue
+            self.breaker.success()
+            if r.status_code == 404 and "/sessions/" in path and method != "DELETE":
+                self._synced = False  # the server lost the session (restart): re-create it
+                self._ensure_session()
+                return self._request(method, path.replace(path.split("/")[3],
+                                                          self.session_id), body, expect_json)
+            if r.status_code >= 400:
+                raise AdapterError(f"{method} {path}: HTTP {r.status_code}: {r.text[:500]}")
+            return r.json() if expect_json else None
+        raise _Unavailable(err)
+
+    # ------------------------------------------------------------------ cached mode
+    def refresh(self, force: bool = False) -> bool:
+        """Cached mode: fetch the bundle if the server publishes another version. Returns
+        whether a new policy was installed; a failure keeps the current one."""
+        self._last_refresh = time.monotonic()
+        try:
+            info = self._request("GET", "/v1/policy", None)
+            if not info["loaded"] or (not force and self.policy is not None
+                                      and info["hash"] == self.policy.content_hash):
+                return False
+            raw = self._get_bytes("/v1/policy/bundle")
+        except (_Unavailable, AdapterError) as e:
+            log.warning("policy refresh failed (%s); keeping version %d", e,
+                        self.policy_version)
+            return False
+        root = self.cache_dir or Path.home() / ".cache" / "smart-dsmd" / "bundles"
+        d = root / info["hash"][:16]
+        d.mkdir(parents=True, exist_ok=True)
+        with zipfile.ZipFile(io.BytesIO(raw)) as z:
+            for name in ("metadata.json", "actor.onnx"):
+                (d / name).write_bytes(z.read(name))
+        try:
+            self.policy = load_bundle(d)
+        except BundleError as e:
+            log.error("downloaded bundle refused: %s", e)
+            return False
+        self.policy_version = int(info["version"])
+        return True
+
+    def _get_bytes(self, path: str) -> bytes:
+        import httpx
+
+        if self._client is None:
+            raise _Unavailable("no server configured")
+        try:
+            r = self._client.get(path, timeout=max(self.timeout_s, 5.0))
+        except httpx.HTTPError as e:
+            raise _Unavailable(type(e).__name__) from None
+        if r.status_code != 200:
+            raise AdapterError(f"GET {path}: HTTP {r.status_code}")
+        return r.content
+
+    # ------------------------------------------------------------------ logs
+    def _write_log(self, ds: list[AdapterDecision], seconds: float) -> None:
+        if self._log is None:
+            return
+        now = time.time_ns()
+        for d in ds:
+            s = self.local.slot(d.type_id)
+            row = {"time_ns": now, "type": d.type_id, "destinations":
+                   self.local.spec.node_ids[self.local._dest[s]].tolist(),
+                   "rate_bps": int(self.local.rates[s]), "messages": int(self.local.messages[s]),
+                   "channel": d.channel, "source": d.source, "reason": d.reason,
+                   "policy_version": d.policy_version, "mode": self.mode,
+                   "latency_s": seconds / max(len(ds), 1)}
+            self._log.write(json.dumps(row) + "\n")
+        self._log.flush()
+
+    def flush_trace(self, path: str | Path) -> int:
+        """Write the messages submitted so far as a trace; returns how many."""
+        if self._messages is None:
+            raise ValueError("trace_log=False: messages are not kept")
+        write_trace(messages_to_trace(self._messages), path)
+        return len(self._messages)
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+        if self._log is not None:
+            self._log.close()
+
+    def __enter__(self) -> "ControllerAdapter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _from(d: Decision, version: int) -> AdapterDecision:
+    return AdapterDecision(d.type_id, d.channel, d.source, d.reason, version)

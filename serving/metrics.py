@@ -1,0 +1,74 @@
+"""Prometheus metrics of the policy server (one registry per app, so tests can run several)."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["ServerMetrics", "MetricsMiddleware"]
+
+_LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1,
+                    0.25, 1.0)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("smart_requests", "HTTP requests by route and status",
+                                ["route", "method", "status"], registry=r)
+        self.latency = Histogram("smart_request_latency_seconds", "Request latency by route",
+                                 ["route", "method"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.decisions = Counter("smart_decisions", "Decisions by channel and source",
+                                 ["channel", "source"], registry=r)
+        self.fallbacks = Counter("smart_fallbacks", "Decisions taken by the heuristic, by reason",
+                                 ["reason"], registry=r)
+        self.swaps = Counter("smart_policy_loads", "Policy loads by outcome", ["outcome"],
+                             registry=r)
+        self.policy_version = Gauge("smart_policy_version", "Loaded policy version (0: none)",
+                                    registry=r)
+        self.sessions = Gauge("smart_sessions", "Live controller sessions", registry=r)
+
+    def decision(self, channel: int, source: str, reason: str | None) -> None:
+        self.decisions.labels("rpc" if channel == 0 else f"topic_{channel}", source).inc()
+        if source == "fallback":
+            self.fallbacks.labels(_reason_label(reason)).inc()
+
+
+def _reason_label(reason: str | None) -> str:
+    """A bounded label: the kind of reason, not its text."""
+    if not reason:
+        return "unknown"
+    if reason.startswith("no policy"):
+        return "no_policy"
+    if "signature" in reason:
+        return "signature_mismatch"
+    return "layout_mismatch"
+
+
+class MetricsMiddleware:
+    """Pure ASGI: counts and times every HTTP request by its route template."""
+
+    def __init__(self, app, metrics: ServerMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0 = time.perf_counter()
+        status = {"code": 500}
+
+        async def _send(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, _send)
+        finally:
+            route = scope.get("route")
+            path = getattr(route, "path", None) or "unmatched"
+            m = self.metrics
+            m.requests.labels(path, scope["method"], str(status["code"])).inc()
+            m.latency.labels(path, scope["method"]).observe(time.perf_counter() - t0)

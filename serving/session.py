@@ -1,0 +1,436 @@
+"""A controller session and the decision engine (SMART Section V-D, online execution).
+
+One implementation, used by the policy server for each controller session and by the cached
+adapter for its local copy, so that the same state gives the same observation and action
+as in ``smart/DSMD-v0``:
+
+* the state is a :class:`~envs.dsmd.cost.CostState` over the session's *active* types (a
+  positive rate in the latest estimate), in catalogue order, exactly the
+  :class:`~envs.dsmd.instance.DSMDInstance` the simulator builds for one interval
+  (``catalog_index`` = the type's slot in the session's catalogue);
+* observations come from :class:`~envs.dsmd.observation.ObservationBuilder`, with progress =
+  decided types / active types (the environment's ``i / n`` when types are decided in its
+  order from an empty assignment);
+* channels come from :func:`envs.dsmd.decoding.decode` with the policy's decoding mode.
+
+A decision for a type that is already assigned first takes it off its channel (it is
+re-decided given everything else). ``decide(replan=True)`` clears the assignment and decides
+every active type in the policy's decision order, one environment episode.
+
+When no usable policy is available (none loaded, or one whose observation layout or scenario
+does not fit the session), the configured heuristic decides and every decision says so:
+``greedy`` scores each channel by minus the node traffic it adds (``CostState.channel_costs``)
+and decodes with ``feasible``; ``rpc`` prefers RPC, then the first topic that fits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Protocol, Sequence
+
+import numpy as np
+
+from envs.dsmd.cost import CostState
+from envs.dsmd.decoding import decode
+from envs.dsmd.env import decision_order
+from envs.dsmd.errors import DSMDError
+from envs.dsmd.instance import UNASSIGNED, DSMDInstance
+from envs.dsmd.observation import ObservationBuilder, ObservationLayout
+
+__all__ = ["SessionError", "SessionSpec", "Session", "ScoringPolicy", "Decision",
+           "FALLBACKS", "compatibility"]
+
+FALLBACKS: tuple[str, ...] = ("greedy", "rpc")
+
+
+class SessionError(DSMDError):
+    """A request that does not fit the session's state (unknown type, no rate, ...)."""
+
+
+class ScoringPolicy(Protocol):
+    """What the engine needs from a policy (a loaded :class:`agents.bundle.PolicyBundle`)."""
+
+    layout: ObservationLayout
+    metadata: dict
+
+    @property
+    def decoding(self) -> str: ...
+
+    @property
+    def order(self) -> str: ...
+
+    def __call__(self, obs: np.ndarray) -> np.ndarray: ...
+
+
+@dataclass(frozen=True)
+class SessionSpec:
+    """What a controller describes once: nodes and their bandwidth s(n), the controller's
+    C_b and C_p, K topics, the rate-estimation interval, and optionally the scenario
+    signature it was built from (compared with a policy bundle's)."""
+
+    node_ids: np.ndarray  # int64 (N,)
+    node_capacity_bps: np.ndarray  # int64 (N,)
+    controller_bw_bps: int
+    controller_cpu: int
+    num_topics: int
+    interval_s: float = 1.0
+    scenario_signature: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        ids = np.asarray(self.node_ids, dtype=np.int64)
+        cap = np.asarray(self.node_capacity_bps, dtype=np.int64)
+        object.__setattr__(self, "node_ids", ids)
+        object.__setattr__(self, "node_capacity_bps", cap)
+        if ids.ndim != 1 or ids.size == 0:
+            raise SessionError("nodes: at least one node is needed")
+        if np.unique(ids).size != ids.size:
+            raise SessionError("nodes: node ids must be unique")
+        if cap.shape != ids.shape or np.any(cap <= 0):
+            raise SessionError("nodes: every node needs a positive capacity_bps")
+        if self.controller_bw_bps <= 0 or self.controller_cpu <= 0:
+            raise SessionError("controller: bandwidth_bps and cpu must be positive")
+        if self.num_topics < 0:
+            raise SessionError("num_topics must be >= 0")
+        if not self.interval_s > 0:
+            raise SessionError("interval_s must be positive")
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.node_ids.size)
+
+
+@dataclass(frozen=True)
+class Decision:
+    type_id: int
+    channel: int  # 0 = RPC, t = MQ topic t
+    source: str  # "policy" or "fallback"
+    reason: str | None = None  # why the fallback decided
+    observation: np.ndarray | None = None
+    scores: np.ndarray | None = None
+
+
+def compatibility(policy: ScoringPolicy | None, spec: SessionSpec, catalog_size: int
+                  ) -> str | None:
+    """``None`` if ``policy`` can decide for this session, else why not (one line)."""
+    if policy is None:
+        return "no policy is loaded"
+    lay = policy.layout
+    if lay.num_nodes != spec.num_nodes or lay.num_topics != spec.num_topics:
+        return (f"policy layout has N={lay.num_nodes}, K={lay.num_topics}; session has "
+                f"N={spec.num_nodes}, K={spec.num_topics}")
+    if lay.variant != "channel" and catalog_size > lay.catalog_size:
+        return (f"session has {catalog_size} types; the policy's {lay.variant!r} layout "
+                f"holds {lay.catalog_size}")
+    sig = policy.metadata.get("scenario_signature", {})
+    diffs = sorted(k for k, v in spec.scenario_signature.items() if k in sig and sig[k] != v)
+    if diffs:
+        return f"scenario signature differs from the policy's in {diffs}"
+    return None
+
+
+class Session:
+    """A controller's world as the server (or the cached adapter) keeps it."""
+
+    def __init__(self, spec: SessionSpec, *, seed: int = 0) -> None:
+        self.spec = spec
+        self.seed = int(seed)
+        self.rng = np.random.default_rng(seed)
+        self._node_index = {int(n): i for i, n in enumerate(spec.node_ids.tolist())}
+        self.type_ids: list[int] = []  # slot -> client's type id
+        self._slot: dict[int, int] = {}  # client's type id -> slot
+        self._dest: list[np.ndarray] = []  # slot -> sorted node indices
+        self.rates = np.zeros(0, np.int64)  # slot -> f(m) bit/s (0: inactive)
+        self.messages = np.zeros(0, np.int64)
+        self.channel = np.zeros(0, np.int64)  # slot -> channel, -1 undecided
+        self.version = 0  # bumped by every change
+        self._compat: tuple[Any, int, str | None] | None = None
+        self._rebuild()
+
+    # ------------------------------------------------------------------ catalogue and rates
+    @property
+    def catalog_size(self) -> int:
+        return len(self.type_ids)
+
+    def add_types(self, types: Iterable[tuple[int, Sequence[int]]]) -> int:
+        """Register ``(type_id, destination node ids)`` pairs; an id seen before must come
+        with the same destinations. All or nothing. Returns the number of new types."""
+        new: list[tuple[int, np.ndarray]] = []
+        seen = set()
+        for tid, nodes in types:
+            tid = int(tid)
+            if tid < 0:
+                raise SessionError(f"type {tid}: ids must be >= 0")
+            try:
+                idx = np.unique([self._node_index[int(n)] for n in nodes]).astype(np.int64)
+            except KeyError as e:
+                raise SessionError(f"type {tid}: unknown destination node {e.args[0]}") from None
+            if idx.size == 0:
+                raise SessionError(f"type {tid}: at least one destination is needed")
+            if tid in self._slot:
+                if not np.array_equal(self._dest[self._slot[tid]], idx):
+                    raise SessionError(f"type {tid} is already registered with other "
+                                       "destinations")
+                continue
+            if tid in seen:
+                raise SessionError(f"type {tid} appears twice in one request")
+            seen.add(tid)
+            new.append((tid, idx))
+        for tid, idx in new:
+            self._slot[tid] = len(self.type_ids)
+            self.type_ids.append(tid)
+            self._dest.append(idx)
+        if new:
+            k = len(new)
+            self.rates = np.concatenate([self.rates, np.zeros(k, np.int64)])
+            self.messages = np.concatenate([self.messages, np.ones(k, np.int64)])
+            self.channel = np.concatenate([self.channel, np.full(k, UNASSIGNED, np.int64)])
+            self._rebuild()
+        return len(new)
+
+    def slot(self, type_id: int) -> int:
+        s = self._slot.get(int(type_id))
+        if s is None:
+            raise SessionError(f"type {type_id} is not registered in this session")
+        return s
+
+    def update_rates(self, rates: dict[int, int], messages: dict[int, int] | None = None,
+                     replace: bool = False) -> None:
+        """New rate estimates (bit/s; 0 makes a type inactive). ``replace``: the whole
+        interval's estimate, every type not listed becomes inactive. All or nothing."""
+        slots = {self.slot(t): int(r) for t, r in rates.items()}
+        if any(r < 0 for r in slots.values()):
+            raise SessionError("rates must be >= 0")
+        msgs = {self.slot(t): int(c) for t, c in (messages or {}).items()}
+        if any(c < 1 for c in msgs.values()):
+            raise SessionError("messages must be >= 1")
+        if replace:
+            self.rates[:] = 0
+        for s, r in slots.items():
+            self.rates[s] = r
+        for s, c in msgs.items():
+            self.messages[s] = c
+        self._rebuild()
+
+    def set_assignment(self, channels: dict[int, int]) -> None:
+        """Record channels decided elsewhere (e.g. by the adapter's fallback)."""
+        slots = {self.slot(t): int(c) for t, c in channels.items()}
+        bad = [c for c in slots.values() if not UNASSIGNED <= c <= self.spec.num_topics]
+        if bad:
+            raise SessionError(f"channel {bad[0]} out of range -1..{self.spec.num_topics}")
+        for s, c in slots.items():
+            self.channel[s] = c
+            p = self._pos.get(s)
+            if p is not None:
+                self.state.move(p, c)
+        self._builder_for = None
+        self.version += 1
+
+    def _rebuild(self) -> None:
+        active = np.flatnonzero(self.rates > 0)
+        lens = np.array([self._dest[s].size for s in active], dtype=np.int64)
+        ptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+        idx = (np.concatenate([self._dest[s] for s in active]) if active.size
+               else np.zeros(0, np.int64)).astype(np.int64)
+        sp = self.spec
+        self.inst = DSMDInstance(sp.num_nodes, sp.num_topics, sp.node_capacity_bps,
+                                 int(sp.controller_bw_bps), int(sp.controller_cpu),
+                                 self.rates[active].copy(), ptr, idx,
+                                 messages=self.messages[active].copy(),
+                                 catalog_index=active.astype(np.int64),
+                                 interval_s=sp.interval_s, name="session")
+        self.active = active
+        self._pos = {int(s): i for i, s in enumerate(active.tolist())}
+        self.state = CostState(self.inst, self.channel[active])
+        self._builder: ObservationBuilder | None = None
+        self._builder_for: ObservationLayout | None = None
+        self.version += 1
+
+    # ------------------------------------------------------------------ observation
+    def builder(self, layout: ObservationLayout) -> ObservationBuilder:
+        if self._builder_for != layout or self._builder is None:
+            self._builder = ObservationBuilder(layout, self.inst)
+            self._builder.reset(self.state)
+            self._builder_for = layout
+        return self._builder
+
+    def compatibility(self, policy: ScoringPolicy | None) -> str | None:
+        key = (id(policy), self.catalog_size)
+        if self._compat is None or self._compat[:2] != key:
+            self._compat = (*key, compatibility(policy, self.spec, self.catalog_size))
+        return self._compat[2]
+
+    # ------------------------------------------------------------------ decisions
+    def decide(self, type_ids: Sequence[int] | None, policy: ScoringPolicy | None, *,
+               fallback: str = "greedy", replan: bool = False, explain: bool = False,
+               parallel: bool = False) -> list[Decision]:
+        """Channels for ``type_ids`` in that order (``None``: every active type still
+        undecided, or all of them with ``replan``, in the policy's decision order).
+
+        ``parallel``: one observation per type, all from the state in which the batch's
+        types are undecided, scored in one policy call; see :meth:`_decide_parallel`."""
+        if fallback not in FALLBACKS:
+            raise SessionError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
+        why = self.compatibility(policy)
+        use = policy if why is None else None
+        positions = self._positions(type_ids, use, replan)
+        if replan:
+            self.state.assign_all(np.full(self.inst.num_types, UNASSIGNED, np.int64))
+            self.channel[self.active] = UNASSIGNED
+            self._builder_for = None
+        if parallel:
+            return self._decide_parallel(positions, use, why, fallback, explain)
+        layout = use.layout if use is not None else None
+        builder = self.builder(layout) if layout is not None else None
+        n = max(self.inst.num_types, 1)
+        out = []
+        for p in positions:
+            s = int(self.active[p])
+            if self.state.channel[p] != UNASSIGNED:
+                self.state.move(p, UNASSIGNED)
+                if builder is not None:
+                    builder.on_move(p, UNASSIGNED)
+            obs = scores = None
+            if use is not None:
+                obs = builder.observe(self.state, p, self.state.assigned / n)
+                scores = np.asarray(use(obs), dtype=np.float32).reshape(-1)
+                c = decode(scores, self.state, p, self.rng, use.decoding)
+            else:
+                scores = self._heuristic_scores(p, fallback)
+                c = decode(scores, self.state, p, self.rng, "feasible")
+            self.state.move(p, c)
+            if builder is not None:
+                builder.on_move(p, c)
+            self.channel[s] = c
+            out.append(Decision(self.type_ids[s], c, "policy" if use is not None else "fallback",
+                                why, obs if explain else None, scores if explain else None))
+        self.version += 1
+        return out
+
+    def _decide_parallel(self, positions: list[int], use: ScoringPolicy | None,
+                         why: str | None, fallback: str, explain: bool) -> list[Decision]:
+        """The batch's types are taken off their channels together; each is observed as if
+        it were the next to be decided (``ObservationBuilder.observe_many``, equal row by row
+        to ``observe``) and all are scored in one policy call; the argmaxes are applied
+        together. With ``feasible`` decoding (and for the heuristics), if that breaks a
+        constraint, the types are re-decoded one by one in the given order with the same
+        scores (the safety layer), so the batch ends feasible whenever one-by-one decoding
+        would. The sequential mode's observations see the decisions made before them; these
+        do not."""
+        pos = np.asarray(positions, dtype=np.int64)
+        if pos.size == 0:
+            self.version += 1
+            return []
+        ch = self.state.channel.copy()
+        if pos.size and np.any(ch[pos] != UNASSIGNED):
+            ch[pos] = UNASSIGNED
+            self.state.assign_all(ch)
+            self._builder_for = None
+        n = max(self.inst.num_types, 1)
+        obs = None
+        if use is not None:
+            obs = self.builder(use.layout).observe_many(self.state, pos, self.state.assigned / n)
+            scores = np.asarray(use(obs), dtype=np.float32).reshape(pos.size, -1)
+            mode = use.decoding
+        elif fallback == "rpc":
+            scores = np.zeros((pos.size, self.spec.num_topics + 1), np.float32)
+            scores[:, 0] = 1.0
+            mode = "feasible"
+        else:
+            scores = -self.state.channel_costs_many(pos)[0].astype(np.float64)
+            mode = "feasible"
+        best = _argmax_rows(scores, self.rng)
+        ch[pos] = best
+        self.state.assign_all(ch)
+        if mode == "feasible" and not self.state.metrics().feasible:
+            ch[pos] = UNASSIGNED
+            self.state.assign_all(ch)
+            for i, p in enumerate(pos.tolist()):
+                c = decode(scores[i], self.state, p, self.rng, "feasible")
+                self.state.move(p, c)
+                ch[p] = c
+        self._builder_for = None
+        slots = self.active[pos]
+        self.channel[slots] = ch[pos]
+        self.version += 1
+        src = "policy" if use is not None else "fallback"
+        return [Decision(self.type_ids[int(s)], int(ch[p]), src, why,
+                         obs[i] if explain and obs is not None else None,
+                         scores[i] if explain else None)
+                for i, (p, s) in enumerate(zip(pos.tolist(), slots.tolist()))]
+
+    def _positions(self, type_ids: Sequence[int] | None, policy: ScoringPolicy | None,
+                   replan: bool) -> list[int]:
+        if type_ids is None:
+            order = decision_order(self.inst, policy.order if policy is not None
+                                   else "rate_desc", self.rng)
+            if not replan:
+                order = order[self.state.channel[order] == UNASSIGNED]
+            return [int(p) for p in order]
+        out = []
+        for t in type_ids:
+            p = self._pos.get(self.slot(t))
+            if p is None:
+                raise SessionError(f"type {t} has no rate in this session (send a rate update "
+                                   "first)")
+            out.append(p)
+        if len(set(out)) != len(out):
+            raise SessionError("a type is listed twice")
+        return out
+
+    def _heuristic_scores(self, p: int, fallback: str) -> np.ndarray:
+        k1 = self.spec.num_topics + 1
+        if fallback == "rpc":
+            s = np.zeros(k1, np.float32)
+            s[0] = 1.0
+            return s
+        delta, _ = self.state.channel_costs(p)
+        return -np.asarray(delta, dtype=np.float64)
+
+    # ------------------------------------------------------------------ views
+    def assignment(self) -> dict[int, int]:
+        return {t: int(c) for t, c in zip(self.type_ids, self.channel.tolist())}
+
+    def metrics(self) -> dict:
+        return self.state.metrics().as_dict()
+
+    def snapshot(self) -> dict:
+        """Everything a cached adapter needs to rebuild this session (JSON-ready)."""
+        sp = self.spec
+        return {"nodes": [{"id": int(i), "capacity_bps": int(c)}
+                          for i, c in zip(sp.node_ids.tolist(), sp.node_capacity_bps.tolist())],
+                "controller": {"bandwidth_bps": int(sp.controller_bw_bps),
+                               "cpu": int(sp.controller_cpu)},
+                "num_topics": sp.num_topics, "interval_s": sp.interval_s,
+                "scenario_signature": dict(sp.scenario_signature),
+                "types": [{"id": t, "destinations": sp.node_ids[self._dest[s]].tolist(),
+                           "rate_bps": int(self.rates[s]), "messages": int(self.messages[s]),
+                           "channel": int(self.channel[s])}
+                          for s, t in enumerate(self.type_ids)],
+                "seed": self.seed}
+
+    @classmethod
+    def from_snapshot(cls, snap: dict) -> "Session":
+        spec = SessionSpec(np.array([n["id"] for n in snap["nodes"]], np.int64),
+                           np.array([n["capacity_bps"] for n in snap["nodes"]], np.int64),
+                           int(snap["controller"]["bandwidth_bps"]),
+                           int(snap["controller"]["cpu"]), int(snap["num_topics"]),
+                           float(snap["interval_s"]), dict(snap.get("scenario_signature", {})))
+        s = cls(spec, seed=int(snap.get("seed", 0)))
+        types = snap.get("types", [])
+        s.add_types((t["id"], t["destinations"]) for t in types)
+        s.update_rates({t["id"]: t["rate_bps"] for t in types},
+                       {t["id"]: t["messages"] for t in types})
+        s.set_assignment({t["id"]: t["channel"] for t in types})
+        return s
+
+
+def _argmax_rows(scores: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Row-wise :func:`~envs.dsmd.decoding.decode_action`: argmax, ties uniformly at random."""
+    best = scores.argmax(axis=1) if scores.size else np.zeros(0, np.int64)
+    if scores.size:
+        top = scores[np.arange(scores.shape[0]), best]
+        tied = np.flatnonzero((scores == top[:, None]).sum(axis=1) > 1)
+        for r in tied.tolist():
+            ties = np.flatnonzero(scores[r] == top[r])
+            best[r] = ties[rng.integers(ties.size)]
+    return best.astype(np.int64)

@@ -1,0 +1,208 @@
+"""The policy server's API in-process (TestClient in a ``with`` block: the lifespan runs)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from agents.bundle import load_bundle
+from agents.learned import ActorPolicy
+from envs.dsmd.env import DSMDEnv
+from serving.app import ServerSettings, create_app
+from serving.scenario import rates_body, session_body
+
+KEY, ADMIN = "controller-key", "admin-key"
+H, HA = {"X-API-Key": KEY}, {"X-API-Key": ADMIN}
+
+
+def app_with(bundle=None, **kw):
+    s = ServerSettings(bundle=None if bundle is None else str(bundle), api_keys=[KEY],
+                       admin_keys=[ADMIN], **kw)
+    return create_app(s)
+
+
+@pytest.fixture()
+def client(tiny_bundles):
+    with TestClient(app_with(tiny_bundles["a"])) as c:
+        yield c
+
+
+def new_session(c, ps, window=None):
+    r = c.post("/v1/sessions", json=session_body(ps, window), headers=H)
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+def test_auth_required_and_overridable(tiny_bundles, tiny_problems):
+    app = app_with(tiny_bundles["a"])
+    with TestClient(app) as c:
+        assert c.get("/v1/policy").status_code == 401
+        assert c.get("/v1/policy", headers={"X-API-Key": "wrong"}).status_code == 401
+        assert c.get("/v1/policy", headers=H).json()["loaded"] is True
+        # health and metrics need no key (probes, scrapers)
+        assert c.get("/v1/health/live").status_code == 200
+        assert c.get("/v1/health/ready").json()["policy_loaded"] is True
+        # a controller key cannot swap the policy
+        r = c.put("/v1/policy", json={"path": str(tiny_bundles["b"])}, headers=H)
+        assert r.status_code == 403
+        app.dependency_overrides[app.state.require_controller] = lambda: None
+        assert c.get("/v1/policy").status_code == 200
+
+
+def test_server_decides_as_the_environment(client, tiny_problems, tiny_bundles):
+    """Same state, same observation and action: the server's replan equals an env episode
+    with the bundle's actor, observation by observation."""
+    ps = tiny_problems
+    bundle = load_bundle(tiny_bundles["a"])
+    env = DSMDEnv(problems=ps, split="test", observation="channel", decoding="feasible")
+    sid = new_session(client, ps)["session_id"]
+    for w in ps.windows["test"]:
+        r = client.post(f"/v1/sessions/{sid}/rates", json=rates_body(ps.instance(w)), headers=H)
+        assert r.status_code == 200 and r.json()["active_types"] == ps.instance(w).num_types
+        r = client.post(f"/v1/sessions/{sid}/decide/batch",
+                        json={"replan": True, "explain": True}, headers=H)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["policy_version"] == 1 and all(d["source"] == "policy"
+                                                   for d in out["decisions"])
+        obs, _ = env.reset(seed=0, options={"window": w})
+        inst = env.inst
+        for d in out["decisions"]:
+            np.testing.assert_allclose(np.asarray(d["observation"], np.float32), obs)
+            obs, *_ = env.step(bundle(obs))
+            m = int(np.flatnonzero(inst.catalog_index == d["type"])[0])
+            assert env.state.channel[m] == d["channel"]
+        expected = ActorPolicy.from_bundle(bundle).assign(inst)
+        got = {d["type"]: d["channel"] for d in out["decisions"]}
+        assert [got[int(c)] for c in inst.catalog_index] == expected.tolist()
+        # the session's view agrees
+        s = client.get(f"/v1/sessions/{sid}", headers=H).json()
+        chan = {t["id"]: t["channel"] for t in s["types"]}
+        assert all(chan[t] == c for t, c in got.items())
+        assert s["metrics"]["feasible"] in (True, False)
+
+
+def test_single_decision_redecides_given_the_rest(client, tiny_problems):
+    ps = tiny_problems
+    w = ps.windows["test"][0]
+    sid = new_session(client, ps, w)["session_id"]
+    inst = ps.instance(w)
+    t = int(inst.catalog_index[0])
+    r = client.post(f"/v1/sessions/{sid}/decide", json={"type": t}, headers=H)
+    assert r.status_code == 200, r.text
+    d = r.json()
+    assert d["type"] == t and 0 <= d["channel"] <= ps.spec.num_topics
+    assert d["policy_version"] == 1 and d["source"] == "policy"
+
+
+def test_errors_name_what_is_wrong(tiny_problems, tiny_bundles):
+    ps = tiny_problems
+    with TestClient(app_with(tiny_bundles["a"], max_batch=2, max_body_bytes=200_000)) as c:
+        body = session_body(ps)
+        body["nodes"][0]["capacity_bps"] = -5
+        r = c.post("/v1/sessions", json=body, headers=H)
+        assert r.status_code == 422
+        assert any(e["loc"][-1] == "capacity_bps" for e in r.json()["detail"])
+        body = session_body(ps)
+        body["types"][0]["destinations"] = [10**9]
+        r = c.post("/v1/sessions", json=body, headers=H)
+        assert r.status_code == 422 and "unknown destination node" in r.json()["detail"]
+        r = c.post("/v1/sessions/nope/decide", json={"type": 0}, headers=H)
+        assert r.status_code == 404 and "nope" in r.json()["detail"]
+        sid = new_session(c, ps)["session_id"]
+        r = c.post(f"/v1/sessions/{sid}/decide", json={"type": 0}, headers=H)
+        assert r.status_code == 409 and "no rate" in r.json()["detail"]
+        r = c.post(f"/v1/sessions/{sid}/rates", json={"rates": [{"type": 10**6,
+                                                                 "rate_bps": 5}]}, headers=H)
+        assert r.status_code == 409 and "not registered" in r.json()["detail"]
+        r = c.post(f"/v1/sessions/{sid}/decide/batch", json={"types": [0, 1, 2]}, headers=H)
+        assert r.status_code == 413
+        r = c.post(f"/v1/sessions/{sid}/rates", content=b"x" * 300_000,
+                   headers=H | {"content-type": "application/json"})
+        assert r.status_code == 413
+        # nothing above changed the session
+        s = c.get(f"/v1/sessions/{sid}", headers=H).json()
+        assert all(t["rate_bps"] == 0 and t["channel"] == -1 for t in s["types"])
+        assert c.delete(f"/v1/sessions/{sid}", headers=H).status_code == 204
+        assert c.get(f"/v1/sessions/{sid}", headers=H).status_code == 404
+
+
+def test_heuristic_when_no_usable_policy(tiny_problems, tiny_bundles):
+    ps = tiny_problems
+    w = ps.windows["test"][0]
+    for bundle, reason in ((None, "no policy is loaded"),
+                           (tiny_bundles["mismatched"], "policy layout has")):
+        with TestClient(app_with(bundle)) as c:
+            created = new_session(c, ps, w)
+            assert created["policy_compatible"] is False and reason in created["reason"]
+            r = c.post(f"/v1/sessions/{created['session_id']}/decide/batch", json={},
+                       headers=H).json()
+            assert r["decisions"] and all(d["source"] == "fallback" and reason in d["reason"]
+                                          for d in r["decisions"])
+            assert 'smart_fallbacks_total' in c.get("/v1/metrics").text
+
+
+def test_hot_swap_and_refusal(client, tiny_problems, tiny_bundles):
+    ps = tiny_problems
+    w = ps.windows["test"][0]
+    sid = new_session(client, ps, w)["session_id"]
+    h1 = client.get("/v1/policy", headers=H).json()["hash"]
+    r = client.put("/v1/policy", json={"path": str(tiny_bundles["mismatched"])}, headers=HA)
+    assert r.status_code == 409 and sid in r.json()["detail"]
+    assert client.get("/v1/policy", headers=H).json()["hash"] == h1  # the old one stays
+    r = client.put("/v1/policy", json={"path": "/nowhere"}, headers=HA)
+    assert r.status_code == 409 and "missing" in r.json()["detail"]
+    r = client.put("/v1/policy", json={"path": str(tiny_bundles["b"])}, headers=HA)
+    assert r.status_code == 200 and r.json()["version"] == 2 and r.json()["hash"] != h1
+    d = client.post(f"/v1/sessions/{sid}/decide/batch", json={"replan": True},
+                    headers=H).json()
+    assert d["policy_version"] == 2 and d["policy_hash"] == r.json()["hash"]
+    z = client.get("/v1/policy/bundle", headers=H)
+    assert z.status_code == 200 and z.headers["x-policy-version"] == "2"
+    text = client.get("/v1/metrics").text
+    assert 'smart_policy_loads_total{outcome="refused"} 2.0' in text
+    assert "smart_request_latency_seconds_bucket" in text and "smart_decisions_total" in text
+
+
+def test_settings_refuse_unsafe_defaults():
+    with pytest.raises(ValueError, match="no api_keys"):
+        ServerSettings()
+    with pytest.raises(ValueError, match="fallback"):
+        ServerSettings(auth=False, fallback="coin")
+
+
+def test_parallel_batch(client, tiny_problems, tiny_bundles):
+    """Parallel mode: every observation is the environment's observation of that type in the
+    batch's starting state; one-type batches decide as sequential mode does; the batch ends
+    feasible wherever one-by-one decoding does."""
+    from envs.dsmd.cost import CostState
+    from envs.dsmd.observation import ObservationBuilder
+
+    ps = tiny_problems
+    bundle = load_bundle(tiny_bundles["a"])
+    for w in ps.windows["test"] + ps.windows["validation"]:
+        inst = ps.instance(w)
+        seq = client.post("/v1/sessions", json=session_body(ps, w), headers=H).json()
+        par = client.post("/v1/sessions", json=session_body(ps, w), headers=H).json()
+        r_seq = client.post(f"/v1/sessions/{seq['session_id']}/decide/batch",
+                            json={"replan": True}, headers=H).json()
+        r_par = client.post(f"/v1/sessions/{par['session_id']}/decide/batch",
+                            json={"replan": True, "parallel": True, "explain": True},
+                            headers=H).json()
+        state = CostState(inst)
+        builder = ObservationBuilder(bundle.layout, inst)
+        builder.reset(state)
+        for d in r_par["decisions"]:
+            m = int(np.flatnonzero(inst.catalog_index == d["type"])[0])
+            np.testing.assert_array_equal(np.asarray(d["observation"], np.float32),
+                                          builder.observe(state, m, 0.0))
+        feas = [client.get(f"/v1/sessions/{x['session_id']}", headers=H).json()["metrics"]
+                ["feasible"] for x in (seq, par)]
+        assert feas[1] or not feas[0]
+        assert {d["type"] for d in r_par["decisions"]} == {d["type"] for d in r_seq["decisions"]}
+        t = int(inst.catalog_index[0])
+        one = [client.post(f"/v1/sessions/{x['session_id']}/decide/batch",
+                           json={"types": [t], "parallel": p}, headers=H).json()
+               ["decisions"][0]["channel"] for x, p in ((seq, False), (seq, True))]
+        assert one[0] == one[1]
