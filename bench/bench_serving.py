@@ -483,7 +483,8 @@ def run_batch(snap: dict, policy, runs: int) -> dict[str, Any]:
     types = [s.type_ids[int(s.active[p])] for p in order]
     out: dict[str, Any] = {}
     for label, call in (("list", lambda: s.decide(types, policy)),
-                        ("replan", lambda: s.decide(None, policy, replan=True))):
+                        ("replan", lambda: s.decide(None, policy, replan=True)),
+                        ("parallel", lambda: s.decide(types, policy, parallel=True))):
         for _ in range(2):
             call()
         lat = []
@@ -904,6 +905,8 @@ def main() -> None:
         ("batch", "list"), "bundle", f"{cfg['batch']}", TARGET_BATCH_MS)
     add("batch_replan", f"in-process, batch of {BATCH_TYPES:,} (replan from empty)", inproc,
         ("batch", "replan"), "bundle", f"{cfg['batch']}", TARGET_BATCH_MS)
+    add("batch_parallel", f"in-process, batch of {BATCH_TYPES:,} (parallel: one policy call)",
+        inproc, ("batch", "parallel"), "bundle", f"{cfg['batch']}", TARGET_BATCH_MS)
     for rate in RATES:
         for conf in ORT_CONFIGS:
             k = f"http_{rate}"

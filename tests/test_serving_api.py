@@ -206,3 +206,14 @@ def test_parallel_batch(client, tiny_problems, tiny_bundles):
                            json={"types": [t], "parallel": p}, headers=H).json()
                ["decisions"][0]["channel"] for x, p in ((seq, False), (seq, True))]
         assert one[0] == one[1]
+
+
+def test_serving_imports_neither_rllib_nor_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, serving.app, serving.adapter, serving.local, serve; "
+            "bad = [m for m in ('ray', 'torch') if m in sys.modules]; "
+            "assert not bad, bad")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
