@@ -105,9 +105,6 @@ import asyncio  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 import shutil  # noqa: E402
-import signal  # noqa: E402
-import socket  # noqa: E402
-import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
 from typing import Any, Callable, Iterator, Sequence  # noqa: E402
@@ -118,13 +115,12 @@ import numpy as np  # noqa: E402
 from envs.dsmd.decoding import decode  # noqa: E402
 from envs.dsmd.env import decision_order  # noqa: E402
 from envs.dsmd.instance import UNASSIGNED  # noqa: E402
-from envs.dsmd.message import messages_from_trace  # noqa: E402
-from envs.dsmd.parser import TypeCatalog  # noqa: E402
 from envs.dsmd.problems import ProblemSet, problems_for  # noqa: E402
 from serving.adapter import ControllerAdapter  # noqa: E402
 from serving.app import ServerSettings, create_app  # noqa: E402
 from serving.policy_store import PolicyStore  # noqa: E402
-from serving.scenario import session_body  # noqa: E402
+from serving.local import LocalServer  # noqa: E402
+from serving.scenario import adapter_for, replay_window, session_body  # noqa: E402
 from serving.session import Session  # noqa: E402
 
 SCENARIO = "godaddy"
@@ -501,43 +497,18 @@ def run_batch(snap: dict, policy, runs: int) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------- server
-def free_port() -> int:
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        return sk.getsockname()[1]
-
-
-class Server:
-    """``serve.py`` in a subprocess pinned to ``core`` (as tests/test_serving_e2e.py)."""
+class Server(LocalServer):
+    """``serve.py`` in a subprocess pinned to ``core`` (:class:`serving.local.LocalServer`),
+    with ONNX Runtime's default session options when ``config == "ort_default"``."""
 
     def __init__(self, tmp: Path, core: int, config: str) -> None:
-        self.tmp, self.core, self.config, self.port = tmp, core, config, free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen | None = None
+        super().__init__(BUNDLE, tmp, api_key=KEY, admin_key=ADMIN, cpu=str(core),
+                         python_args=["-c", LAUNCHER] if config == "ort_default" else [])
+        self.tmp, self.core, self.config = tmp, core, config
 
     def start(self) -> "Server":
-        args = [str(ROOT / "serve.py"), f"port={self.port}", f"bundle={BUNDLE}",
-                f"api_keys={KEY}", f"admin_keys={ADMIN}", "watch=false", "log_level=warning",
-                f"hydra.run.dir={self.tmp / 'hydra'}"]
-        cmd = [sys.executable, *(["-c", LAUNCHER] if self.config == "ort_default" else []), *args]
-        core = self.core
-        self.log = self.tmp / f"server-{self.port}.log"
-        t0 = time.perf_counter()
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL,
-                                     stderr=open(self.log, "a"),
-                                     preexec_fn=lambda: os.sched_setaffinity(0, {core}))
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/v1/health/ready", timeout=0.5).status_code == 200:
-                    self.start_s = time.perf_counter() - t0
-                    return self
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.log.read_text()[-2000:]}")
-            time.sleep(0.1)
-        raise TimeoutError("server did not become ready")
+        super().start(timeout_s=90)
+        return self
 
     def cpu_s(self) -> tuple[float, float]:
         """(main thread, all threads) utime + stime of the server, seconds."""
@@ -553,15 +524,6 @@ class Server:
                 main = ticks
         hz = os.sysconf("SC_CLK_TCK")
         return main / hz, total / hz
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.send_signal(signal.SIGKILL)
-                self.proc.wait(10)
 
 
 def route_time(client: httpx.Client, route: str) -> tuple[float, float]:
@@ -685,15 +647,8 @@ async def closed_loop(port: int, req: bytes, runs: int, warm: int) -> dict[str, 
 
 # ---------------------------------------------------------------------------- adapter
 def make_adapter(ps: ProblemSet, url: str, mode: str, tmp: Path) -> ControllerAdapter:
-    topo, spec = ps.dataset.topology, ps.spec
-    cat = TypeCatalog(topo)  # the controller's known types, in the scenario's order
-    for d in ps.parsed.catalog.destinations:
-        cat.type_of(topo.node_ids[d])
-    return ControllerAdapter(topo, num_topics=spec.num_topics,
-                             controller_bw_bps=spec.controller_bw_bps,
-                             controller_cpu=spec.controller_cpu, interval_s=spec.interval_s,
-                             base_url=url, api_key=KEY, mode=mode, catalog=cat,
-                             cache_dir=tmp / "cache", timeout_s=ADAPTER_TIMEOUT_S)
+    return adapter_for(ps, url, mode, api_key=KEY, cache_dir=tmp / "cache",
+                       timeout_s=ADAPTER_TIMEOUT_S)
 
 
 def run_adapter(ps: ProblemSet, url: str, mode: str, tmp: Path, w: int, samples: int,
@@ -701,10 +656,7 @@ def run_adapter(ps: ProblemSet, url: str, mode: str, tmp: Path, w: int, samples:
     with ort_config(config):  # the cached adapter loads its bundle when it is created
         ad = make_adapter(ps, url, mode, tmp)
     try:
-        rows = np.flatnonzero(ps.parsed.message_window == w)
-        for msg in messages_from_trace(ps.dataset.trace, rows):
-            ad.submit(msg)
-        ad.close_interval()
+        replay_window(ad, ps, w)
         ds = ad.decide(replan=True)
         if not ds or any(d.source != "policy" for d in ds):
             raise RuntimeError(f"adapter ({mode}): initial decisions not by the policy")

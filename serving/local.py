@@ -30,13 +30,16 @@ class LocalServer:
 
     def __init__(self, bundle: str | Path | None, log_dir: str | Path, *, api_key: str,
                  admin_key: str | None = None, port: int | None = None,
-                 overrides: list[str] | None = None, cpu: str | None = None) -> None:
+                 overrides: list[str] | None = None, cpu: str | None = None,
+                 python_args: list[str] | None = None) -> None:
         self.bundle, self.log_dir = bundle, Path(log_dir)
         self.api_key, self.admin_key = api_key, admin_key
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.overrides, self.cpu = list(overrides or []), cpu
+        self.python_args = list(python_args or [])  # e.g. ["-c", launcher]
         self.proc: subprocess.Popen | None = None
+        self.start_s: float | None = None  # process start to ready, seconds
 
     @property
     def log_file(self) -> Path:
@@ -44,19 +47,21 @@ class LocalServer:
 
     def start(self, timeout_s: float = 60.0) -> "LocalServer":
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, str(ROOT / "serve.py"), f"port={self.port}",
+        cmd = [sys.executable, *self.python_args, str(ROOT / "serve.py"), f"port={self.port}",
                f"bundle={self.bundle if self.bundle is not None else 'null'}",
                f"api_keys={self.api_key}", f"admin_keys={self.admin_key or ''}",
                "watch=false", "log_level=warning", f"hydra.run.dir={self.log_dir / 'hydra'}",
                *self.overrides]
         if self.cpu is not None:
             cmd = ["taskset", "-c", self.cpu, *cmd]
+        t0 = time.perf_counter()
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL,
                                      stderr=open(self.log_file, "a"))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
                 if httpx.get(self.url + "/v1/health/ready", timeout=0.5).status_code == 200:
+                    self.start_s = time.perf_counter() - t0
                     return self
             except httpx.HTTPError:
                 pass

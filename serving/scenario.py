@@ -3,10 +3,14 @@ send (tests, benchmarks, the README's first query and the delivery testbed use i
 
 from __future__ import annotations
 
+import numpy as np
+
 from envs.dsmd.instance import DSMDInstance
+from envs.dsmd.message import messages_from_trace
+from envs.dsmd.parser import TypeCatalog
 from envs.dsmd.problems import ProblemSet
 
-__all__ = ["session_body", "rates_body"]
+__all__ = ["session_body", "rates_body", "adapter_for", "replay_window"]
 
 
 def session_body(problems: ProblemSet, window: int | None = None, seed: int = 0) -> dict:
@@ -39,3 +43,29 @@ def rates_body(inst: DSMDInstance, replace: bool = True) -> dict:
                       for c, r, m in zip(inst.catalog_index.tolist(), inst.rate_bps.tolist(),
                                          inst.messages.tolist())],
             "replace": replace}
+
+
+def adapter_for(problems: ProblemSet, base_url: str | None, mode: str = "remote", **kw):
+    """A :class:`~serving.adapter.ControllerAdapter` for the scenario's controller: its
+    topology and capacities, and its known types in the scenario's catalogue order (so the
+    adapter's type ids are the simulator's catalogue indices)."""
+    from .adapter import ControllerAdapter
+
+    topo, spec = problems.dataset.topology, problems.spec
+    cat = TypeCatalog(topo)
+    for d in problems.parsed.catalog.destinations:
+        cat.type_of(topo.node_ids[d])
+    return ControllerAdapter(topo, num_topics=spec.num_topics,
+                             controller_bw_bps=spec.controller_bw_bps,
+                             controller_cpu=spec.controller_cpu, interval_s=spec.interval_s,
+                             base_url=base_url, mode=mode, catalog=cat, **kw)
+
+
+def replay_window(adapter, problems: ProblemSet, window: int) -> int:
+    """Submit the trace's messages of ``window`` through the adapter (Table I messages, in
+    trace order), then close the interval; returns the number of messages."""
+    rows = np.flatnonzero(problems.parsed.message_window == window)
+    for msg in messages_from_trace(problems.dataset.trace, rows):
+        adapter.submit(msg)
+    adapter.close_interval()
+    return int(rows.size)

@@ -8,16 +8,13 @@ import threading
 import time
 
 import httpx
-import numpy as np
 import pytest
 
 from agents.bundle import load_bundle
 from agents.learned import ActorPolicy
-from envs.dsmd.message import messages_from_trace
-from envs.dsmd.parser import TypeCatalog
 from serving.adapter import ControllerAdapter
 from serving.local import LocalServer
-from serving.scenario import session_body
+from serving.scenario import adapter_for, replay_window, session_body
 
 KEY, ADMIN = "e2e-key", "e2e-admin"
 
@@ -34,22 +31,7 @@ def server(tiny_bundles, tmp_path):
 
 
 def make_adapter(ps, url, mode, tmp_path, **kw) -> ControllerAdapter:
-    topo, spec = ps.dataset.topology, ps.spec
-    cat = TypeCatalog(topo)  # the controller's known types, in the scenario's order
-    for d in ps.parsed.catalog.destinations:
-        cat.type_of(topo.node_ids[d])
-    return ControllerAdapter(topo, num_topics=spec.num_topics,
-                             controller_bw_bps=spec.controller_bw_bps,
-                             controller_cpu=spec.controller_cpu, interval_s=spec.interval_s,
-                             base_url=url, api_key=KEY, mode=mode, catalog=cat,
-                             cache_dir=tmp_path / "cache", **kw)
-
-
-def replay_window(adapter, ps, w) -> None:
-    rows = np.flatnonzero(ps.parsed.message_window == w)
-    for msg in messages_from_trace(ps.dataset.trace, rows):
-        adapter.submit(msg)
-    adapter.close_interval()
+    return adapter_for(ps, url, mode, api_key=KEY, cache_dir=tmp_path / "cache", **kw)
 
 
 @pytest.mark.parametrize("mode", ["remote", "cached"])
