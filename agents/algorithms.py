@@ -95,6 +95,11 @@ def algorithm_config(agent: dict, env_name: str, env_config: dict, seed: int):
     except TypeError as e:  # an unknown key in agent.training
         raise DSMDError(f"agent.training for {name}: {e}") from None
     cfg.callbacks(DSMDEpisodeMetrics)
+    # one training step per algo.train() (RLlib's default repeats it for at least 1 s): the
+    # validation points and so model selection then depend on env steps, not on the
+    # machine's speed
+    cfg.reporting(min_time_s_per_iteration=0, min_sample_timesteps_per_iteration=0,
+                  min_train_timesteps_per_iteration=0)
     cfg.debugging(seed=int(seed))
     return cfg
 

@@ -16,7 +16,8 @@ session (:class:`serving.session.Session`, the same engine as the server's). Two
 ``cached``  (Stemflow-style, decision logic near the data plane) fetches the policy bundle
             and the session knowledge once, decides locally with ONNX Runtime, and checks
             every ``refresh_s`` whether the server publishes a new policy version; if so it
-            downloads and swaps it. A server that is down only delays the refresh.
+            downloads and swaps it, on a background thread: a server that is slow or down
+            only delays the refresh, never a decision.
 
 With ``decision_log`` every decision is appended as one JSON line (time, type, destinations,
 rate, channel, source, policy version, mode, latency); with ``trace_log`` every submitted
@@ -29,6 +30,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import threading
 import time
 import zipfile
 from dataclasses import dataclass
@@ -124,9 +126,10 @@ class ControllerAdapter:
         self.session_id: str | None = None
         self._synced = False  # the server's session equals the local copy
         self._registered = 0  # catalogue types known to the local copy
-        self.policy = None  # cached mode: the loaded bundle
-        self.policy_version = 0
+        self._cached: tuple = (None, 0)  # cached mode: (loaded bundle, its version), swapped whole
+        self.policy_version = 0  # remote mode: the version of the last server answer
         self._last_refresh = -float("inf")
+        self._refresher: threading.Thread | None = None
         self.cache_dir = Path(cache_dir) if cache_dir else None
         self._log = open(decision_log, "a") if decision_log else None
         self._messages: list[Message] | None = [] if trace_log else None
@@ -195,10 +198,11 @@ class ControllerAdapter:
         self._register_new_types()
         if self.mode == "cached":
             if time.monotonic() - self._last_refresh >= self.refresh_s:
-                self.refresh()
-            ds = self.local.decide(types, self.policy, fallback=self.fallback, replan=replan,
+                self._refresh_in_background()
+            policy, version = self._cached  # one read: decisions and version agree
+            ds = self.local.decide(types, policy, fallback=self.fallback, replan=replan,
                                    parallel=parallel)
-            out = [_from(d, self.policy_version if d.source == "policy" else 0) for d in ds]
+            out = [_from(d, version if d.source == "policy" else 0) for d in ds]
         else:
             out = self._decide_remote(types, replan, parallel)
         self._write_log(out, time.perf_counter() - t0)
@@ -278,19 +282,31 @@ class ControllerAdapter:
         raise _Unavailable(err)
 
     # ------------------------------------------------------------------ cached mode
+    def _refresh_in_background(self) -> None:
+        """Start a refresh on a daemon thread unless one is running: a slow or hung server
+        never delays a decision (the new policy is installed by one reference assignment)."""
+        t = self._refresher
+        if t is not None and t.is_alive():
+            return
+        self._last_refresh = time.monotonic()
+        self._refresher = threading.Thread(target=self.refresh, name="policy-refresh",
+                                           daemon=True)
+        self._refresher.start()
+
     def refresh(self, force: bool = False) -> bool:
         """Cached mode: fetch the bundle if the server publishes another version. Returns
         whether a new policy was installed; a failure keeps the current one."""
         self._last_refresh = time.monotonic()
         try:
             info = self._request("GET", "/v1/policy", None)
-            if not info["loaded"] or (not force and self.policy is not None
-                                      and info["hash"] == self.policy.content_hash):
+            current = self._cached[0]
+            if not info["loaded"] or (not force and current is not None
+                                      and info["hash"] == current.content_hash):
                 return False
             raw = self._get_bytes("/v1/policy/bundle")
         except (_Unavailable, AdapterError) as e:
             log.warning("policy refresh failed (%s); keeping version %d", e,
-                        self.policy_version)
+                        self._cached[1])
             return False
         root = self.cache_dir or Path.home() / ".cache" / "smart-dsmd" / "bundles"
         d = root / info["hash"][:16]
@@ -299,12 +315,17 @@ class ControllerAdapter:
             for name in ("metadata.json", "actor.onnx"):
                 (d / name).write_bytes(z.read(name))
         try:
-            self.policy = load_bundle(d)
+            bundle = load_bundle(d)
         except BundleError as e:
             log.error("downloaded bundle refused: %s", e)
             return False
-        self.policy_version = int(info["version"])
+        self._cached = (bundle, int(info["version"]))
         return True
+
+    @property
+    def policy(self):
+        """Cached mode: the bundle deciding now (None: none yet, heuristic decisions)."""
+        return self._cached[0]
 
     def _get_bytes(self, path: str) -> bytes:
         import httpx

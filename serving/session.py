@@ -254,10 +254,13 @@ class Session:
         return self._builder
 
     def compatibility(self, policy: ScoringPolicy | None) -> str | None:
-        key = (id(policy), self.catalog_size)
-        if self._compat is None or self._compat[:2] != key:
-            self._compat = (*key, compatibility(policy, self.spec, self.catalog_size))
-        return self._compat[2]
+        """:func:`compatibility`, cached per policy object and catalogue size (the cache
+        holds the policy itself: an ``id()`` could be reused by a later object)."""
+        c = self._compat
+        if c is None or c[0] is not policy or c[1] != self.catalog_size:
+            c = self._compat = (policy, self.catalog_size,
+                                compatibility(policy, self.spec, self.catalog_size))
+        return c[2]
 
     # ------------------------------------------------------------------ decisions
     def decide(self, type_ids: Sequence[int] | None, policy: ScoringPolicy | None, *,

@@ -217,3 +217,25 @@ def test_serving_imports_neither_rllib_nor_torch():
             "assert not bad, bad")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_compatibility_is_not_confused_by_a_reused_object_id(tiny_problems, tiny_bundles):
+    """The session's compatibility cache holds the policy itself: a new policy object that
+    reuses a freed one's id() gets its own verdict (a review found the stale one returned)."""
+    from serving.policy_store import PolicyStore
+    from serving.session import Session, SessionSpec
+
+    ps = tiny_problems
+    body = session_body(ps)
+    spec = SessionSpec(np.array([n["id"] for n in body["nodes"]]),
+                       np.array([n["capacity_bps"] for n in body["nodes"]]),
+                       body["controller"]["bandwidth_bps"], body["controller"]["cpu"],
+                       body["num_topics"], body["interval_s"])
+    s = Session(spec)
+    for _ in range(20):
+        bad = PolicyStore().load(tiny_bundles["mismatched"])
+        assert s.compatibility(bad) is not None
+        del bad
+        good = PolicyStore().load(tiny_bundles["a"])
+        assert s.compatibility(good) is None
+        del good

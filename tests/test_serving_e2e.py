@@ -4,6 +4,7 @@ hot swap under concurrent load."""
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 
@@ -139,13 +140,27 @@ def test_cached_adapter_follows_a_new_policy_version(server, tiny_problems, tiny
                       headers={"X-API-Key": ADMIN}, timeout=30)
         assert r.status_code == 200
         time.sleep(0.3)
+        ad.decide(replan=True)  # due: starts the refresh in the background
+        deadline = time.monotonic() + 20
+        while ad.policy.content_hash != load_bundle(tiny_bundles["b"]).content_hash:
+            assert time.monotonic() < deadline, "the new version never arrived"
+            time.sleep(0.05)
         ds = ad.decide(replan=True)
         assert {d.policy_version for d in ds} == {2} and all(d.source == "policy" for d in ds)
-        assert ad.policy.content_hash == load_bundle(tiny_bundles["b"]).content_hash
         expected = ActorPolicy.from_bundle(load_bundle(tiny_bundles["b"])).assign(
             ps.instance(w))
         got = {d.type_id: d.channel for d in ds}
         assert [got[int(c)] for c in ps.instance(w).catalog_index] == expected.tolist()
+        server.proc.send_signal(signal.SIGSTOP)  # hung: the refresh will wait its timeout
+        try:
+            time.sleep(0.3)
+            t0 = time.perf_counter()
+            ds = ad.decide(replan=True)  # the refresh hangs in the background, not here
+            assert time.perf_counter() - t0 < 0.2
+            assert {d.policy_version for d in ds} == {2}
+            assert all(d.source == "policy" for d in ds)
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
         server.kill()
         time.sleep(0.3)
         ds = ad.decide(replan=True)  # the refresh fails; the cached policy still decides
