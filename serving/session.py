@@ -298,7 +298,7 @@ class Session:
                 scores = np.asarray(use(obs), dtype=np.float32).reshape(-1)
                 c = decode(scores, self.state, p, self.rng, use.decoding)
             else:
-                scores = self._heuristic_scores(p, fallback)
+                scores = self._heuristic_scores(np.array([p]), fallback)[0]
                 c = decode(scores, self.state, p, self.rng, "feasible")
             self.state.move(p, c)
             if builder is not None:
@@ -334,12 +334,8 @@ class Session:
             obs = self.builder(use.layout).observe_many(self.state, pos, self.state.assigned / n)
             scores = np.asarray(use(obs), dtype=np.float32).reshape(pos.size, -1)
             mode = use.decoding
-        elif fallback == "rpc":
-            scores = np.zeros((pos.size, self.spec.num_topics + 1), np.float32)
-            scores[:, 0] = 1.0
-            mode = "feasible"
         else:
-            scores = -self.state.channel_costs_many(pos)[0].astype(np.float64)
+            scores = self._heuristic_scores(pos, fallback)
             mode = "feasible"
         best = _argmax_rows(scores, self.rng)
         ch[pos] = best
@@ -380,14 +376,14 @@ class Session:
             raise SessionError("a type is listed twice")
         return out
 
-    def _heuristic_scores(self, p: int, fallback: str) -> np.ndarray:
-        k1 = self.spec.num_topics + 1
+    def _heuristic_scores(self, positions: np.ndarray, fallback: str) -> np.ndarray:
+        """``[len(positions), K+1]`` heuristic channel scores of undecided types: ``rpc``
+        prefers RPC; ``greedy`` scores minus the node traffic each channel would add."""
         if fallback == "rpc":
-            s = np.zeros(k1, np.float32)
-            s[0] = 1.0
+            s = np.zeros((len(positions), self.spec.num_topics + 1), np.float32)
+            s[:, 0] = 1.0
             return s
-        delta, _ = self.state.channel_costs(p)
-        return -np.asarray(delta, dtype=np.float64)
+        return -self.state.channel_costs_many(positions)[0].astype(np.float64)
 
     # ------------------------------------------------------------------ views
     def assignment(self) -> dict[int, int]:
