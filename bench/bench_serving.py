@@ -235,6 +235,15 @@ def thread_affinities(pid: int) -> list[str]:
     return out
 
 
+def _loop_and_parser() -> str:
+    """What uvicorn's ``loop="auto"`` and ``http="auto"`` choose in this environment."""
+    import importlib.util
+
+    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+    http = "httptools" if importlib.util.find_spec("httptools") else "h11"
+    return f"{loop} + {http}"
+
+
 def pct(ms: np.ndarray) -> dict[str, float]:
     """p50 / p99 / max / mean / count of latencies in ms."""
     ms = np.asarray(ms, dtype=np.float64)
@@ -962,7 +971,7 @@ def main() -> None:
         f"{1e3 / med('bundle', 'http_1000', 'server_cpu_ms_per_request'):,.0f} req/s; of it, "
         f"inside the app (Prometheus route histogram, mean) "
         f"{med('bundle', 'http_1000', 'server_in_app_ms_mean'):.3f} ms, the rest uvicorn's "
-        f"asyncio + h11 HTTP handling (uvloop and httptools are not installed); the app "
+        f"HTTP handling (uvicorn picks {_loop_and_parser()}); the app "
         f"called directly (ASGI row) takes p50 "
         f"{across(inproc, 'asgi', 'p50')['median']:.3f} ms per request, of which "
         f"Session.decide p50 {across(inproc, 'single', 'bundle', 'p50')['median']:.3f} ms. "

@@ -52,9 +52,10 @@ def adapter_for(problems: ProblemSet, base_url: str | None, mode: str = "remote"
     from .adapter import ControllerAdapter
 
     topo, spec = problems.dataset.topology, problems.spec
-    cat = TypeCatalog(topo)
-    for d in problems.parsed.catalog.destinations:
-        cat.type_of(topo.node_ids[d])
+    src = problems.parsed.catalog
+    cat = TypeCatalog(topo, src.batch_key)
+    for d, v, c in zip(src.destinations, src.vpc, src.config):  # first-seen VPC and config too
+        cat.type_of(topo.node_ids[d], v, c)
     return ControllerAdapter(topo, num_topics=spec.num_topics,
                              controller_bw_bps=spec.controller_bw_bps,
                              controller_cpu=spec.controller_cpu, interval_s=spec.interval_s,

@@ -81,3 +81,24 @@ def tiny_bundles(tmp_path_factory, tiny_problems):
     bad = _export_tiny_bundle(root / "other_k", tiny_problems, 2,
                               num_topics=tiny_problems.spec.num_topics + 1)
     return {"a": a, "b": b, "mismatched": bad}
+
+
+@pytest.fixture(scope="session")
+def pulsar_broker():
+    """One real Pulsar standalone broker (``delivery.broker``) for the whole test session.
+
+    Tests share it: each uses its own topic prefix (a uuid) and its own metadata store and
+    record directory under ``tmp_path``. Skipped where there is no Java or Maven."""
+    pytest.importorskip("pulsar")
+    from delivery.broker import JavaNotFoundError, MavenNotFoundError, PulsarStandalone
+
+    broker = PulsarStandalone(progress=None)
+    try:
+        broker.start()
+    except (JavaNotFoundError, MavenNotFoundError) as exc:
+        broker.close()
+        pytest.skip(f"no real Pulsar broker here: {exc}")
+    try:
+        yield broker
+    finally:
+        broker.close()

@@ -1,0 +1,814 @@
+"""The delivery runtime end to end: a real Pulsar standalone broker (``pulsar_broker``, one per
+session; the broker-restart test runs its own), real gRPC, real agents (in process on one
+asyncio loop, or a ``python -m delivery.agent_host`` subprocess for the crash test) and the
+real controller. No mocks.
+
+Every test judges delivery from the agents' programming records (``read_record``), against a
+ledger of what the controller was asked to send: for every (node, resource) the applied
+timestamps strictly increase (nothing applied twice, nothing applied out of order), every
+applied message is one that was sent to that node for that resource, and the last applied is
+the newest sent, so every message sent to a node is either applied or superseded by a newer
+applied one. Where each resource is carried by one channel at a time and the test waits
+between channel switches, it also asserts that every message was applied (exactly once).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+import pulsar
+import pytest
+
+from delivery.agent import AgentConfig, read_record
+from delivery.agent_host import AgentHost, host_spec
+from delivery.broker import PulsarStandalone, free_ports
+from delivery.controller import RPC, Controller, ControllerConfig, topic_name
+from delivery.rpc import pb, pb_grpc
+from delivery.store import MetadataStore
+from delivery.wire import envelope
+from envs.dsmd.message import Message
+
+ROOT = Path(__file__).resolve().parents[1]
+OP = "UPDATE"
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def wait_until(cond: Callable[[], object], timeout: float, what: str | Callable[[], str],
+               interval: float = 0.05) -> None:
+    """Poll ``cond`` until it is truthy; fail naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if cond():
+            return
+        if time.monotonic() >= deadline:
+            pytest.fail(f"timed out after {timeout:.0f} s waiting for: "
+                        f"{what() if callable(what) else what}")
+        time.sleep(interval)
+
+
+Resource = tuple[int, str, int]
+
+
+class Ledger:
+    """What the controller was asked to send: node -> resource -> [(timestamp, message id)]."""
+
+    def __init__(self) -> None:
+        self.sent: dict[int, dict[Resource, list[tuple[int, int]]]] = defaultdict(
+            lambda: defaultdict(list))
+        self.ids = itertools.count(1)
+        self.lock = threading.Lock()
+        self.mq_sent = 0
+        self.not_for_me: dict[int, int] = defaultdict(int)  # expected redundant MQ deliveries
+
+    def send(self, ctl: Controller, type_id: int, resource_id: int, hosts: Iterable[int], *,
+             vpc: int = 1, config: str = "SUBNET", size: int = 64) -> Message:
+        hosts = tuple(hosts)
+        with self.lock:
+            mid = next(self.ids)
+            m = Message(mid, mid, vpc, config, OP, resource_id, size, hosts, ctl.timestamp())
+            for n in hosts:
+                self.sent[n][(vpc, config, resource_id)].append((m.timestamp_ns, mid))
+            c = ctl.channel.get(type_id, RPC)
+            if c != RPC:
+                self.mq_sent += 1
+                for n, topics in ctl.node_topics.items():
+                    if c in topics and n not in hosts:
+                        self.not_for_me[n] += 1
+        ctl.send(m, type_id)
+        return m
+
+    def total(self) -> int:
+        return sum(len(v) for res in self.sent.values() for v in res.values())
+
+
+def audit(record_dir: Path, ledger: Ledger, nodes: Iterable[int]
+          ) -> tuple[list[str], list[str], dict[int, list]]:
+    """(violations, not yet delivered, rows per node) of the agents' records vs the ledger.
+    Violations are permanent (out of order, applied twice, applied but never sent there);
+    'not yet delivered' lists resources whose last applied message is not the newest sent."""
+    bad: list[str] = []
+    missing: list[str] = []
+    rows_of: dict[int, list] = {}
+    with ledger.lock:
+        sent = {n: {r: list(v) for r, v in ledger.sent[n].items()} for n in nodes}
+    for n in nodes:
+        rows, _ = read_record(record_dir / f"node-{n}.record")
+        rows_of[n] = rows
+        applied: dict[Resource, list] = defaultdict(list)
+        for r in rows:
+            applied[r.resource].append(r)
+        for res, rs in applied.items():
+            ts = [r.timestamp_ns for r in rs]
+            if any(b <= a for a, b in itertools.pairwise(ts)):
+                bad.append(f"node {n} {res}: applied timestamps not strictly increasing "
+                           f"(applied twice or out of order): {[r.message_id for r in rs]}")
+            known = set(sent[n].get(res, ()))
+            for r in rs:
+                if (r.timestamp_ns, r.message_id) not in known:
+                    bad.append(f"node {n} {res}: applied message {r.message_id} that was never "
+                               f"sent to it")
+        for res, msgs in sent[n].items():
+            newest = max(msgs)
+            got = applied.get(res)
+            last = (got[-1].timestamp_ns, got[-1].message_id) if got else None
+            if last != newest:
+                missing.append(f"node {n} {res}: last applied {last}, newest sent {newest}")
+    return bad, missing, rows_of
+
+
+def assert_delivered(record_dir: Path, ledger: Ledger, nodes: Iterable[int], *,
+                     timeout: float = 30.0, every: bool = False,
+                     pending: Callable[[], dict] | None = None) -> dict[int, list]:
+    """Wait until every node's record ends, for every resource, with the newest message sent
+    to it (and the controller's reprogramming queue is empty), failing at once on a
+    violation. ``every``: also every message sent was applied (none superseded)."""
+    nodes = list(nodes)
+    state: dict = {}
+
+    def done() -> bool:
+        bad, missing, rows = audit(record_dir, ledger, nodes)
+        assert not bad, "\n".join(bad[:20])
+        state.update(missing=missing, rows=rows, pending=pending() if pending else {})
+        return not missing and not state["pending"]
+
+    wait_until(done, timeout, lambda: f"delivery of {ledger.total()} messages; pending "
+               f"{state.get('pending')}; e.g. " + "; ".join(state.get("missing", [])[:5]))
+    rows = state["rows"]
+    # every message sent to a node is applied or superseded by a newer applied one
+    with ledger.lock:
+        for n in nodes:
+            applied = {(r.timestamp_ns, r.message_id) for r in rows[n]}
+            newest_applied: dict[Resource, int] = {}
+            for r in rows[n]:
+                newest_applied[r.resource] = max(newest_applied.get(r.resource, 0),
+                                                 r.timestamp_ns)
+            for res, msgs in ledger.sent[n].items():
+                for m in msgs:
+                    ok = m in applied if every else (
+                        m in applied or newest_applied.get(res, 0) > m[0])
+                    assert ok, f"node {n} {res}: message {m} lost"
+            if every:
+                assert len(rows[n]) == sum(len(v) for v in ledger.sent[n].values()), \
+                    f"node {n}: {len(rows[n])} applied rows"
+    return rows
+
+
+def assert_arrived(r: Rig, timeout: float = 20.0) -> None:
+    """Every message sent to a node reached it: it is in the node's record (applied), or the
+    node reported it OUT_OF_ORDER in a packed reply (it came after a newer one). Where
+    Pulsar redelivers after a crash or a broker restart (acknowledgements not yet persisted),
+    an old redelivered message is reported OUT_OF_ORDER and the controller re-sends the
+    resource's newest message over RPC, which may overtake MQ messages still in flight: they
+    are then superseded, not applied, but they did arrive."""
+    def missing() -> list[str]:
+        reported = {(n, mid) for n, kind, mid, _ in list(r.ctl.stats.errors)
+                    if kind == "OUT_OF_ORDER"}
+        out = []
+        with r.ledger.lock:
+            sent = {n: [mid for msgs in r.ledger.sent[n].values() for _, mid in msgs]
+                    for n in r.nodes}
+        for n in r.nodes:
+            rows, _ = read_record(r.record_dir / f"node-{n}.record")
+            applied = {x.message_id for x in rows}
+            out += [f"node {n}: message {mid}" for mid in sent[n]
+                    if mid not in applied and (n, mid) not in reported]
+        return out
+
+    wait_until(lambda: not missing(), timeout, lambda: "arrival (applied, or reported "
+               "OUT_OF_ORDER) of " + ", ".join(missing()[:10]))
+
+
+def admin_subscriptions(broker: PulsarStandalone, topic: str) -> set[str]:
+    """The durable subscriptions of a topic (admin REST API); empty if there is no topic."""
+    path = topic.removeprefix("persistent://")
+    try:
+        with urllib.request.urlopen(f"{broker.admin_url}/admin/v2/persistent/{path}/"
+                                    f"subscriptions", timeout=10) as resp:
+            return set(json.loads(resp.read()))
+    except urllib.error.HTTPError as e:
+        if e.code == 404:
+            return set()
+        raise
+
+
+class Rig:
+    """A controller and in-process agents (one AgentHost) on a broker, with a fresh store,
+    record directory and topic prefix."""
+
+    def __init__(self, broker: PulsarStandalone, tmp: Path, nodes: Iterable[int], *,
+                 ctl_kw: dict | None = None, agent_kw: dict | None = None,
+                 agents_in_process: bool = True) -> None:
+        self.broker = broker
+        self.nodes = list(nodes)
+        self.tmp = tmp
+        self.store_url = f"sqlite:///{tmp / 'meta.db'}"
+        self.record_dir = tmp / "records"
+        self.prefix = f"persistent://public/default/td-{uuid.uuid4().hex[:10]}"
+        self.ports = dict(zip(self.nodes, free_ports(len(self.nodes))))
+        kw = {"collect_period_s": 0.3, "reprogram_period_s": 0.2, "push_timeout_s": 2.0}
+        kw.update(ctl_kw or {})
+        self.ctl = Controller(ControllerConfig(broker.service_url, self.store_url,
+                                               topic_prefix=self.prefix, **kw),
+                              {n: f"127.0.0.1:{p}" for n, p in self.ports.items()}).start()
+        self.agent_kw: dict = {"pack_period_s": 0.1}
+        self.agent_kw.update(agent_kw or {})
+        self.host: AgentHost | None = None
+        if agents_in_process:
+            cfgs = [AgentConfig(n, self.store_url, self.record_dir,
+                                pulsar_url=broker.service_url,
+                                controller=self.ctl.reply_address, port=p, **self.agent_kw)
+                    for n, p in self.ports.items()]
+            self.host = AgentHost(cfgs, broker.service_url).start()
+        self.ledger = Ledger()
+
+    def topic(self, c: int) -> str:
+        return topic_name(self.prefix, c)
+
+    def send(self, type_id: int, resource_id: int, hosts: Iterable[int], **kw) -> Message:
+        return self.ledger.send(self.ctl, type_id, resource_id, hosts, **kw)
+
+    def delivered(self, timeout: float = 30.0, every: bool = False) -> dict[int, list]:
+        self.ctl.flush()
+        return assert_delivered(self.record_dir, self.ledger, self.nodes, timeout=timeout,
+                                every=every, pending=self.ctl.pending)
+
+    def expected_topics(self) -> dict[int, set[str]]:
+        return {n: {self.topic(c) for c in self.ctl.node_topics.get(n, ())}
+                for n in self.nodes}
+
+    def wait_subscriptions(self, timeout: float = 20.0) -> None:
+        """Agents, store and broker agree with the controller's subscriptions (drains done,
+        drained durable subscriptions deleted)."""
+        want = self.expected_topics()
+
+        def agents_agree() -> bool:
+            assert self.host is not None
+            return all(self.host.agents[n].topics() == {t: "subscribed" for t in want[n]}
+                       for n in self.nodes)
+
+        wait_until(agents_agree, timeout, lambda: f"agents' topics "
+                   f"{ {n: a.topics() for n, a in self.host.agents.items()} } == {want}")
+        store = MetadataStore(self.store_url)
+        try:
+            active = store.active_topics()
+        finally:
+            store.close()
+        assert {n: active.get(n, set()) for n in self.nodes} == want
+        used = set().union(*want.values()) | set(self._used_topics)
+
+        def broker_agrees() -> bool:
+            return all(admin_subscriptions(self.broker, t)
+                       == {f"node-{n}" for n in self.nodes if t in want[n]} for t in used)
+
+        wait_until(broker_agrees, timeout, lambda: "durable subscriptions " + str(
+            {t: admin_subscriptions(self.broker, t) for t in used}) + f" vs {want}")
+
+    @property
+    def _used_topics(self) -> set[str]:
+        return {self.topic(c) for c in range(1, 8)}
+
+    def close(self) -> None:
+        try:
+            if self.host is not None:
+                self.host.close()
+        finally:
+            self.ctl.close()
+
+
+@contextmanager
+def rig(broker: PulsarStandalone, tmp: Path, nodes: Iterable[int], **kw) -> Iterator[Rig]:
+    r = Rig(broker, tmp, nodes, **kw)
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+def outcomes(r: Rig) -> dict[str, int]:
+    return dict(r.ctl.stats.outcomes)
+
+
+# --------------------------------------------------------------------------- 1. mixed channels
+
+
+def test_mixed_channels_with_switches(pulsar_broker, tmp_path):
+    """Several types (RPC and MQ on different topics; unicast and multicast), bursts of
+    messages between switches RPC->MQ, MQ->MQ (another topic) and MQ->RPC: every message a
+    node needs is applied exactly once, in timestamp order per resource; redundant MQ
+    messages are counted as not_for_me; agents, store and broker agree on subscriptions."""
+    nodes = range(6)
+    hosts = {0: (0, 1, 2, 3), 1: (4,), 2: (2, 3, 4, 5), 3: (1,), 4: (0, 5)}
+    with rig(pulsar_broker, tmp_path, nodes) as r:
+        phases = [
+            {0: RPC, 1: RPC, 2: 1, 3: 1, 4: 2},        # T2 and T3 share topic 1
+            {0: 2, 1: RPC, 2: 1, 3: 1, 4: 2},          # T0 RPC -> MQ
+            {0: 2, 1: 3, 2: 3, 3: 1, 4: 2},            # T2 MQ 1 -> MQ 3, T1 RPC -> MQ
+            {0: RPC, 1: 3, 2: 3, 3: RPC, 4: 1},        # MQ -> RPC (T0, T3), T4 MQ 2 -> 1
+        ]
+        for i, channels in enumerate(phases):
+            change = r.ctl.set_channels(channels, hosts)
+            if i:
+                assert change["types"] > 0
+            r.wait_subscriptions()
+            for k in range(80):
+                t = k % len(hosts)
+                # each type its own resources, 3 per type, so each burst updates them often
+                r.send(t, resource_id=100 * t + k % 3, hosts=hosts[t])
+            r.delivered(every=True)
+        r.ctl.collect()
+        counters = r.host.counters()
+        assert {n: c["not_for_me"] for n, c in counters.items()} == \
+            {n: r.ledger.not_for_me.get(n, 0) for n in nodes}
+        assert sum(r.ledger.not_for_me.values()) > 0
+        assert all(c["outcomes"]["out_of_order"] == 0 and c["outcomes"]["malformed"] == 0
+                   for c in counters.values()), counters
+        assert r.ctl.stats.fences >= 2 and r.ctl.stats.channel_changes >= 6
+        # the topic mapping of the store is the controller's
+        store = MetadataStore(r.store_url)
+        try:
+            mapping = store.mapping()
+        finally:
+            store.close()
+        assert {t: c for t, (c, _) in mapping.items()} == phases[-1]
+        assert all(tp == (r.topic(c) if c else None) for c, tp in mapping.values())
+        # the drained topic 2 (T0 left it, then T4): no durable subscription is left on it
+        assert admin_subscriptions(pulsar_broker, r.topic(2)) == set()
+        total = r.ledger.total()
+        assert sum(len(rows) for rows in r.delivered(every=True).values()) == total
+
+
+# --------------------------------------------------------------------------- 2. race
+
+
+def test_one_resource_alternating_rpc_and_mq(pulsar_broker, tmp_path):
+    """One resource updated alternately over RPC and MQ (two types sharing it, and a third
+    type whose channel flips back and forth without waiting): every node ends with the
+    newest message, and nothing is applied twice or out of order."""
+    nodes = (0, 1, 2, 3)
+    hosts = {0: nodes, 1: nodes, 2: (1, 2, 3)}
+    with rig(pulsar_broker, tmp_path, nodes) as r:
+        r.ctl.set_channels({0: RPC, 1: 1, 2: RPC}, hosts)
+        for k in range(120):
+            r.send(k % 2, resource_id=7, hosts=hosts[k % 2])
+            if k % 5 == 4:
+                r.ctl.flush()
+        r.delivered()
+        for c in (1, RPC, 2, 1, RPC, 2):
+            r.ctl.set_channels({2: c}, hosts)
+            for k in range(15):
+                r.send(2, resource_id=7, hosts=hosts[2])
+                r.send(k % 2, resource_id=7, hosts=hosts[k % 2])
+            r.ctl.flush()
+        rows = r.delivered()
+        newest = max(r.ledger.sent[1][(1, "SUBNET", 7)])
+        for n in nodes:
+            assert (rows[n][-1].timestamp_ns, rows[n][-1].message_id) == newest
+        # the controller answers OUT_OF_ORDER reports by re-sending the newest message: that
+        # changes nothing (a DUPLICATE at most)
+        r.ctl.collect()
+        r.delivered()
+
+
+# --------------------------------------------------------------------------- 3. crash
+
+
+class HostProcess:
+    """``python -m delivery.agent_host`` for some nodes (SIGKILL is a real crash)."""
+
+    def __init__(self, r: Rig, nodes: Iterable[int]) -> None:
+        self.spec = r.tmp / "host-spec.json"
+        self.ready = r.tmp / "host-ready.json"
+        self.log = r.tmp / "host.log"
+        self.spec.write_text(json.dumps(host_spec(
+            {n: r.ports[n] for n in nodes}, store_url=r.store_url, record_dir=r.record_dir,
+            pulsar_url=r.broker.service_url, controller=r.ctl.reply_address, **r.agent_kw)))
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 60.0) -> None:
+        self.ready.unlink(missing_ok=True)
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "delivery.agent_host", "--spec", str(self.spec),
+                 "--ready", str(self.ready)], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL)
+        proc = self.proc
+        wait_until(lambda: self.ready.exists() or proc.poll() is not None, timeout,
+                   "the agent host to serve")
+        assert proc.poll() is None, f"agent host exited ({proc.returncode}):\n" + \
+            self.log.read_text()[-3000:]
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+            self.proc.wait(30)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(30)
+        self.proc = None
+
+
+def test_agent_crash_and_restart(pulsar_broker, tmp_path):
+    """Agents in a subprocess, SIGKILLed mid-stream; messages keep coming on MQ and RPC while
+    it is down; restarted with the same spec and ports it recovers (record + store), gets the
+    MQ backlog from its durable subscriptions, and the controller reprograms the RPC messages:
+    nothing applied twice or out of order, the newest of every resource applied, every
+    message arrived (applied, or reported OUT_OF_ORDER after a redelivery, see
+    assert_arrived); a record line torn by the crash does not swallow the next one; the
+    results of the restarted agents are all counted by the controller."""
+    nodes = (0, 1, 2)
+    hosts = {0: nodes, 1: nodes, 2: (1,), 3: (0, 2)}
+    with rig(pulsar_broker, tmp_path, nodes, agents_in_process=False,
+             ctl_kw={"push_retries": 1, "retry_backoff_s": 0.02}) as r:
+        proc = HostProcess(r, nodes)
+        try:
+            proc.start()
+            r.ctl.set_channels({0: 1, 1: RPC, 2: RPC, 3: 2}, hosts)
+
+            def burst(k0: int, n: int) -> None:
+                for k in range(k0, k0 + n):
+                    t = k % 4
+                    r.send(t, resource_id=10 * t + (k // 4) % 3, hosts=hosts[t])
+                    if k % 8 == 7:
+                        r.ctl.flush()
+                r.ctl.flush()
+
+            burst(0, 80)
+            r.delivered(every=True)
+            burst(80, 40)          # some of these are still in flight when it dies
+            proc.kill()
+            with open(r.record_dir / "node-1.record", "a") as f:
+                f.write("A\t424242\t1\tSUB")   # as if it died in the middle of a line
+            burst(120, 80)         # while it is down: MQ backlog and RPC reprogramming queue
+            wait_until(lambda: r.ctl.pending(), 10, "RPC messages queued for reprogramming")
+            assert r.ctl.stats.push_failures > 0
+            restarted_ns = time.time_ns()
+            collected_before = r.ctl.stats.outcomes.get("APPLIED", 0)
+            proc.start()
+            burst(200, 40)
+            rows = r.delivered(timeout=60)
+            assert_arrived(r)
+            assert r.ctl.stats.reprogrammed > 0
+            # every result of the restarted agents reaches the controller once: their result
+            # numbering goes on across the restart, so none is taken for a repeat (rows applied
+            # since the restart are exactly the APPLIED results collected since the kill)
+            after = sum(1 for rs in rows.values() for x in rs if x.applied_ns >= restarted_ns)
+            assert after > 0
+
+            def collected() -> int:
+                return r.ctl.stats.outcomes.get("APPLIED", 0) - collected_before
+
+            wait_until(lambda: collected() >= after, 15, lambda: f"replies after the restart: "
+                       f"{collected()} APPLIED results collected, {after} applied")
+            time.sleep(0.5)
+            assert collected() == after
+        finally:
+            proc.stop()
+        counters = {n: json.loads((r.record_dir / f"node-{n}.counters.json").read_text())
+                    for n in nodes}
+        assert all(c["outcomes"]["malformed"] == 0 for c in counters.values())
+
+
+# --------------------------------------------------------------------------- 4. broker restart
+
+
+def test_broker_stop_and_restart(tmp_path):
+    """A broker of its own, stopped and restarted (same ports and data): what was published
+    before the stop and what was published while it is down and restarting all arrive
+    (applied, or superseded after a redelivery: see assert_arrived); the newest message of
+    every resource is applied; nothing applied twice or out of order."""
+    nodes = (0, 1)
+    hosts = {0: nodes, 1: (1,), 2: nodes}
+    with PulsarStandalone(progress=None, work_dir=tmp_path / "broker") as broker, \
+            rig(broker, tmp_path, nodes) as r:
+        r.ctl.set_channels({0: 1, 1: 2, 2: RPC}, hosts)
+        for k in range(60):
+            r.send(k % 3, resource_id=k % 5, hosts=hosts[k % 3], vpc=k % 3)
+        r.ctl.flush()   # on the broker (the producers' acks), not necessarily consumed
+        broker.stop()
+        back = threading.Event()
+        sent = []
+
+        def sender() -> None:   # sends while the broker is down and while it starts
+            k = 60
+            while not back.is_set() or k < 90:
+                r.send(k % 3, resource_id=k % 5, hosts=hosts[k % 3], vpc=k % 3)
+                sent.append(k)
+                k += 1
+                time.sleep(0.05)
+            r.ctl.flush()   # returns once the broker took them (or they were queued again)
+
+        th = threading.Thread(target=sender, daemon=True)
+        th.start()
+        try:
+            broker.start()
+        finally:
+            back.set()
+        th.join(90)
+        assert not th.is_alive(), "flush did not return after the broker came back"
+        assert len(sent) >= 30
+        for k in range(1000, 1030):
+            r.send(k % 3, resource_id=k % 5, hosts=hosts[k % 3], vpc=k % 3)
+        r.delivered(timeout=90)
+        assert_arrived(r)
+        assert broker.starts == 2
+
+
+# --------------------------------------------------------------------------- 5. switch under load
+
+
+def test_subscription_switch_under_load(pulsar_broker, tmp_path):
+    """A sender thread keeps sending one type's messages while the type's channel switches
+    MQ -> MQ -> RPC -> MQ -> MQ ...: nothing is lost; then quick flips between two topics,
+    no SubscribeInfo fails."""
+    nodes = (0, 1, 2, 3)
+    hosts = {0: nodes, 1: (2,)}
+    with rig(pulsar_broker, tmp_path, nodes) as r:
+        r.ctl.set_channels({0: 1, 1: 3}, hosts)
+        stop = threading.Event()
+        errors: list[BaseException] = []
+
+        def sender() -> None:
+            try:
+                k = 0
+                while not stop.is_set():
+                    r.send(0, resource_id=k % 6, hosts=hosts[0])
+                    if k % 3 == 0:
+                        r.send(1, resource_id=50, hosts=hosts[1])
+                    if k % 10 == 9:
+                        r.ctl.flush()
+                    k += 1
+                    time.sleep(0.001)
+            except Exception as e:  # noqa: BLE001 (surfaced below)
+                errors.append(e)
+
+        th = threading.Thread(target=sender, daemon=True)
+        th.start()
+        try:
+            for c in (2, 1, RPC, 2, 3, 1, RPC, 1, 3, 2):
+                time.sleep(0.15)
+                r.ctl.set_channels({0: c}, hosts)
+        finally:
+            time.sleep(0.2)
+            stop.set()
+            th.join(30)
+        assert not errors, errors
+        r.delivered(timeout=40)
+        r.wait_subscriptions()
+        assert r.ledger.total() > 500
+        # quick flips between two topics: a SubscribeInfo can come back for a topic whose
+        # drained durable subscription the agent is just deleting; it must not fail
+        for i in range(24):
+            r.send(0, resource_id=i % 6, hosts=hosts[0])
+            r.ctl.set_channels({0: 1 + i % 2}, hosts)
+            time.sleep((i % 7) * 0.003)
+        r.delivered()
+        r.wait_subscriptions()
+        assert r.ctl.stats.subscribe_failures == 0
+
+
+# --------------------------------------------------------------------------- 6. RPC down
+
+
+def test_rpc_endpoint_down_then_back(pulsar_broker, tmp_path):
+    """One agent's RPC endpoint goes away (stop_agent) and comes back (start_agent): the
+    controller retries, queues its messages, reprograms them when it answers; exactly once,
+    in order."""
+    nodes = (0, 1, 2)
+    hosts = {0: nodes, 1: (1,), 2: nodes}
+    with rig(pulsar_broker, tmp_path, nodes,
+             ctl_kw={"push_retries": 2, "retry_backoff_s": 0.02}) as r:
+        r.ctl.set_channels({0: RPC, 1: RPC, 2: 1}, hosts)
+        for k in range(30):
+            r.send(k % 3, resource_id=k % 4, hosts=hosts[k % 3], vpc=k % 3)
+        r.delivered(every=True)
+        r.host.stop_agent(1)
+        failures = r.ctl.stats.push_failures
+        for k in range(30, 90):
+            r.send(k % 3, resource_id=k % 4, hosts=hosts[k % 3], vpc=k % 3)
+            if k % 10 == 9:
+                r.ctl.flush()
+        r.ctl.flush()
+        assert r.ctl.stats.push_failures >= failures + 3   # first try and the retries
+        wait_until(lambda: r.ctl.pending().get(1, 0) > 0, 5, "node 1's reprogramming queue")
+        time.sleep(0.5)                                      # a few reprogramming rounds fail
+        wait_until(lambda: r.ctl.pending().get(1, 0) > 0, 5, "node 1's reprogramming queue")
+        # the others got theirs meanwhile
+        bad, _, _ = audit(r.record_dir, r.ledger, (0, 2))
+        assert not bad
+        r.host.start_agent(1)
+        for k in range(90, 120):
+            r.send(k % 3, resource_id=k % 4, hosts=hosts[k % 3], vpc=k % 3)
+        r.delivered(every=True, timeout=40)
+        assert r.ctl.stats.reprogrammed > 0
+
+
+def test_channel_switches_while_agent_down(pulsar_broker, tmp_path):
+    """While an agent is down its types switch RPC -> MQ -> RPC and MQ -> another topic: it
+    never heard of the new subscriptions (the controller creates the durable one on the
+    broker and the store holds it). Restarted, it recovers from the store: drains the topics
+    it was unsubscribed from while down, subscribes to the new one, gets the reprogrammed RPC
+    messages; every message applied once, in order, and the subscriptions agree."""
+    nodes = (0, 1, 2)
+    hosts = {0: nodes, 1: nodes}
+    with rig(pulsar_broker, tmp_path, nodes,
+             ctl_kw={"subscribe_timeout_s": 1.0, "retry_backoff_s": 0.02}) as r:
+        r.ctl.set_channels({0: RPC, 1: 1}, hosts)
+        phase = itertools.count()
+
+        def burst(n: int = 20) -> None:
+            p = next(phase)   # each phase its own resources: one channel each
+            for k in range(n):
+                r.send(k % 2, resource_id=100 * p + 10 * (k % 2) + k % 3, hosts=nodes)
+            r.ctl.flush()
+
+        burst()
+        r.delivered(every=True)
+        r.host.stop_agent(2)
+        burst()
+        r.ctl.set_channels({0: 2}, hosts)            # RPC -> MQ 2: node 2 cannot hear it
+        assert r.ctl.stats.subscribe_failures == 1
+        burst()
+        r.ctl.set_channels({0: RPC, 1: 3}, hosts)    # MQ 2 -> RPC, MQ 1 -> MQ 3
+        burst()
+        wait_until(lambda: r.ctl.pending().get(2, 0) > 0, 5, "node 2's reprogramming queue")
+        r.host.start_agent(2)
+        burst()
+        r.delivered(every=True, timeout=40)
+        r.wait_subscriptions()
+        rows, subs = read_record(r.record_dir / "node-2.record")
+        assert subs[r.topic(2)][0] == subs[r.topic(1)][0] == "unsubscribed"
+        assert subs[r.topic(3)][0] == "subscribed"
+        assert {x.channel for x in rows} >= {"rpc", r.topic(1), r.topic(2), r.topic(3)}
+
+
+# --------------------------------------------------------------------------- 7. bad input
+
+
+def test_malformed_input_is_rejected_and_reported(pulsar_broker, tmp_path):
+    """A malformed ConfigMessage over RPC, garbage bytes on a subscribed topic and malformed
+    SubscribeInfos are rejected, reported as MALFORMED in the packed replies the controller
+    collects, and the agents keep working; a malformed MQ message (even with a timestamp
+    from the future) does not end the drain of a topic the agent is leaving."""
+    nodes = (0, 1)
+    hosts = {0: nodes, 1: nodes}
+    with rig(pulsar_broker, tmp_path, nodes, ctl_kw={"collect_period_s": 3600}) as r, \
+            grpc.insecure_channel(f"127.0.0.1:{r.ports[0]}") as ch:
+        r.ctl.set_channels({0: RPC, 1: 1}, hosts)
+        stub = pb_grpc.MessageAgentStub(ch)
+        ok = pb.ConfigMessage(message_id=9001, vpc_id=1, timestamp_ns=r.ctl.timestamp(),
+                              configuration_type="SUBNET", operation_type=OP,
+                              resource_id=1, hosts=[0])
+        unknown_type = pb.ConfigMessage()
+        unknown_type.CopyFrom(ok)
+        unknown_type.message_id, unknown_type.configuration_type = 9002, "WORMHOLE"
+        no_hosts = pb.ConfigMessage()
+        no_hosts.CopyFrom(ok)
+        no_hosts.message_id = 9003
+        del no_hosts.hosts[:]
+        ack = stub.Push(pb.ConfigBatch(messages=[unknown_type, no_hosts]), timeout=5)
+        assert (ack.accepted, ack.rejected) == (0, 2)
+        for info in (pb.SubscribeInfo(url="http://nowhere", topic=r.topic(1),
+                                      subscription="node-0", timestamp_ns=1, operation=True),
+                     pb.SubscribeInfo(url=pulsar_broker.service_url, topic="",
+                                      subscription="node-0", timestamp_ns=1, operation=True)):
+            sack = stub.Subscribe(info, timeout=5)
+            assert not sack.ok and sack.error
+        # node 0 is told to leave topic 1 (as in a switch, before the controller's fence): it
+        # drains the topic; garbage, a malformed message stamped far in the future, then a
+        # good message published before the switch arrive on it
+        good = pb.ConfigMessage()
+        good.CopyFrom(ok)
+        good.message_id, good.resource_id, good.timestamp_ns = 9100, 5, r.ctl.timestamp()
+        r.ledger.sent[0][(1, "SUBNET", 5)].append((good.timestamp_ns, 9100))
+        leave = pb.SubscribeInfo(url=pulsar_broker.service_url, topic=r.topic(1),
+                                 subscription="node-0", timestamp_ns=r.ctl.timestamp(),
+                                 operation=False)
+        assert stub.Subscribe(leave, timeout=5).ok
+        assert r.host.agents[0].topics() == {r.topic(1): "draining"}
+        client = pulsar.Client(pulsar_broker.service_url)
+        try:
+            producer = client.create_producer(r.topic(1))
+            producer.send(b"\xff\xfe garbage, not a TopicEnvelope \x00\x01")
+            bad_env = pb.ConfigMessage()
+            bad_env.CopyFrom(no_hosts)
+            bad_env.timestamp_ns = 2**62
+            producer.send(envelope(bad_env))
+            producer.send(envelope(good))
+            producer.close()
+        finally:
+            client.close()
+        wait_until(lambda: any(x.message_id == 9100 for x in read_record(
+            r.record_dir / "node-0.record")[0]), 10, "the good message on the draining topic")
+        assert r.host.agents[0].topics() == {r.topic(1): "draining"}
+        back = pb.SubscribeInfo()
+        back.CopyFrom(leave)
+        back.operation, back.timestamp_ns = True, r.ctl.timestamp()
+        assert stub.Subscribe(back, timeout=5).ok   # the controller's view again
+        # both agents got both MQ messages (subscribed to topic 1); node 0 also the rest
+        expected = 2 + 2 + 2 * 2
+        wait_until(lambda: r.ctl.collect() >= 0 and
+                   r.ctl.stats.outcomes.get("MALFORMED", 0) >= expected, 10,
+                   lambda: f"{expected} MALFORMED results, got {outcomes(r)}")
+        assert r.ctl.stats.outcomes["MALFORMED"] == expected
+        errs = [(n, kind, mid) for n, kind, mid, _ in r.ctl.stats.errors]
+        assert (0, "MALFORMED", 9002) in errs and (0, "MALFORMED", 9003) in errs
+        assert sum(1 for n, k, _ in errs if n == 1 and k == "MALFORMED") == 2
+        # still running: good messages on both channels are applied
+        assert r.host.agents[0].topics() == {r.topic(1): "subscribed"}
+        for k in range(20):
+            r.send(k % 2, resource_id=10 * (k % 2) + k % 3, hosts=hosts[k % 2])
+        r.delivered(every=True)
+        wait_until(lambda: r.ctl.collect() >= 0 and
+                   r.ctl.stats.outcomes.get("APPLIED", 0) >= r.ledger.total(), 10,
+                   lambda: f"{r.ledger.total()} APPLIED results, got {outcomes(r)}")
+        assert r.ctl.stats.outcomes["APPLIED"] == r.ledger.total()
+
+
+# --------------------------------------------------------------------------- 8. packed replies
+
+
+def test_packed_replies_collected(pulsar_broker, tmp_path):
+    """The controller collects packed replies periodically; acknowledged results leave the
+    agents; every result is counted once."""
+    nodes = (0, 1, 2)
+    hosts = {0: nodes, 1: (0,), 2: (1, 2)}
+    with rig(pulsar_broker, tmp_path, nodes, ctl_kw={"collect_period_s": 0.2},
+             agent_kw={"report_after_s": 3600}) as r:
+        r.ctl.set_channels({0: RPC, 1: 1, 2: 2}, hosts)
+        for k in range(60):
+            r.send(k % 3, resource_id=k % 4, hosts=hosts[k % 3], vpc=k % 3)
+        r.delivered(every=True)
+        total = r.ledger.total()
+        wait_until(lambda: r.ctl.stats.outcomes.get("APPLIED", 0) >= total, 10,
+                   lambda: f"{total} APPLIED results, got {outcomes(r)}")
+        wait_until(lambda: all(a.pending_results() == 0 for a in r.host.agents.values()), 5,
+                   "acknowledged results to leave the agents")
+        assert outcomes(r) == {"APPLIED": total}
+        counters = r.host.counters()
+        assert all(c["replies_collected"] > 0 and c["replies_reported"] == 0
+                   for c in counters.values())
+
+
+def test_packed_replies_reported_by_agents(pulsar_broker, tmp_path):
+    """With the controller's collection effectively off, agents send their packed replies on
+    their own after report_after_s to the controller's Report; a repeated reply, and a later
+    collection, are not counted twice (result_seq)."""
+    nodes = (0, 1, 2)
+    hosts = {0: nodes, 1: (2,)}
+    with rig(pulsar_broker, tmp_path, nodes, ctl_kw={"collect_period_s": 3600},
+             agent_kw={"report_after_s": 0.3, "pack_period_s": 0.05}) as r:
+        r.ctl.set_channels({0: RPC, 1: 1}, hosts)
+        for k in range(40):
+            r.send(k % 2, resource_id=10 * (k % 2) + k % 4, hosts=hosts[k % 2])
+        r.delivered(every=True)
+        total = r.ledger.total()
+        wait_until(lambda: r.ctl.stats.outcomes.get("APPLIED", 0) >= total, 10,
+                   lambda: f"{total} APPLIED results reported, got {outcomes(r)}")
+        wait_until(lambda: all(a.pending_results() == 0 for a in r.host.agents.values()), 5,
+                   "reported results to be acknowledged")
+        counters = r.host.counters()
+        assert all(c["replies_reported"] > 0 and c["replies_collected"] == 0
+                   for c in counters.values()), counters
+        assert sum(c["replies_reported"] for c in counters.values()) < total
+        # a repeated (old) reply and a collection now add nothing
+        old = pb.PackedReply(node_id=0, sequence=1, results=[pb.ProgrammingResult(
+            message_id=1, outcome=pb.APPLIED, result_seq=1, node_id=0)])
+        with grpc.insecure_channel(r.ctl.reply_address) as ch:
+            ack = pb_grpc.ControllerRepliesStub(ch).Report(old, timeout=5)
+        assert ack.acknowledged >= 1
+        assert r.ctl.collect() == 0
+        assert outcomes(r) == {"APPLIED": total}
+        # more traffic: reported again, still counted once
+        for k in range(40, 60):
+            r.send(k % 2, resource_id=10 * (k % 2) + k % 4, hosts=hosts[k % 2])
+        r.delivered(every=True)
+        total = r.ledger.total()
+        wait_until(lambda: r.ctl.stats.outcomes.get("APPLIED", 0) >= total, 10,
+                   lambda: f"{total} APPLIED results reported, got {outcomes(r)}")
+        time.sleep(0.5)
+        assert outcomes(r) == {"APPLIED": total}

@@ -1,0 +1,128 @@
+"""The testbed's small configuration end to end (real broker, real agents in child processes,
+real gRPC, the policy server for the learned policy, an MLflow store), checked against what
+the trace says must happen."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from hydra import compose, initialize_config_dir
+from mlflow import MlflowClient
+
+from agents.config import CONFIG_DIR
+from delivery.agent import AgentConfig, read_record
+from delivery.agent_host import AgentHost
+from delivery.control_plane import ControlPlane
+from delivery.controller import Controller, ControllerConfig
+from delivery.experiment import run_testbed
+from delivery.policies import make_policy
+from envs.dsmd.errors import DSMDError
+from envs.dsmd.problems import problems_for
+from serving.scenario import adapter_for
+
+
+
+def _expected_node_messages(ps, windows: list[int]) -> int:
+    rows = np.flatnonzero(np.isin(ps.parsed.message_window, windows))
+    return int(ps.dataset.trace.fanout[rows].sum())
+
+
+def test_control_plane_requests(tmp_path: Path, pulsar_broker) -> None:
+    """Configuration requests in, Table I messages applied on the agents, on the channels a
+    baseline chose from the parser's rates; a bad request is refused, naming the field."""
+    ps = problems_for("tiny")
+    topo = ps.dataset.topology
+    nodes = topo.node_ids.astype(int).tolist()
+    store = f"sqlite:///{tmp_path / 'meta.db'}"
+    cfgs = [AgentConfig(n, store, tmp_path / "rec", pulsar_url=pulsar_broker.service_url)
+            for n in nodes]
+    with AgentHost(cfgs, pulsar_broker.service_url) as host:
+        agents = {n: f"127.0.0.1:{p}" for n, p in host.ports().items()}
+        ccfg = ControllerConfig(pulsar_broker.service_url, store,
+                                topic_prefix=f"persistent://public/default/cp-{uuid.uuid4().hex}")
+        with Controller(ccfg, agents) as ctl:
+            plane = ControlPlane(ctl, adapter_for(ps, None), make_policy("idcs"))
+            multicast, unicast = nodes[:4], nodes[5:6]
+            sent = []
+            for i in range(6):  # first interval: new types take IDCS's first channel
+                sent.append(plane.request(vpc_id=3, configuration_type="SUBNET",
+                                          operation_type="UPDATE", resource_id=i % 2,
+                                          size_bytes=1000, hosts=multicast))
+                sent.append(plane.request(vpc_id=3, configuration_type="PORT",
+                                          operation_type="CREATE", resource_id=i,
+                                          size_bytes=500, hosts=unicast))
+            est = plane.close_interval()
+            assert est.types.size == 2 and sorted(est.messages.tolist()) == [6, 6]
+            tm, tu = (plane.adapter.parser.catalog.type_of(np.array(h)) for h in
+                      (multicast, unicast))
+            assert ctl.channel[tm] > 0 and ctl.channel[tu] == 0  # IDCS: multicast on MQ
+            sent.append(plane.request(vpc_id=3, configuration_type="SUBNET",
+                                      operation_type="DELETE", resource_id=0, size_bytes=1000,
+                                      hosts=multicast))
+            with pytest.raises(DSMDError, match="configuration_type"):
+                plane.request(vpc_id=3, configuration_type="BRIDGE", operation_type="CREATE",
+                              resource_id=0, size_bytes=1, hosts=multicast)
+            plane.flush()
+            want = sum(len(m.hosts) for m in sent)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                got = sum(len(read_record(tmp_path / "rec" / f"node-{n}.record")[0])
+                          for n in nodes)
+                if got >= want:
+                    break
+                time.sleep(0.1)
+            assert got == want
+            for n in multicast:
+                rows, _ = read_record(tmp_path / "rec" / f"node-{n}.record")
+                assert sorted(r.message_id for r in rows) == sorted(
+                    m.message_id for m in sent if n in m.hosts)
+
+
+@pytest.mark.slow  # about two minutes: 12 runs of 10 agents
+def test_testbed_small(tmp_path: Path, pulsar_broker, tiny_bundles) -> None:
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose(config_name="testbed", overrides=[
+            "experiment=testbed_small", f"bundle={tiny_bundles['a']}",
+            f"broker.url={pulsar_broker.service_url}", f"out_dir={tmp_path / 'out'}",
+            f"logger.tracking_uri=sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}",
+            f"logger.artifact_location={tmp_path / 'mlruns' / 'artifacts'}"])
+    res = run_testbed(cfg)
+    out = Path(res["out_dir"])
+    for name in ("summary.csv", "fig9.csv", "fig10.csv", "fig9_testbed.png",
+                 "fig10_testbed.png", "headline.json"):
+        assert (out / name).is_file(), name
+    summary = pd.read_csv(out / "summary.csv")
+    assert len(summary) == 3 * 4  # (2 VPC points + the phases run) x 4 policies
+    for _, r in summary.iterrows():
+        if r.figure == "fig9":
+            ps = problems_for("tiny", {"num_vpcs": int(r.vpcs), "rate_per_vpc_bps": 300000.0,
+                                       "peak_rate_bps": None, "phases": [],
+                                       "duration_s": 20.0})
+            wins = [0, 1]
+        else:
+            ps, wins = problems_for("tiny"), [0, 1]
+        # every (node, message) pair was applied, or dropped as older than an applied one
+        assert r.applied + r.out_of_order == _expected_node_messages(ps, wins), r.to_dict()
+        assert r.pending_after == 0 and r.malformed == 0
+        assert r.delay_p95_ms > 0 and r.delay_max_ms >= r.delay_p95_ms
+    # the measured trade-off of the two channels (Section VII-D): RPC costs the controller
+    # one message per destination and the nodes nothing redundant; VITA's topics cost the
+    # controller one publish per message and the nodes redundant traffic
+    for label, g in summary.groupby("label"):
+        rpc, vita = g[g.policy == "rpc"].iloc[0], g[g.policy == "vita"].iloc[0]
+        assert rpc.controller_messages > vita.controller_messages, label
+        assert vita.controller_mq_messages == vita.messages, label
+        assert rpc.controller_mq_messages == 0 and rpc.subscribe_infos == 0, label
+        assert vita.node_bytes_total > rpc.node_bytes_total, label
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("smart-dsmd-testbed")
+    (run,) = client.search_runs([exp.experiment_id])
+    assert run.info.status == "FINISHED"
+    arts = {a.path for a in client.list_artifacts(run.info.run_id, "plots")}
+    assert {"plots/fig9_testbed.png", "plots/fig10_testbed.png"} <= arts
+    assert any(k.endswith("/rpc/delay_p95_ms") for k in run.data.metrics)
