@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import no_broker
+
 pulsar = pytest.importorskip("pulsar")
 
 from delivery import broker as broker_mod
@@ -54,7 +56,7 @@ def broker(shared_broker: PulsarStandalone) -> PulsarStandalone:
         try:
             shared_broker.start()
         except (JavaNotFoundError, MavenNotFoundError) as exc:
-            pytest.skip(f"no real broker here: {exc}")
+            no_broker(str(exc))
     return shared_broker
 
 
@@ -109,7 +111,7 @@ def test_port_in_use_is_reported_before_java_starts() -> None:
             with pytest.raises(PortInUseError, match=rf"port={port}\b"):
                 b.start()
         except (JavaNotFoundError, MavenNotFoundError) as exc:
-            pytest.skip(f"no real broker here: {exc}")
+            no_broker(str(exc))
         finally:
             b.close()
         assert time.monotonic() - t0 < 10
@@ -129,7 +131,7 @@ def test_port_taken_during_start_is_reported_from_the_log(one_broker_at_a_time, 
             with pytest.raises(PortInUseError) as err:
                 b.start()
         except (JavaNotFoundError, MavenNotFoundError) as exc:
-            pytest.skip(f"no real broker here: {exc}")
+            no_broker(str(exc))
         finally:
             b.close()
     text = str(err.value)
@@ -146,7 +148,7 @@ def test_invalid_setting_reports_exit_code_and_log(one_broker_at_a_time) -> None
         with pytest.raises(BrokerStartError) as err:
             b.start()
     except (JavaNotFoundError, MavenNotFoundError) as exc:
-        pytest.skip(f"no real broker here: {exc}")
+        no_broker(str(exc))
     finally:
         b.close()
     text = str(err.value)
