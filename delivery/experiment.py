@@ -199,15 +199,9 @@ def _plots(tables: dict[str, pd.DataFrame], out: Path, scenario: str) -> list[Pa
                     ax.plot(g.vpcs, g[col] * k, marker="o", label=pol)
             ax.set_xscale("log", base=2)
             ax.set_xlabel("# of VPCs")
-            ax.set_title(title, fontsize=10)
-            ax.grid(alpha=0.3)
-        axes[0].legend(fontsize=8)
-        fig.suptitle(f"Fig. 9 on the loopback testbed ({scenario}; delay bars: p50 to max)")
-        fig.tight_layout()
-        p = out / "fig9_testbed.png"
-        fig.savefig(p, dpi=120)
-        plt.close(fig)
-        paths.append(p)
+        paths.append(_finish(plt, fig, axes, panels, out / "fig9_testbed.png",
+                             f"Fig. 9 on the loopback testbed ({scenario}; delay bars: p50 "
+                             "to max)"))
     if "fig10" in tables:
         df = tables["fig10"]
         fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
@@ -215,13 +209,19 @@ def _plots(tables: dict[str, pd.DataFrame], out: Path, scenario: str) -> list[Pa
             for pol, g in df.groupby("policy", sort=False):
                 ax.plot(np.arange(len(g)), g[col] * k, marker="o", label=pol)
             ax.set_xlabel("interval of the replay")
-            ax.set_title(title, fontsize=10)
-            ax.grid(alpha=0.3)
-        axes[0].legend(fontsize=8)
-        fig.suptitle(f"Fig. 10 on the loopback testbed ({scenario}: burst phases)")
-        fig.tight_layout()
-        p = out / "fig10_testbed.png"
-        fig.savefig(p, dpi=120)
-        plt.close(fig)
-        paths.append(p)
+        paths.append(_finish(plt, fig, axes, panels, out / "fig10_testbed.png",
+                             f"Fig. 10 on the loopback testbed ({scenario}: burst phases)"))
     return paths
+
+
+def _finish(plt, fig, axes, panels, path: Path, title: str) -> Path:
+    """Panel titles, grid, legend and suptitle of a four-panel testbed figure; saved."""
+    for ax, (_, name, _) in zip(axes, panels):
+        ax.set_title(name, fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
