@@ -9,7 +9,11 @@ from agents.main_job import run_main
 
 @hydra.main(config_path="configs", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    if cfg.agent.name == "baselines":
+    if cfg.env.get("suite"):  # a sub-problem env (env=multicast|shaping): its own baselines
+        from agents.env_training import run_env_training
+
+        run_env_training(cfg)
+    elif cfg.agent.name == "baselines":
         run_main(cfg)
     else:  # ddpg (default), sac, ppo, dqn
         from agents.training import run_training

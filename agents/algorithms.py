@@ -45,7 +45,8 @@ def action_mode(name: str) -> str:
 
 class DSMDEpisodeMetrics(RLlibCallback):
     """Per training episode (one trace window): each Eq. 2 term, the violations and the node
-    traffic of the final assignment, as env-runner metrics ``dsmd/*``."""
+    traffic of the final assignment, as env-runner metrics ``dsmd/*``; on a sub-problem
+    environment, its terminal ``info["episode_metrics"]`` as ``episode/*``."""
 
     KEYS = ("reward/objective", "reward/controller_bw_penalty", "reward/controller_cpu_penalty",
             "reward/node_penalty", "controller_bw_violation", "controller_cpu_violation",
@@ -55,6 +56,8 @@ class DSMDEpisodeMetrics(RLlibCallback):
         if metrics_logger is None:
             return
         info = episode.get_infos(-1)
+        for k, v in info.get("episode_metrics", {}).items():  # a sub-problem env's summary
+            metrics_logger.log_value(("episode", k), float(v), window=50)
         for k in self.KEYS:
             if k in info:
                 metrics_logger.log_value(("dsmd", k.replace("reward/", "reward_")),

@@ -64,8 +64,9 @@ def _train_metrics(res: dict, algo: Any) -> dict[str, float]:
     """Every scalar learner metric and the per-episode DSMD metrics, as ``train/*``."""
     runners = res.get("env_runners", {})
     out = {"train/episode_return_mean": runners.get("episode_return_mean", np.nan)}
-    for k, v in runners.get("dsmd", {}).items():
-        out[f"train/dsmd/{k}"] = float(v)
+    for group in ("dsmd", "episode"):  # DSMD's Eq. 2 terms; a sub-problem's episode_metrics
+        for k, v in runners.get(group, {}).items():
+            out[f"train/{group}/{k}"] = float(v)
     for k, v in res.get("learners", {}).get("default_policy", {}).items():
         if isinstance(v, (int, float, np.floating, np.integer)) and not isinstance(v, bool):
             out[f"train/{k}"] = float(v)

@@ -20,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS_DIR, ROOT, log, machine_info  # noqa: E402
 
 BENCHMARKS = ("bench_env", "bench_trace", "bench_exact", "bench_replay", "bench_pendulum",
-              "bench_throughput", "bench_serving", "bench_testbed")
+              "bench_throughput", "bench_serving", "bench_testbed", "bench_multicast",
+              "bench_shaping")
 
 
 def run(name: str, extra: list[str]) -> tuple[int, float]:

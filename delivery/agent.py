@@ -9,8 +9,9 @@ Two listeners feed one order-preserving procedure:
   counted, then dropped).
 
 **Order preservation (VI-B).** A per-resource cache keeps the latest applied timestamp, with a
-lock per resource: a message is applied only if it is newer; an older one is dropped and
-reported ``OUT_OF_ORDER``, the same timestamp again (a redelivery) ``DUPLICATE``. "Applying"
+lock per resource: a message is applied only if it is newer; one the resource already took (a
+redelivery: the same timestamp as one of the resource's last ``RECENT_APPLIED`` applied
+messages) is dropped and reported ``DUPLICATE``, any other older one ``OUT_OF_ORDER``. "Applying"
 (L2/L3 programming) is recorded, not executed: one line per applied message in the agent's
 record file, written and flushed *before* the MQ acknowledgement, so a crash between the two
 makes the broker redeliver a message the record already holds, and the restarted agent, which
@@ -20,8 +21,9 @@ rebuilds its cache from the record, drops it as a duplicate: applied exactly onc
 (the controller waits for the acknowledgement before it publishes on the topic).
 ``unsubscribe`` does not drop the topic immediately: the agent keeps consuming it until a
 message generated after the SubscribeInfo arrives on it (the controller publishes a fence on
-the old topic for that), so nothing published before the switch is missed; then it deletes
-the durable subscription. On start the agent reads its subscriptions from the metadata store
+the old topic for that), so nothing published before the switch is missed; then it records
+the unsubscription and deletes the durable subscription (a crash between the two is found
+in the record at the next start, which deletes it then). On start the agent reads its subscriptions from the metadata store
 (step S-1), and also drains topics it was still subscribed to according to its own record but
 which the store marks as unsubscribed while it was down.
 
@@ -52,9 +54,14 @@ from .rpc import pb, pb_grpc
 from .store import MetadataStore
 from .wire import WireError, check_config, check_subscribe, open_envelope, resource_key
 
-__all__ = ["AgentConfig", "MessageAgent", "Record", "read_record", "AppliedRow"]
+__all__ = ["AgentConfig", "MessageAgent", "Record", "read_record", "AppliedRow",
+           "RECENT_APPLIED"]
 
 log = logging.getLogger(__name__)
+
+#: applied timestamps remembered per resource to tell a redelivery (DUPLICATE) from an older
+#: message that arrived late (OUT_OF_ORDER)
+RECENT_APPLIED = 16
 
 OUTCOME_NAMES = {pb.APPLIED: "applied", pb.OUT_OF_ORDER: "out_of_order",
                  pb.DUPLICATE: "duplicate", pb.MALFORMED: "malformed"}
@@ -188,6 +195,7 @@ class MessageAgent(pb_grpc.MessageAgentServicer):
         self.record = Record(Path(cfg.record_dir) / f"node-{self.node_id}.record", cfg.fsync)
         self.counters = Counters()
         self._latest: dict[tuple, int] = {}
+        self._recent: dict[tuple, set[int]] = {}  # resource -> its last applied timestamps
         self._locks: dict[tuple, threading.Lock] = {}
         self._locks_guard = threading.Lock()
         self._consumers: dict[str, Any] = {}
@@ -251,13 +259,21 @@ class MessageAgent(pb_grpc.MessageAgentServicer):
             k = r.resource
             if r.timestamp_ns > self._latest.get(k, 0):
                 self._latest[k] = r.timestamp_ns
-        for s in self.store.subscriptions_of(self.node_id):
+            self._remember(k, r.timestamp_ns)
+        stored = self.store.subscriptions_of(self.node_id)
+        active = {s.topic for s in stored if s.active}
+        for topic, (state, at) in local_subs.items():
+            # recorded as unsubscribed, but it crashed before deleting it (unless the store
+            # has it subscribed again: that subscription may hold a backlog)
+            if state == "unsubscribed" and topic not in active:
+                self._delete_subscription(topic, at)
+        for s in stored:
             state, at = local_subs.get(s.topic, (None, 0))
             if s.active:
                 self._subscribe(s.topic, s.subscription, self.cfg.pulsar_url)
                 if state != "subscribed":  # e.g. subscribed by the store while it was down
                     self.record.subscription(s.topic, "subscribed", s.since_ns)
-            elif not (state == "unsubscribed" and at >= s.until_ns):
+            elif not (state in ("unsubscribed", "deleted") and at >= s.until_ns):
                 # unsubscribed while this agent was down (and not drained since; it may never
                 # have heard of the subscription: the controller created it on the broker
                 # while the agent was down): drain what was published before
@@ -265,7 +281,25 @@ class MessageAgent(pb_grpc.MessageAgentServicer):
                 self._draining[s.topic] = s.until_ns
                 self.record.subscription(s.topic, "draining", s.until_ns)
 
+    def _delete_subscription(self, topic: str, at: int) -> None:
+        """Delete this node's durable subscription of ``topic`` (attaching to it first)."""
+        import pulsar
+
+        try:
+            c = self.clients.get(self.cfg.pulsar_url).subscribe(
+                topic, f"node-{self.node_id}", consumer_type=pulsar.ConsumerType.Exclusive,
+                receiver_queue_size=1)
+            c.unsubscribe()
+            self.record.subscription(topic, "deleted", at)
+        except Exception as e:  # the broker is down: the next start tries again
+            log.warning("node %d: deleting the subscription of %s: %s", self.node_id, topic, e)
+
     # ------------------------------------------------------------------ order preservation
+    def _remember(self, key: tuple, ts: int) -> None:
+        recent = self._recent.setdefault(key, set())
+        recent.add(ts)
+        if len(recent) > RECENT_APPLIED:
+            recent.discard(min(recent))
     def _lock_for(self, key: tuple) -> threading.Lock:
         lock = self._locks.get(key)
         if lock is None:
@@ -291,8 +325,9 @@ class MessageAgent(pb_grpc.MessageAgentServicer):
                 now = time.time_ns()
                 self.record.applied(cm, channel, now)
                 self._latest[key] = cm.timestamp_ns
+                self._remember(key, cm.timestamp_ns)
                 outcome, detail = pb.APPLIED, ""
-            elif cm.timestamp_ns == last:
+            elif cm.timestamp_ns in self._recent.get(key, ()):
                 outcome, detail = pb.DUPLICATE, "already applied"
             else:
                 outcome, detail = pb.OUT_OF_ORDER, f"resource is at {last}"
@@ -326,17 +361,20 @@ class MessageAgent(pb_grpc.MessageAgentServicer):
         with self._sub_guard:
             if topic in self._consumers:
                 return
-            client = self.clients.get(url or self.cfg.pulsar_url)
-            # Exclusive, not Failover: on the standalone broker a Failover subscription's
-            # messages reached the consumer after 0.3-1 s (p50 ~0.45 s), Exclusive's after
-            # ~10 ms (measured here); a crashed agent's connection closes with its process,
-            # so the restarted agent gets the subscription back.
-            consumer = client.subscribe(
-                topic, subscription, consumer_type=pulsar.ConsumerType.Exclusive,
-                message_listener=lambda c, m, t=topic: self._on_mq(c, m, t),
-                receiver_queue_size=self.cfg.receiver_queue,
-                initial_position=pulsar.InitialPosition.Latest,
-                consumer_name=f"node-{self.node_id}")
+        # The broker call runs outside _sub_guard (the topic's lock serialises it): the RPC
+        # handlers take _sub_guard on the event loop that many agents share.
+        client = self.clients.get(url or self.cfg.pulsar_url)
+        # Exclusive, not Failover: on the standalone broker a Failover subscription's
+        # messages reached the consumer after 0.3-1 s (p50 ~0.45 s), Exclusive's after
+        # ~10 ms (measured here); a crashed agent's connection closes with its process,
+        # so the restarted agent gets the subscription back.
+        consumer = client.subscribe(
+            topic, subscription, consumer_type=pulsar.ConsumerType.Exclusive,
+            message_listener=lambda c, m, t=topic: self._on_mq(c, m, t),
+            receiver_queue_size=self.cfg.receiver_queue,
+            initial_position=pulsar.InitialPosition.Latest,
+            consumer_name=f"node-{self.node_id}")
+        with self._sub_guard:
             self._consumers[topic] = consumer
 
     def _on_mq(self, consumer: Any, msg: Any, topic: str) -> None:
@@ -375,17 +413,21 @@ class MessageAgent(pb_grpc.MessageAgentServicer):
                 return
             del self._draining[topic]
             consumer = self._consumers.pop(topic, None)
+        # recorded first: a crash before the deletion below then finds "unsubscribed" (not
+        # "deleted") at the next start and deletes it; the other order would leave the agent
+        # draining a topic whose fence it already consumed, for ever
+        self.record.subscription(topic, "unsubscribed", until)
+        self.counters.unsubscribes += 1
         if consumer is not None:
             try:
                 consumer.unsubscribe()  # deletes the durable subscription
+                self.record.subscription(topic, "deleted", until)
             except Exception as e:
                 log.warning("node %d: unsubscribe %s: %s", self.node_id, topic, e)
                 try:
                     consumer.close()
                 except Exception:
                     pass
-        self.counters.unsubscribes += 1
-        self.record.subscription(topic, "unsubscribed", until)
 
     # ------------------------------------------------------------------ RPC servicer
     async def Push(self, request: Any, context: Any) -> Any:  # noqa: N802 (gRPC names)

@@ -11,10 +11,14 @@ carried out losslessly:
 2. agents that must subscribe get a SubscribeInfo over RPC, and the controller waits for their
    acknowledgement before it publishes on the topic (an agent that cannot be reached gets its
    durable subscription created by the controller instead, so it finds the backlog when it
-   comes back and reads the store);
+   comes back and reads the store, and its SubscribeInfos wait in order in a per-node queue
+   that the reprogramming thread sends once it answers: an agent whose RPC endpoint was
+   unreachable for a while without a restart then subscribes too; a node known to be
+   unreachable is not waited for at all, so it does not stall the switch);
 3. the new channels take effect;
 4. agents that no longer need a topic get an unsubscribing SubscribeInfo and the controller
-   publishes a fence on that topic: the agent drains the topic up to the fence, then leaves.
+   publishes a fence on that topic: the agent drains the topic up to the fence, then leaves
+   (an unsubscribing SubscribeInfo sent late from the queue gets a fence of its own).
 
 Messages then go out by their type's channel: RPC pushes (one ``Push`` per destination node
 and flush, batched, concurrent) or one publish on the type's topic (one producer per topic,
@@ -22,9 +26,11 @@ and flush, batched, concurrent) or one publish on the type's topic (one producer
 (``push_retries``, with backoff); then the node is marked unreachable and its RPC messages
 wait, in timestamp order, in a per-node queue that a background thread re-sends
 ("reprogramming") until the node answers again. Packed replies are collected periodically and
-also accepted when agents send them on their own (``ControllerReplies``); an ``OUT_OF_ORDER``
-or ``MALFORMED`` result makes the controller re-send the resource's latest message to that
-node over RPC.
+also accepted when agents send them on their own (``ControllerReplies``); a ``MALFORMED``
+result makes the controller re-send the resource's latest message to that node over RPC. An
+``OUT_OF_ORDER`` result is recorded (``stats.errors``) and nothing is re-sent: the node
+already holds a newer state of the resource, and a re-sent newest message could overtake the
+MQ messages still in flight to it, which would then be dropped in turn.
 
 The controller counts what it sends (bytes and messages per channel, SubscribeInfo and
 fences), which the testbed reports beside the process CPU time.
@@ -131,6 +137,7 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         self._dispatch = threading.RLock()  # see _dispatching
         self._outbox: dict[int, list] = defaultdict(list)     # to push at the next flush
         self._pending: dict[int, list] = defaultdict(list)    # unreachable nodes' messages
+        self._pending_infos: dict[int, list] = defaultdict(list)  # and their SubscribeInfos
         self._reprogramming: set[int] = set()                  # nodes whose queue is in flight
         self._latest: dict[tuple, Any] = {}                   # resource -> newest message
         self._acked: dict[int, int] = defaultdict(int)        # node -> last result_seq
@@ -246,7 +253,7 @@ class Controller(pb_grpc.ControllerRepliesServicer):
             [SubscriptionChange(n, topic_name(pre, c), _subscription(n), True) for n, c in subs]
             + [SubscriptionChange(n, topic_name(pre, c), _subscription(n), False)
                for n, c in unsubs], ts)
-        self._send_subscribe_infos(subs, ts, True, wait=True)
+        self._send_subscribe_infos(subs, ts, True)
         self.flush()  # messages decided under the old channels go out first
         with self._lock:
             self.channel = new_channel
@@ -256,46 +263,96 @@ class Controller(pb_grpc.ControllerRepliesServicer):
             # Wait for the acknowledgements: a gRPC future that is dropped unanswered is
             # cancelled when garbage-collected (the agent never hears of the unsubscription),
             # and a fence that overtakes the SubscribeInfo would leave the agent draining.
-            self._send_subscribe_infos(unsubs, ts, False, wait=True)
+            self._send_subscribe_infos(unsubs, ts, False)
             fence = fence_envelope(self.timestamp())
             for c in sorted({c for _, c in unsubs}):
                 self._publish(c, fence)
                 self.stats.fences += 1
         return {"types": len(changed), "subscribe": len(subs), "unsubscribe": len(unsubs)}
 
-    def _send_subscribe_infos(self, pairs: list[tuple[int, int]], ts: int, subscribe: bool,
-                              wait: bool) -> None:
-        calls = []
+    def _send_subscribe_infos(self, pairs: list[tuple[int, int]], ts: int,
+                              subscribe: bool) -> None:
+        """Send (and wait for) the SubscribeInfos of ``pairs`` (node, channel); failures are
+        queued (see the module docstring)."""
+        calls, failed = [], []
         for n, c in pairs:
             info = pb.SubscribeInfo(url=self.cfg.pulsar_url, topic=topic_name(
                 self.cfg.topic_prefix, c), subscription=_subscription(n), timestamp_ns=ts,
                 operation=subscribe)
             self.stats.subscribe_infos += 1
+            with self._lock:
+                known_down = bool(self._pending.get(n) or self._pending_infos.get(n))
+            if known_down:  # do not wait for it: queue it behind the node's earlier ones
+                failed.append((n, info, "node unreachable"))
+                continue
             self.stats.rpc_bytes += info.ByteSize()
             # wait_for_ready: a channel in reconnect backoff (the agent was not up at a
             # Collect a moment ago) would fail it at once, and an agent that misses a
             # SubscribeInfo while it runs never consumes the topic
-            calls.append((n, c, info, self._stub(n).Subscribe.future(
+            calls.append((n, info, self._stub(n).Subscribe.future(
                 info, timeout=self.cfg.subscribe_timeout_s, wait_for_ready=True)))
-        if not wait:
-            return
-        for n, c, info, fut in calls:
+        for n, info, fut in calls:
             try:
                 ok = fut.result()
                 if ok.ok:
                     continue
-                err = ok.error
+                failed.append((n, info, ok.error))
             except grpc.RpcError as e:
-                err = f"{e.code().name}"
+                failed.append((n, info, e.code().name))
+        for n, info, err in failed:
             self.stats.subscribe_failures += 1
-            if not subscribe:  # it drains the topic when it restarts and reads the store
-                log.warning("node %d: unsubscribing SubscribeInfo %s failed (%s)", n,
-                            info.topic, err)
+            log.warning("node %d: SubscribeInfo (%s %s) failed (%s); queued until it answers",
+                        n, "subscribe" if subscribe else "unsubscribe", info.topic, err)
+            if subscribe:  # so nothing is lost until it gets the SubscribeInfo or reads the store
+                self._ensure_subscription(info.topic, info.subscription)
+            with self._lock:
+                q = self._pending_infos[n]
+                last = next((i for i in range(len(q) - 1, -1, -1)
+                             if q[i].topic == info.topic), None)
+                if subscribe and last is not None and not q[last].operation:
+                    # it never heard it was to leave the topic: it stays (sending the two in
+                    # order would let it delete the subscription, then subscribe afresh,
+                    # missing what was published in between)
+                    del q[last]
+                q.append(info)
+
+    def retry_subscribe_infos(self) -> int:
+        """Send the queued SubscribeInfos of nodes that answer again, in order (a node's queue
+        stops at its first failure). An unsubscription sent this way gets a fence of its own:
+        the one of its switch may have gone by. Runs under the dispatch lock, so no switch
+        changes a queue meanwhile, and only for nodes whose channel is ready (a node still
+        down costs a 0.2 s probe, not a blocked dispatcher). Returns the number sent."""
+        with self._lock:
+            nodes = [n for n, infos in self._pending_infos.items() if infos]
+        sent = 0
+        for n in nodes:
+            self._stub(n)
+            try:
+                grpc.channel_ready_future(self._channels[n]).result(timeout=0.2)
+            except grpc.FutureTimeoutError:
                 continue
-            log.warning("node %d: SubscribeInfo %s failed (%s); creating its durable "
-                        "subscription so nothing is lost until it reads the store", n,
-                        info.topic, err)
-            self._ensure_subscription(info.topic, info.subscription)
+            with self._dispatch:
+                while True:
+                    with self._lock:
+                        if not self._pending_infos[n]:
+                            break
+                        info = self._pending_infos[n][0]
+                    try:
+                        ack = self._stub(n).Subscribe(info, timeout=self.cfg.push_timeout_s)
+                    except grpc.RpcError:
+                        break
+                    if not ack.ok:  # e.g. the broker is down: try again later
+                        log.warning("node %d: queued SubscribeInfo %s: %s", n, info.topic,
+                                    ack.error)
+                        break
+                    self.stats.rpc_bytes += info.ByteSize()
+                    sent += 1
+                    with self._lock:
+                        self._pending_infos[n].pop(0)
+                    if not info.operation:
+                        self._publish(_topic_index(info.topic), fence_envelope(self.timestamp()))
+                        self.stats.fences += 1
+        return sent
 
     def _ensure_subscription(self, topic: str, subscription: str) -> None:
         import pulsar
@@ -392,6 +449,7 @@ class Controller(pb_grpc.ControllerRepliesServicer):
 
     def _reprogram_loop(self) -> None:
         while not self._stop.wait(self.cfg.reprogram_period_s):
+            self.retry_subscribe_infos()
             self.reprogram_pending()
 
     def reprogram_pending(self) -> int:
@@ -417,8 +475,14 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         return sum(ok.values())
 
     def pending(self) -> dict[int, int]:
+        """node -> messages queued for reprogramming."""
         with self._lock:
             return {n: len(ms) for n, ms in self._pending.items() if ms}
+
+    def pending_subscribe_infos(self) -> dict[int, int]:
+        """node -> SubscribeInfos queued until it answers."""
+        with self._lock:
+            return {n: len(v) for n, v in self._pending_infos.items() if v}
 
     # ------------------------------------------------------------------ packed replies
     def Report(self, request: Any, context: Any) -> Any:  # noqa: N802 (gRPC name)
@@ -456,6 +520,7 @@ class Controller(pb_grpc.ControllerRepliesServicer):
                 if r.outcome in (pb.OUT_OF_ORDER, pb.MALFORMED):
                     self.stats.errors.append((n, pb.Outcome.Name(r.outcome), r.message_id,
                                               r.detail))
+                if r.outcome == pb.MALFORMED:  # see the module docstring for OUT_OF_ORDER
                     cm = self._latest.get((r.vpc_id, r.configuration_type, r.resource_id))
                     if cm is not None and n in cm.hosts:
                         fix = pb.ConfigMessage()
@@ -477,3 +542,8 @@ _CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100),
 
 def _subscription(node: int) -> str:
     return f"node-{node}"
+
+
+def _topic_index(topic: str) -> int:
+    """The channel number of a topic named by :func:`topic_name`."""
+    return int(topic.rsplit("-t", 1)[1])

@@ -172,11 +172,11 @@ def assert_delivered(record_dir: Path, ledger: Ledger, nodes: Iterable[int], *,
 
 def assert_arrived(r: Rig, timeout: float = 20.0) -> None:
     """Every message sent to a node reached it: it is in the node's record (applied), or the
-    node reported it OUT_OF_ORDER in a packed reply (it came after a newer one). Where
-    Pulsar redelivers after a crash or a broker restart (acknowledgements not yet persisted),
-    an old redelivered message is reported OUT_OF_ORDER and the controller re-sends the
-    resource's newest message over RPC, which may overtake MQ messages still in flight: they
-    are then superseded, not applied, but they did arrive."""
+    node reported it OUT_OF_ORDER in a packed reply (it came after a newer one of the same
+    resource that took the other channel). A redelivery of a message already applied (Pulsar
+    after a crash or a broker restart, acknowledgements not yet persisted) is a DUPLICATE,
+    and the controller re-sends nothing for an OUT_OF_ORDER, so no message in flight is
+    superseded by a re-send."""
     def missing() -> list[str]:
         reported = {(n, mid) for n, kind, mid, _ in list(r.ctl.stats.errors)
                     if kind == "OUT_OF_ORDER"}
@@ -380,10 +380,12 @@ def test_one_resource_alternating_rpc_and_mq(pulsar_broker, tmp_path):
         newest = max(r.ledger.sent[1][(1, "SUBNET", 7)])
         for n in nodes:
             assert (rows[n][-1].timestamp_ns, rows[n][-1].message_id) == newest
-        # the controller answers OUT_OF_ORDER reports by re-sending the newest message: that
-        # changes nothing (a DUPLICATE at most)
+        # OUT_OF_ORDER reports (the older of two racing messages) are recorded, and nothing
+        # is re-sent for them: the nodes hold the newest state already
         r.ctl.collect()
+        reprogrammed = r.ctl.stats.reprogrammed
         r.delivered()
+        assert r.ctl.stats.reprogrammed == reprogrammed
 
 
 # --------------------------------------------------------------------------- 3. crash
@@ -470,7 +472,7 @@ def test_agent_crash_and_restart(pulsar_broker, tmp_path):
             collected_before = r.ctl.stats.outcomes.get("APPLIED", 0)
             proc.start()
             burst(200, 40)
-            rows = r.delivered(timeout=60)
+            rows = r.delivered(timeout=60, every=True)   # one channel per resource here
             assert_arrived(r)
             assert r.ctl.stats.reprogrammed > 0
             # every result of the restarted agents reaches the controller once: their result
@@ -533,7 +535,9 @@ def test_broker_stop_and_restart(tmp_path):
         assert len(sent) >= 30
         for k in range(1000, 1030):
             r.send(k % 3, resource_id=k % 5, hosts=hosts[k % 3], vpc=k % 3)
-        r.delivered(timeout=90)
+        # each resource here takes one channel: a redelivered message is a DUPLICATE, so
+        # every message is applied (none superseded)
+        r.delivered(timeout=90, every=True)
         assert_arrived(r)
         assert broker.starts == 2
 
@@ -627,6 +631,121 @@ def test_rpc_endpoint_down_then_back(pulsar_broker, tmp_path):
         assert r.ctl.stats.reprogrammed > 0
 
 
+def test_subscribe_info_retried_after_rpc_outage(pulsar_broker, tmp_path):
+    """A live agent's RPC endpoint is unreachable (its gRPC server stopped, its consumers and
+    state kept, no restart) across two switches of its type (RPC -> MQ 1 -> MQ 2): the first
+    waits subscribe_timeout_s for it, then creates its durable subscription and queues the
+    SubscribeInfo; the second does not wait for a node known to be unreachable. When the
+    endpoint is back the queued SubscribeInfos go out in order (the unsubscription with a
+    fence of its own): the agent subscribes, drains topic 1 and leaves it; nothing is lost,
+    applied twice or out of order."""
+    nodes = (0, 1)
+    hosts = {0: nodes}
+    with rig(pulsar_broker, tmp_path, nodes,
+             ctl_kw={"subscribe_timeout_s": 1.0, "retry_backoff_s": 0.02}) as r:
+        r.ctl.set_channels({0: RPC}, hosts)
+        for k in range(10):
+            r.send(0, resource_id=k % 3, hosts=nodes)
+        r.delivered(every=True)
+        agent = r.host.agents[1]
+        r.host.call(agent._server.stop(0))
+        r.ctl.set_channels({0: 1}, hosts)           # node 1 cannot hear the SubscribeInfo
+        assert r.ctl.pending_subscribe_infos() == {1: 1}
+        for k in range(10, 30):
+            r.send(0, resource_id=k % 3, hosts=nodes)
+        r.ctl.flush()
+        t0 = time.monotonic()
+        r.ctl.set_channels({0: 2}, hosts)           # MQ 1 -> MQ 2
+        assert time.monotonic() - t0 < 1.0, "the switch waited for an unreachable node"
+        assert r.ctl.pending_subscribe_infos() == {1: 3}
+        for k in range(30, 50):
+            r.send(0, resource_id=k % 3, hosts=nodes)
+        r.ctl.flush()
+        assert agent.topics() == {}
+
+        async def serve_again() -> None:
+            server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            pb_grpc.add_MessageAgentServicer_to_server(agent, server)
+            assert server.add_insecure_port(f"127.0.0.1:{agent.port}") == agent.port
+            await server.start()
+            agent._server = server
+
+        r.host.call(serve_again())
+        wait_until(lambda: not r.ctl.pending_subscribe_infos(), 15, "queued SubscribeInfos")
+        assert r.host.agents[1] is agent             # the same agent, never restarted
+        # it reads the backlogs of topics 1 and 2 at once: an older message of topic 1 may come
+        # after a newer one of topic 2 (superseded, reported OUT_OF_ORDER), none is lost
+        r.delivered()
+        assert_arrived(r)
+        r.wait_subscriptions()
+        _, subs = read_record(r.record_dir / "node-1.record")
+        assert subs[r.topic(1)][0] == "deleted" and subs[r.topic(2)][0] == "subscribed"
+
+
+def test_crash_between_leaving_a_topic_and_deleting_its_subscription(pulsar_broker, tmp_path):
+    """An agent that recorded leaving a topic but died before deleting its durable
+    subscription (the record's last word on the topic is "unsubscribed", not "deleted")
+    deletes it at its next start instead of draining for a fence that went by."""
+    nodes = (0, 1)
+    hosts = {0: nodes}
+    with rig(pulsar_broker, tmp_path, nodes, ctl_kw={"subscribe_timeout_s": 1.0}) as r:
+        r.ctl.set_channels({0: 1}, hosts)
+        for k in range(5):
+            r.send(0, resource_id=k, hosts=nodes)
+        r.delivered(every=True)
+        r.host.stop_agent(1)
+        r.ctl.set_channels({0: RPC}, hosts)
+        store = MetadataStore(r.store_url)
+        until = next(s.until_ns for s in store.subscriptions_of(1) if s.topic == r.topic(1))
+        store.close()
+        with open(r.record_dir / "node-1.record", "a") as f:   # as if it died right there
+            f.write(f"S\t{r.topic(1)}\tunsubscribed\t{until}\n")
+        assert "node-1" in admin_subscriptions(r.broker, r.topic(1))
+        r.host.start_agent(1)
+        wait_until(lambda: "node-1" not in admin_subscriptions(r.broker, r.topic(1)), 15,
+                   "the leftover durable subscription deleted")
+        _, subs = read_record(r.record_dir / "node-1.record")
+        assert subs[r.topic(1)] == ("deleted", until)
+        assert r.host.agents[1].topics() == {}
+        for k in range(5, 10):
+            r.send(0, resource_id=k % 5, hosts=nodes)
+        r.delivered(every=True)
+
+
+def test_redelivery_is_a_duplicate_not_out_of_order(tmp_path):
+    """An old message the resource already took (a redelivery after a crash or a broker
+    restart, arriving after newer ones) is DUPLICATE, also after a restart that rebuilds the
+    cache from the record; an old message it never took is OUT_OF_ORDER; neither is
+    applied."""
+    from delivery.agent import RECENT_APPLIED, MessageAgent, PulsarClients
+    from delivery.wire import encode
+
+    def agent() -> MessageAgent:
+        a = MessageAgent(AgentConfig(0, f"sqlite:///{tmp_path / 'meta.db'}", tmp_path),
+                         PulsarClients(None))
+        a._recover()
+        return a
+
+    def cm(ts: int):
+        return encode(Message(ts, ts, 1, "SUBNET", OP, 7, 64, (0,), ts), 0, b"")
+
+    a = agent()
+    stamps = [100 * (i + 1) for i in range(RECENT_APPLIED + 2)]
+    for ts in stamps:
+        assert a.handle(cm(ts), "rpc") == pb.APPLIED
+    assert a.handle(cm(stamps[-1]), "t1") == pb.DUPLICATE
+    assert a.handle(cm(stamps[-3]), "t1") == pb.DUPLICATE
+    assert a.handle(cm(stamps[-1] - 50), "t1") == pb.OUT_OF_ORDER   # never applied
+    assert a.handle(cm(stamps[0]), "t1") == pb.OUT_OF_ORDER         # beyond the memory
+    a.record.close()
+    b = agent()                                                      # restarted
+    assert b.handle(cm(stamps[-2]), "t1") == pb.DUPLICATE
+    assert b.handle(cm(stamps[-1] - 50), "t1") == pb.OUT_OF_ORDER
+    b.record.close()
+    rows, _ = read_record(tmp_path / "node-0.record")
+    assert [r.timestamp_ns for r in rows] == stamps
+
+
 def test_channel_switches_while_agent_down(pulsar_broker, tmp_path):
     """While an agent is down its types switch RPC -> MQ -> RPC and MQ -> another topic: it
     never heard of the new subscriptions (the controller creates the durable one on the
@@ -661,7 +780,7 @@ def test_channel_switches_while_agent_down(pulsar_broker, tmp_path):
         r.delivered(every=True, timeout=40)
         r.wait_subscriptions()
         rows, subs = read_record(r.record_dir / "node-2.record")
-        assert subs[r.topic(2)][0] == subs[r.topic(1)][0] == "unsubscribed"
+        assert subs[r.topic(2)][0] == subs[r.topic(1)][0] == "deleted"
         assert subs[r.topic(3)][0] == "subscribed"
         assert {x.channel for x in rows} >= {"rpc", r.topic(1), r.topic(2), r.topic(3)}
 

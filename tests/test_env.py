@@ -16,7 +16,7 @@ from envs.dsmd.observation import VARIANTS, ObservationBuilder, ObservationLayou
 from envs.dsmd.reward import RewardConfig, eq2_terms
 
 
-@pytest.mark.parametrize("env_id", envs.ENV_IDS)
+@pytest.mark.parametrize("env_id", envs.DSMD_ENV_IDS)
 @pytest.mark.parametrize("observation", VARIANTS)
 def test_check_env(env_id, observation, tiny_problems):
     env = gym.make(env_id, problems=tiny_problems, observation=observation)
@@ -38,7 +38,7 @@ def rollout(env_id: str, seed: int, problems, steps: int = 200, **kw):
     return out
 
 
-@pytest.mark.parametrize("env_id", envs.ENV_IDS)
+@pytest.mark.parametrize("env_id", envs.DSMD_ENV_IDS)
 def test_same_seed_same_rollout(env_id, tiny_problems):
     a = rollout(env_id, 7, tiny_problems, order="random")
     b = rollout(env_id, 7, tiny_problems, order="random")

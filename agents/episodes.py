@@ -1,0 +1,123 @@
+"""Whole-episode evaluation on the sub-problem environments (``smart/Multicast-v0``,
+``smart/Shaping-v0``): the policy interface their baselines and the learned actor share, and
+the per-episode table every comparison is built from.
+
+A sub-problem's *suite* is a module named by ``env.suite`` in its ``configs/env/*.yaml``
+exposing ``baseline_policies(names, env_kwargs) -> list[EnvPolicy]``. A baseline acts on the
+*unwrapped* environment, so it may read the simulator's state (service-node loads, queues)
+that the observation only summarises; the learned actor sees the observation alone.
+
+At the terminal step the environment's ``info["episode_metrics"]`` is a ``dict[str, float]``
+of the episode's summary metrics; they become columns of the table beside the return.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from types import ModuleType
+from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
+
+import gymnasium as gym
+import numpy as np
+import pandas as pd
+from tqdm.auto import tqdm
+
+from envs.seeding import derive_seed
+
+__all__ = ["EnvPolicy", "ActorEnvPolicy", "load_suite", "episode_seeds", "run_episodes",
+           "summarize_episodes", "SuiteError"]
+
+
+class SuiteError(ValueError):
+    """A sub-problem suite that is missing or does not follow the contract above."""
+
+
+@runtime_checkable
+class EnvPolicy(Protocol):
+    """What acts in a sub-problem environment for a whole episode."""
+
+    name: str
+
+    def reset(self, env: gym.Env, seed: int) -> None:
+        """Called after ``env.reset(seed=seed)``; ``env`` is the unwrapped environment."""
+
+    def act(self, obs: np.ndarray, env: gym.Env) -> np.ndarray:
+        """An action in ``env.action_space`` for observation ``obs``."""
+
+
+class ActorEnvPolicy:
+    """A deterministic actor (``obs -> action`` in ``[-1, 1]``) as an :class:`EnvPolicy`."""
+
+    def __init__(self, actor: Callable[[np.ndarray], np.ndarray], name: str = "ddpg") -> None:
+        self.actor, self.name = actor, name
+
+    def reset(self, env: gym.Env, seed: int) -> None:  # stateless
+        return None
+
+    def act(self, obs: np.ndarray, env: gym.Env) -> np.ndarray:
+        a = np.asarray(self.actor(np.asarray(obs, np.float32)), np.float32)
+        return np.clip(a, env.action_space.low, env.action_space.high)
+
+
+def load_suite(module: str) -> ModuleType:
+    """The suite module ``module`` (checked for ``baseline_policies``)."""
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        raise SuiteError(f"env.suite: cannot import suite module {module!r}: {e}") from None
+    if not callable(getattr(mod, "baseline_policies", None)):
+        raise SuiteError(f"env.suite: module {module!r} has no baseline_policies(names, "
+                         "env_kwargs) function")
+    return mod
+
+
+def episode_seeds(seed: int, purpose: str, n: int) -> list[int]:
+    """``n`` episode seeds for ``purpose`` (``train``, ``validation``, ``test``, ``demo``):
+    disjoint streams of one root seed, so evaluation never replays a training episode."""
+    return [derive_seed(seed, "episodes", purpose, i) % (2**31) for i in range(int(n))]
+
+
+def run_episodes(policies: Sequence[EnvPolicy], env_id: str, env_kwargs: Mapping[str, Any],
+                 seeds: Sequence[int], *, progress: bool = False, desc: str = "episodes"
+                 ) -> pd.DataFrame:
+    """One row per (policy, seed): return, steps, wall time and ``episode_metrics``."""
+    rows = []
+    bar = tqdm(total=len(policies) * len(seeds), desc=desc, disable=not progress,
+               unit="ep", dynamic_ncols=True)
+    env = gym.make(env_id, **dict(env_kwargs))
+    try:
+        for pol in policies:
+            if not isinstance(pol, EnvPolicy):
+                raise SuiteError(f"{pol!r} is not an EnvPolicy (name, reset(env, seed), "
+                                 "act(obs, env))")
+            for s in seeds:
+                t0 = time.perf_counter()
+                obs, info = env.reset(seed=int(s))
+                pol.reset(env.unwrapped, int(s))
+                ret, steps, done = 0.0, 0, False
+                while not done:
+                    obs, r, term, trunc, info = env.step(pol.act(obs, env.unwrapped))
+                    ret += float(r)
+                    steps += 1
+                    done = term or trunc
+                row = {"policy": pol.name, "seed": int(s), "return": ret, "steps": steps,
+                       "time_s": time.perf_counter() - t0}
+                row.update({k: float(v) for k, v in info.get("episode_metrics", {}).items()})
+                rows.append(row)
+                bar.update(1)
+    finally:
+        env.close()
+        bar.close()
+    return pd.DataFrame(rows)
+
+
+def summarize_episodes(per_episode: pd.DataFrame) -> pd.DataFrame:
+    """Mean of every numeric column per policy (in first-seen order), with the return's
+    standard deviation and the number of episodes."""
+    num = per_episode.drop(columns=["seed"]).select_dtypes("number").columns
+    g = per_episode.groupby("policy", sort=False)
+    out = g[list(num)].mean()
+    out.insert(1, "return_std", g["return"].std(ddof=0))
+    out.insert(0, "episodes", g.size())
+    return out.reset_index()
