@@ -40,6 +40,7 @@ class AdapterPolicy:
     their first rate is known."""
 
     name = "learned"
+    relabel_topics = True  # it re-plans from scratch: see delivery.control_plane
 
     def __init__(self) -> None:
         self.sources: dict[str, int] = {}  # decisions by source (policy / fallback)

@@ -17,7 +17,7 @@ from mlflow import MlflowClient
 from agents.config import CONFIG_DIR
 from delivery.agent import AgentConfig, read_record
 from delivery.agent_host import AgentHost
-from delivery.control_plane import ControlPlane
+from delivery.control_plane import ControlPlane, relabel_topics
 from delivery.controller import Controller, ControllerConfig
 from delivery.experiment import run_testbed
 from delivery.policies import make_policy
@@ -126,3 +126,39 @@ def test_testbed_small(tmp_path: Path, pulsar_broker, tiny_bundles) -> None:
     arts = {a.path for a in client.list_artifacts(run.info.run_id, "plots")}
     assert {"plots/fig9_testbed.png", "plots/fig10_testbed.png"} <= arts
     assert any(k.endswith("/rpc/delay_p95_ms") for k in run.data.metrics)
+
+
+def _subscriptions(assign: dict[int, int], hosts: dict[int, tuple]) -> dict[int, set[int]]:
+    subs: dict[int, set[int]] = {}
+    for t, c in assign.items():
+        if c:
+            for n in hosts[t]:
+                subs.setdefault(n, set()).add(c)
+    return subs
+
+
+def test_relabel_topics_keeps_subscriptions_and_the_grouping() -> None:
+    """Topic numbers are interchangeable: a re-plan that only renamed the topics is mapped
+    back onto the current ones (no subscription changes), and any relabelling keeps which
+    types share a topic (the cost) and stays a permutation of 1..K."""
+    rng = np.random.default_rng(0)
+    k, types = 12, 40
+    hosts = {t: tuple(sorted(rng.choice(30, size=rng.integers(1, 8), replace=False).tolist()))
+             for t in range(types)}
+    current = {t: int(rng.integers(0, k + 1)) for t in range(types)}
+    perm = rng.permutation(k) + 1
+    renamed = {t: (int(perm[c - 1]) if c else 0) for t, c in current.items()}
+    subs = _subscriptions(current, hosts)
+    assert relabel_topics(renamed, subs, hosts.__getitem__, k) == current
+    for _ in range(20):   # another plan: the grouping is kept, numbers within 1..K
+        new = {t: int(rng.integers(0, k + 1)) for t in range(types)}
+        out = relabel_topics(new, subs, hosts.__getitem__, k)
+        assert {t for t, c in out.items() if c == 0} == {t for t, c in new.items() if c == 0}
+        pairs = {(new[t], out[t]) for t in new if new[t]}
+        assert len({a for a, _ in pairs}) == len(pairs) == len({b for _, b in pairs})
+        assert all(1 <= b <= k for _, b in pairs)
+        kept = sum(len(s & _subscriptions(out, hosts).get(n, set())) for n, s in subs.items())
+        as_is = sum(len(s & _subscriptions(new, hosts).get(n, set())) for n, s in subs.items())
+        assert kept >= as_is
+    with pytest.raises(ValueError, match="above K"):
+        relabel_topics({0: k + 1}, subs, hosts.__getitem__, k)
