@@ -28,7 +28,8 @@ from envs.dsmd.decoding import check_decoding
 from envs.dsmd.observation import ObservationLayout
 from envs.fsutil import atomic_directory
 
-__all__ = ["BundleError", "PolicyBundle", "export_bundle", "load_bundle", "BUNDLE_FORMAT"]
+__all__ = ["BundleError", "PolicyBundle", "export_bundle", "export_onnx", "load_bundle",
+           "BUNDLE_FORMAT"]
 
 BUNDLE_FORMAT = "smart-dsmd-policy"
 BUNDLE_VERSION = 2  # 2: the decoding mode (envs.dsmd.decoding) is recorded
@@ -50,6 +51,28 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def export_onnx(module, obs_dim: int, path: Path, output_name: str = "scores") -> Path:
+    """``module`` (``obs [B, obs_dim] -> [B, d]``) as one ONNX file with a dynamic batch
+    (torch.export-based exporter, weights embedded), its optimiser's INFO logs silenced."""
+    import torch
+
+    quiet = [logging.getLogger(n) for n in ("onnxscript", "onnx_ir")]
+    levels = [lg.level for lg in quiet]
+    for lg in quiet:  # the exporter's optimiser logs every pass at INFO
+        lg.setLevel(logging.WARNING)
+    try:
+        # an example batch of 2: torch.export specialises a dimension of size 1, which
+        # would fix the exported batch to 1 wherever the network reshapes by it
+        torch.onnx.export(module, (torch.zeros(2, obs_dim),), str(path),
+                          input_names=["obs"], output_names=[output_name],
+                          dynamic_shapes=({0: torch.export.Dim("batch")},), dynamo=True,
+                          external_data=False, verbose=False)
+    finally:
+        for lg, lv in zip(quiet, levels):
+            lg.setLevel(lv)
+    return path
+
+
 def export_bundle(actor: Any, layout: ObservationLayout, signature: dict, directory: str | Path,
                   *, order: str = "rate_desc", decoding: str = "feasible",
                   extra: dict | None = None,
@@ -59,22 +82,8 @@ def export_bundle(actor: Any, layout: ObservationLayout, signature: dict, direct
 
     with atomic_directory(directory, overwrite) as tmp:
         actor = actor.eval().cpu()
-        # torch.export-based exporter (needs onnxscript); weights embedded in one file so the
-        # content hash covers the whole actor
-        quiet = [logging.getLogger(n) for n in ("onnxscript", "onnx_ir")]
-        levels = [lg.level for lg in quiet]
-        for lg in quiet:  # the exporter's optimiser logs every pass at INFO
-            lg.setLevel(logging.WARNING)
-        try:
-            # an example batch of 2: torch.export specialises a dimension of size 1, which
-            # would fix the exported batch to 1 wherever the network reshapes by it
-            torch.onnx.export(actor, (torch.zeros(2, layout.size),), str(tmp / "actor.onnx"),
-                              input_names=["obs"], output_names=["scores"],
-                              dynamic_shapes=({0: torch.export.Dim("batch")},), dynamo=True,
-                              external_data=False, verbose=False)
-        finally:
-            for lg, lv in zip(quiet, levels):
-                lg.setLevel(lv)
+        # weights embedded in one file so the content hash covers the whole actor
+        export_onnx(actor, layout.size, tmp / "actor.onnx", output_name="scores")
         import onnx
         import onnxruntime
 

@@ -108,14 +108,10 @@ def _curve_plot(curve: pd.DataFrame, path: Path, title: str) -> Path:
 
 def _export_actor(scores, obs_dim: int, out: Path) -> Path:
     """The actor as ONNX (``obs [B, obs_dim] -> action [B, d]``) for use outside RLlib."""
-    import torch
+    from .bundle import export_onnx
 
-    path = out / "actor.onnx"
-    scores = copy.deepcopy(scores).cpu().eval()
-    torch.onnx.export(scores, (torch.zeros(2, obs_dim),), str(path), input_names=["obs"],
-                      output_names=["action"], dynamic_shapes=({0: torch.export.Dim("batch")},),
-                      dynamo=True, external_data=False, verbose=False)
-    return path
+    return export_onnx(copy.deepcopy(scores).cpu().eval(), obs_dim, out / "actor.onnx",
+                       output_name="action")
 
 
 def _report(log, per_ep: pd.DataFrame, out: Path, title: str) -> pd.DataFrame:
