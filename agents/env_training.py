@@ -31,7 +31,7 @@ from envs.seeding import seed_everything  # noqa: E402
 
 from .config import output_dir, to_dict  # noqa: E402
 from .episodes import (ActorEnvPolicy, EnvPolicy, SuiteError, episode_seeds,  # noqa: E402
-                       load_suite, run_episodes, summarize_episodes)
+                       load_suite, play_episode, run_episodes, summarize_episodes)
 from .tracking import tracked_run  # noqa: E402
 from .training import _train_metrics  # noqa: E402
 
@@ -56,15 +56,9 @@ def episode_demonstrations(policy: EnvPolicy, env_id: str, env_kwargs: Mapping[s
     cols: dict[str, list] = {k: [] for k in ("obs", "actions", "rewards", "next_obs",
                                             "terminateds")}
     for s in seeds:
-        obs, _ = env.reset(seed=int(s))
-        policy.reset(env.unwrapped, int(s))
-        done = False
-        while not done:
-            a = np.asarray(policy.act(obs, env.unwrapped), np.float32)
-            nxt, r, term, trunc, _ = env.step(a)
-            for k, v in zip(cols, (obs, a, r, nxt, float(term))):
+        for obs, a, r, nxt, term, _, _ in play_episode(policy, env, s):
+            for k, v in zip(cols, (obs, np.asarray(a, np.float32), r, nxt, float(term))):
                 cols[k].append(v)
-            obs, done = nxt, term or trunc
     env.close()
     return {k: np.asarray(v, dtype=np.float32) for k, v in cols.items()}
 

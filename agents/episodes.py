@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 import time
 from types import ModuleType
-from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
 import gymnasium as gym
 import numpy as np
@@ -25,7 +25,8 @@ from tqdm.auto import tqdm
 
 from envs.seeding import derive_seed
 
-__all__ = ["EnvPolicy", "ActorEnvPolicy", "load_suite", "episode_seeds", "run_episodes",
+__all__ = ["EnvPolicy", "ActorEnvPolicy", "load_suite", "episode_seeds", "play_episode",
+           "run_episodes",
            "summarize_episodes", "SuiteError"]
 
 
@@ -78,6 +79,20 @@ def episode_seeds(seed: int, purpose: str, n: int) -> list[int]:
     return [derive_seed(seed, "episodes", purpose, i) % (2**31) for i in range(int(n))]
 
 
+def play_episode(policy: EnvPolicy, env: gym.Env, seed: int
+                 ) -> Iterator[tuple[np.ndarray, np.ndarray, float, np.ndarray, bool, bool, dict]]:
+    """One episode of ``policy`` in ``env`` from ``env.reset(seed=seed)``: yields
+    ``(obs, action, reward, next_obs, terminated, truncated, info)`` per step."""
+    obs, _ = env.reset(seed=int(seed))
+    policy.reset(env.unwrapped, int(seed))
+    done = False
+    while not done:
+        action = policy.act(obs, env.unwrapped)
+        nxt, r, term, trunc, info = env.step(action)
+        yield obs, action, float(r), nxt, bool(term), bool(trunc), info
+        obs, done = nxt, term or trunc
+
+
 def run_episodes(policies: Sequence[EnvPolicy], env_id: str, env_kwargs: Mapping[str, Any],
                  seeds: Sequence[int], *, progress: bool = False, desc: str = "episodes"
                  ) -> pd.DataFrame:
@@ -93,14 +108,10 @@ def run_episodes(policies: Sequence[EnvPolicy], env_id: str, env_kwargs: Mapping
                                  "act(obs, env))")
             for s in seeds:
                 t0 = time.perf_counter()
-                obs, info = env.reset(seed=int(s))
-                pol.reset(env.unwrapped, int(s))
-                ret, steps, done = 0.0, 0, False
-                while not done:
-                    obs, r, term, trunc, info = env.step(pol.act(obs, env.unwrapped))
-                    ret += float(r)
+                ret, steps, info = 0.0, 0, {}
+                for _, _, r, _, _, _, info in play_episode(pol, env, s):
+                    ret += r
                     steps += 1
-                    done = term or trunc
                 row = {"policy": pol.name, "seed": int(s), "return": ret, "steps": steps,
                        "time_s": time.perf_counter() - t0}
                 row.update({k: float(v) for k, v in info.get("episode_metrics", {}).items()})

@@ -137,7 +137,7 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         self._dispatch = threading.RLock()  # see _dispatching
         self._outbox: dict[int, list] = defaultdict(list)     # to push at the next flush
         self._pending: dict[int, list] = defaultdict(list)    # unreachable nodes' messages
-        self._pending_infos: dict[int, list] = defaultdict(list)  # and their SubscribeInfos
+        self._pending_infos: dict[int, list] = defaultdict(list)  # and their (channel, SubscribeInfo)
         self._reprogramming: set[int] = set()                  # nodes whose queue is in flight
         self._latest: dict[tuple, Any] = {}                   # resource -> newest message
         self._acked: dict[int, int] = defaultdict(int)        # node -> last result_seq
@@ -283,23 +283,23 @@ class Controller(pb_grpc.ControllerRepliesServicer):
             with self._lock:
                 known_down = bool(self._pending.get(n) or self._pending_infos.get(n))
             if known_down:  # do not wait for it: queue it behind the node's earlier ones
-                failed.append((n, info, "node unreachable"))
+                failed.append((n, c, info, "node unreachable"))
                 continue
             self.stats.rpc_bytes += info.ByteSize()
             # wait_for_ready: a channel in reconnect backoff (the agent was not up at a
             # Collect a moment ago) would fail it at once, and an agent that misses a
             # SubscribeInfo while it runs never consumes the topic
-            calls.append((n, info, self._stub(n).Subscribe.future(
+            calls.append((n, c, info, self._stub(n).Subscribe.future(
                 info, timeout=self.cfg.subscribe_timeout_s, wait_for_ready=True)))
-        for n, info, fut in calls:
+        for n, c, info, fut in calls:
             try:
                 ok = fut.result()
                 if ok.ok:
                     continue
-                failed.append((n, info, ok.error))
+                failed.append((n, c, info, ok.error))
             except grpc.RpcError as e:
-                failed.append((n, info, e.code().name))
-        for n, info, err in failed:
+                failed.append((n, c, info, e.code().name))
+        for n, c, info, err in failed:
             self.stats.subscribe_failures += 1
             log.warning("node %d: SubscribeInfo (%s %s) failed (%s); queued until it answers",
                         n, "subscribe" if subscribe else "unsubscribe", info.topic, err)
@@ -307,14 +307,13 @@ class Controller(pb_grpc.ControllerRepliesServicer):
                 self._ensure_subscription(info.topic, info.subscription)
             with self._lock:
                 q = self._pending_infos[n]
-                last = next((i for i in range(len(q) - 1, -1, -1)
-                             if q[i].topic == info.topic), None)
-                if subscribe and last is not None and not q[last].operation:
+                last = next((i for i in range(len(q) - 1, -1, -1) if q[i][0] == c), None)
+                if subscribe and last is not None and not q[last][1].operation:
                     # it never heard it was to leave the topic: it stays (sending the two in
                     # order would let it delete the subscription, then subscribe afresh,
                     # missing what was published in between)
                     del q[last]
-                q.append(info)
+                q.append((c, info))
 
     def retry_subscribe_infos(self) -> int:
         """Send the queued SubscribeInfos of nodes that answer again, in order (a node's queue
@@ -336,7 +335,7 @@ class Controller(pb_grpc.ControllerRepliesServicer):
                     with self._lock:
                         if not self._pending_infos[n]:
                             break
-                        info = self._pending_infos[n][0]
+                        c, info = self._pending_infos[n][0]
                     try:
                         ack = self._stub(n).Subscribe(info, timeout=self.cfg.push_timeout_s)
                     except grpc.RpcError:
@@ -350,7 +349,7 @@ class Controller(pb_grpc.ControllerRepliesServicer):
                     with self._lock:
                         self._pending_infos[n].pop(0)
                     if not info.operation:
-                        self._publish(_topic_index(info.topic), fence_envelope(self.timestamp()))
+                        self._publish(c, fence_envelope(self.timestamp()))
                         self.stats.fences += 1
         return sent
 
@@ -543,7 +542,3 @@ _CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100),
 def _subscription(node: int) -> str:
     return f"node-{node}"
 
-
-def _topic_index(topic: str) -> int:
-    """The channel number of a topic named by :func:`topic_name`."""
-    return int(topic.rsplit("-t", 1)[1])

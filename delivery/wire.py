@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from envs.dsmd.message import Message
-from envs.dsmd.traces import CONFIG_NAMES, OPERATION_NAMES
+from envs.dsmd.message import Message, table1_problem
 
 from .rpc import pb
 
@@ -53,14 +52,9 @@ def check_config(cm: "pb.ConfigMessage") -> None:
     if cm.timestamp_ns <= 0:
         raise WireError(f"message {cm.message_id}: timestamp_ns must be positive, got "
                         f"{cm.timestamp_ns}")
-    if cm.configuration_type not in CONFIG_NAMES:
-        raise WireError(f"message {cm.message_id}: unknown configuration_type "
-                        f"{cm.configuration_type[:40]!r}")
-    if cm.operation_type not in OPERATION_NAMES:
-        raise WireError(f"message {cm.message_id}: unknown operation_type "
-                        f"{cm.operation_type[:40]!r}")
-    if not cm.hosts:
-        raise WireError(f"message {cm.message_id}: no destination hosts")
+    problem = table1_problem(cm.configuration_type, cm.operation_type, cm.hosts)
+    if problem is not None:
+        raise WireError(f"message {cm.message_id}: {problem}")
 
 
 def decode_config(cm: "pb.ConfigMessage") -> Message:

@@ -118,6 +118,18 @@ def test_port_in_use_is_reported_before_java_starts() -> None:
         assert b.pid is None
 
 
+def start_failure(b: PulsarStandalone, expected: type[Exception]) -> Exception:
+    """The ``expected`` error ``b.start()`` raises (the broker closed either way)."""
+    try:
+        with pytest.raises(expected) as err:
+            b.start()
+    except (JavaNotFoundError, MavenNotFoundError) as exc:
+        no_broker(str(exc))
+    finally:
+        b.close()
+    return err.value
+
+
 @pytest.mark.timeout(240)
 def test_port_taken_during_start_is_reported_from_the_log(one_broker_at_a_time, monkeypatch
                                                           ) -> None:
@@ -127,14 +139,7 @@ def test_port_taken_during_start_is_reported_from_the_log(one_broker_at_a_time, 
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         b = PulsarStandalone(port=holder.getsockname()[1], progress=None)
-        try:
-            with pytest.raises(PortInUseError) as err:
-                b.start()
-        except (JavaNotFoundError, MavenNotFoundError) as exc:
-            no_broker(str(exc))
-        finally:
-            b.close()
-    text = str(err.value)
+        text = str(start_failure(b, PortInUseError))
     assert "exited with code" in text
     assert "Address already in use" in text
     assert "log tail" in text
@@ -144,15 +149,9 @@ def test_port_taken_during_start_is_reported_from_the_log(one_broker_at_a_time, 
 @pytest.mark.timeout(240)
 def test_invalid_setting_reports_exit_code_and_log(one_broker_at_a_time) -> None:
     b = PulsarStandalone(extra_conf={"managedLedgerDefaultEnsembleSize": "two"}, progress=None)
-    try:
-        with pytest.raises(BrokerStartError) as err:
-            b.start()
-    except (JavaNotFoundError, MavenNotFoundError) as exc:
-        no_broker(str(exc))
-    finally:
-        b.close()
-    text = str(err.value)
-    assert not isinstance(err.value, PortInUseError)
+    error = start_failure(b, BrokerStartError)
+    text = str(error)
+    assert not isinstance(error, PortInUseError)
     assert "exited with code 1" in text
     assert "managedLedgerDefaultEnsembleSize" in text
 

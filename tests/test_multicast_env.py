@@ -65,10 +65,9 @@ def test_shipped_fit_table_matches_the_parametric_model() -> None:
     assert table.concave
 
 
-def test_measured_profile_if_shipped_is_valid() -> None:
+def test_measured_profile_is_shipped_and_valid() -> None:
     path = PROFILES_DIR / "linux_bridge.csv"
-    if not path.exists():
-        pytest.skip("no measured profile shipped")
+    assert path.is_file(), f"the measured Linux-bridge profile {path} is missing"
     sw = load_profile(path)
     assert sw.max_degree >= 2 and sw.g(1) > 0
 

@@ -14,7 +14,21 @@ import numpy as np
 from .errors import DSMDError
 from .traces import CONFIG_NAMES, OPERATION_NAMES, Trace
 
-__all__ = ["Message", "messages_to_trace", "messages_from_trace"]
+__all__ = ["Message", "table1_problem", "messages_to_trace", "messages_from_trace"]
+
+
+def table1_problem(configuration_type: str, operation_type: str, hosts) -> str | None:
+    """The first Table I field of a message that is wrong (configuration type, operation
+    type, destination hosts), said in words, or None: the one rule the simulator's
+    :class:`Message` and the delivery runtime's wire check (``delivery.wire``) share."""
+    if configuration_type not in CONFIG_NAMES:
+        return (f"configuration_type must be one of {CONFIG_NAMES}, got "
+                f"{configuration_type[:40]!r}")
+    if operation_type not in OPERATION_NAMES:
+        return f"operation_type must be one of {OPERATION_NAMES}, got {operation_type[:40]!r}"
+    if not len(hosts):
+        return "at least one destination host is needed"
+    return None
 
 
 @dataclass(frozen=True)
@@ -33,16 +47,11 @@ class Message:
     timestamp_ns: int = field(default_factory=time.time_ns)
 
     def __post_init__(self) -> None:
-        if self.configuration_type not in CONFIG_NAMES:
-            raise DSMDError(f"message {self.message_id}: configuration_type must be one of "
-                            f"{CONFIG_NAMES}, got {self.configuration_type!r}")
-        if self.operation_type not in OPERATION_NAMES:
-            raise DSMDError(f"message {self.message_id}: operation_type must be one of "
-                            f"{OPERATION_NAMES}, got {self.operation_type!r}")
-        if self.size_bytes <= 0:
-            raise DSMDError(f"message {self.message_id}: size_bytes must be positive")
-        if not self.hosts:
-            raise DSMDError(f"message {self.message_id}: at least one destination host")
+        problem = table1_problem(self.configuration_type, self.operation_type, self.hosts)
+        if problem is None and self.size_bytes <= 0:
+            problem = "size_bytes must be positive"
+        if problem is not None:
+            raise DSMDError(f"message {self.message_id}: {problem}")
         object.__setattr__(self, "hosts", tuple(int(h) for h in self.hosts))
 
     @property

@@ -37,6 +37,7 @@ Rates are in Gbps throughout. This module does not import gymnasium.
 
 from __future__ import annotations
 
+import abc
 import csv
 import math
 from dataclasses import dataclass, field
@@ -77,11 +78,12 @@ class SwitchModel(Protocol):
         """``g`` over an array of degrees."""
 
 
-class _SwitchBase:
+class _SwitchBase(abc.ABC):
     """f and U from g (Section IV), with argument checks."""
 
-    def g(self, d: int) -> float:  # pragma: no cover - overridden
-        raise NotImplementedError
+    @abc.abstractmethod
+    def g(self, d: int) -> float:
+        """Per-copy output rate at out degree ``d``."""
 
     def f(self, d: int, r: float) -> float:
         if r < 0 or not math.isfinite(r):
