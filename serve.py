@@ -21,7 +21,8 @@ def settings_from(cfg: DictConfig):
                           max_batch=int(cfg.max_batch), max_sessions=int(cfg.max_sessions),
                           max_types=int(cfg.max_types), watch=bool(cfg.watch),
                           watch_period_s=float(cfg.watch_period_s),
-                          require_policy=bool(cfg.require_policy))
+                          require_policy=bool(cfg.require_policy),
+                          freeze_gc=bool(cfg.freeze_gc))
 
 
 @hydra.main(config_path="configs", config_name="serve", version_base="1.3")

@@ -3,9 +3,13 @@
 A bundle is a directory::
 
     actor.onnx       the actor: obs (float32, [B, size]) -> scores (float32, [B, K+1])
+    actor_row.onnx   the same actor (same weights) exported for one observation
+                     ([1, size] -> [1, K+1]): the graph of a batch of one has no batch
+                     dimension to broadcast over, so ONNX Runtime runs it in about half the
+                     time (a single decision of the policy server); from version 3 on
     metadata.json    format and version, observation layout, scenario signature, action
                      decoding, decision order, training facts, library versions, and the
-                     SHA-256 of actor.onnx
+                     SHA-256 of each actor file
 
 :func:`load_bundle` refuses (``BundleError``, naming what differs) a bundle whose files are
 missing or unreadable, whose actor does not match its recorded hash, or whose observation
@@ -16,8 +20,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import logging
+import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,10 +34,13 @@ from envs.dsmd.observation import ObservationLayout
 from envs.fsutil import atomic_directory
 
 __all__ = ["BundleError", "PolicyBundle", "export_bundle", "export_onnx", "load_bundle",
-           "BUNDLE_FORMAT"]
+           "BUNDLE_FORMAT", "BUNDLE_FILES"]
 
 BUNDLE_FORMAT = "smart-dsmd-policy"
-BUNDLE_VERSION = 2  # 2: the decoding mode (envs.dsmd.decoding) is recorded
+BUNDLE_VERSION = 3  # 2: the decoding mode (envs.dsmd.decoding) is recorded; 3: actor_row.onnx
+READABLE_VERSIONS = (2, 3)
+#: every file a bundle may hold (what is copied when a bundle is published or fetched)
+BUNDLE_FILES = ("metadata.json", "actor.onnx", "actor_row.onnx")
 DECODING = {"argmax": "argmax over the K+1 channel scores (0 = RPC, t = MQ topic t); ties "
                       "broken uniformly at random",
             "feasible": "the highest-scoring channel (0 = RPC, t = MQ topic t) that keeps "
@@ -51,9 +59,11 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def export_onnx(module, obs_dim: int, path: Path, output_name: str = "scores") -> Path:
-    """``module`` (``obs [B, obs_dim] -> [B, d]``) as one ONNX file with a dynamic batch
-    (torch.export-based exporter, weights embedded), its optimiser's INFO logs silenced."""
+def export_onnx(module, obs_dim: int, path: Path, output_name: str = "scores",
+                one_row: bool = False) -> Path:
+    """``module`` (``obs [B, obs_dim] -> [B, d]``) as one ONNX file with a dynamic batch, or
+    for exactly one observation with ``one_row`` (torch.export-based exporter, weights
+    embedded), its optimiser's INFO logs silenced."""
     import torch
 
     quiet = [logging.getLogger(n) for n in ("onnxscript", "onnx_ir")]
@@ -63,10 +73,10 @@ def export_onnx(module, obs_dim: int, path: Path, output_name: str = "scores") -
     try:
         # an example batch of 2: torch.export specialises a dimension of size 1, which
         # would fix the exported batch to 1 wherever the network reshapes by it
-        torch.onnx.export(module, (torch.zeros(2, obs_dim),), str(path),
+        torch.onnx.export(module, (torch.zeros(1 if one_row else 2, obs_dim),), str(path),
                           input_names=["obs"], output_names=[output_name],
-                          dynamic_shapes=({0: torch.export.Dim("batch")},), dynamo=True,
-                          external_data=False, verbose=False)
+                          dynamic_shapes=None if one_row else ({0: torch.export.Dim("batch")},),
+                          dynamo=True, external_data=False, verbose=False)
     finally:
         for lg, lv in zip(quiet, levels):
             lg.setLevel(lv)
@@ -84,6 +94,8 @@ def export_bundle(actor: Any, layout: ObservationLayout, signature: dict, direct
         actor = actor.eval().cpu()
         # weights embedded in one file so the content hash covers the whole actor
         export_onnx(actor, layout.size, tmp / "actor.onnx", output_name="scores")
+        export_onnx(actor, layout.size, tmp / "actor_row.onnx", output_name="scores",
+                    one_row=True)
         import onnx
         import onnxruntime
 
@@ -95,7 +107,8 @@ def export_bundle(actor: Any, layout: ObservationLayout, signature: dict, direct
                 "versions": {"torch": torch.__version__, "onnx": onnx.__version__,
                              "onnxruntime": onnxruntime.__version__,
                              "numpy": np.__version__},
-                "extra": extra or {}, "actor_sha256": _sha256(tmp / "actor.onnx")}
+                "extra": extra or {}, "actor_sha256": _sha256(tmp / "actor.onnx"),
+                "actor_row_sha256": _sha256(tmp / "actor_row.onnx")}
         (tmp / "metadata.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
     return Path(directory)
 
@@ -112,6 +125,28 @@ class PolicyBundle:
     #: ``batch_rows`` observations (a whole-window batch), or None
     batch_session: Any = None
     batch_rows: int = 64
+    #: the single-observation session (``actor_row.onnx``), or None (a version 2 bundle)
+    row_session: Any = None
+
+    def __post_init__(self) -> None:
+        self._size = self.layout.size
+        self._fixed = self.session.get_inputs()[0].shape[0]
+        self._row = self.row_session if self.row_session is not None else self.session
+        self._bound = threading.local()  # each thread's _BoundRow (see _one)
+
+    def _one(self, x: np.ndarray) -> np.ndarray:
+        """Scores of one observation on the single-row session, through this thread's bound
+        buffers (:class:`_BoundRow`)."""
+        runner = getattr(self._bound, "runner", None)
+        if runner is None:
+            runner = self._bound.runner = _BoundRow(self._row, self._size)
+        return runner(x)
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """The bundle's files (:data:`BUNDLE_FILES` it has)."""
+        return tuple(n for n in BUNDLE_FILES
+                     if n != "actor_row.onnx" or self.row_session is not None)
 
     @property
     def signature(self) -> dict:
@@ -135,19 +170,56 @@ class PolicyBundle:
         """Channel scores of one observation (``[size]`` -> ``[K+1]``) or a batch
         (``[B, size]`` -> ``[B, K+1]``)."""
         x = np.asarray(obs, dtype=np.float32)
-        single = x.ndim == 1
-        if x.shape[-1] != self.layout.size:
+        if x.shape[-1] != self._size:
             raise BundleError(f"observation has {x.shape[-1]} values; the bundle's layout "
-                              f"expects {self.layout.size}")
-        if single:
-            return self.session.run(_OUTPUTS, {"obs": x.reshape(1, -1)})[0][0]
-        fixed = self.session.get_inputs()[0].shape[0]
+                              f"expects {self._size}")
+        if x.ndim == 1:
+            return self._one(x)
+        if x.shape[0] == 1:
+            return self._one(x[0])[None]
+        fixed = self._fixed
         if isinstance(fixed, int) and fixed != x.shape[0]:  # an actor exported for one row
             return np.concatenate([self.session.run(_OUTPUTS, {"obs": x[i:i + fixed]})[0]
                                    for i in range(0, x.shape[0], fixed)])
         if self.batch_session is not None and x.shape[0] >= self.batch_rows:
             return self.batch_session.run(_OUTPUTS, {"obs": x})[0]
         return self.session.run(_OUTPUTS, {"obs": x})[0]
+
+
+class _BoundRow:
+    """One observation through ONNX Runtime with its input and output bound once to this
+    object's own buffers (an ``IOBinding``), run by the session's C++ ``run_with_iobinding``:
+    the same computation as ``session.run`` (tested) without building the input and output
+    values and the Python wrapper's checks on every call (its WebGPU capture check alone
+    costs more than the actor), which took a quarter of a single decision's time. If this
+    ONNX Runtime does not offer those internals, ``session.run``."""
+
+    def __init__(self, session: Any, size: int) -> None:
+        import onnxruntime as ort
+
+        self.x = np.zeros((1, size), np.float32)
+        self.session = session
+        self.call = None
+        k1 = session.get_outputs()[0].shape[-1]
+        try:
+            if not isinstance(k1, int):
+                raise TypeError("the output width is not fixed")
+            self.y = np.zeros((1, k1), np.float32)
+            binding = session.io_binding()
+            binding.bind_ortvalue_input("obs", ort.OrtValue.ortvalue_from_numpy(self.x))
+            binding.bind_output(_OUTPUTS[0], "cpu", 0, np.float32, [1, k1], self.y.ctypes.data)
+            run, native = session._sess.run_with_iobinding, binding._iobinding
+            self.binding = binding  # keeps the bound values alive
+            self.call = lambda: run(native, None)
+        except (AttributeError, TypeError, RuntimeError):  # another ONNX Runtime
+            self.call = None
+
+    def __call__(self, obs: np.ndarray) -> np.ndarray:
+        if self.call is None:
+            return self.session.run(_OUTPUTS, {"obs": obs[None]})[0][0]
+        self.x[0] = obs
+        self.call()
+        return self.y[0].copy()
 
 
 def load_bundle(directory: str | Path, *, expect_layout: ObservationLayout | None = None,
@@ -167,13 +239,14 @@ def load_bundle(directory: str | Path, *, expect_layout: ObservationLayout | Non
     one row is 30% slower on a two-thread session, hence two sessions.
     """
     d = Path(directory)
-    meta_path, onnx_path = d / "metadata.json", d / "actor.onnx"
+    meta_path, onnx_path, row_path = d / "metadata.json", d / "actor.onnx", d / "actor_row.onnx"
     try:
         for p in (meta_path, onnx_path):
             if not p.is_file():
                 raise BundleError(f"{d}: missing {p.name}")
         meta = json.loads(meta_path.read_text())
         digest = _sha256(onnx_path)
+        row_digest = _sha256(row_path) if row_path.is_file() else None
     except json.JSONDecodeError as e:
         raise BundleError(f"{meta_path}: not valid JSON ({e})") from None
     except (OSError, UnicodeDecodeError) as e:  # unreadable, name too long, not text, ...
@@ -181,13 +254,20 @@ def load_bundle(directory: str | Path, *, expect_layout: ObservationLayout | Non
                           f"{getattr(e, 'strerror', None) or e})") from None
     if not isinstance(meta, dict):
         raise BundleError(f"{meta_path}: not a JSON object")
-    if meta.get("format") != BUNDLE_FORMAT or meta.get("version") != BUNDLE_VERSION:
-        raise BundleError(f"{d}: not a {BUNDLE_FORMAT} v{BUNDLE_VERSION} bundle "
+    if meta.get("format") != BUNDLE_FORMAT or meta.get("version") not in READABLE_VERSIONS:
+        raise BundleError(f"{d}: not a {BUNDLE_FORMAT} bundle of version "
+                          f"{' or '.join(map(str, READABLE_VERSIONS))} "
                           f"(format={meta.get('format')!r}, version={meta.get('version')!r})")
-    if digest != meta.get("actor_sha256"):
-        raise BundleError(f"{onnx_path}: content hash {digest[:12]}... does not match the "
-                          f"metadata's {str(meta.get('actor_sha256'))[:12]}... (corrupted or "
-                          "replaced)")
+    checks = [(onnx_path, digest, "actor_sha256")]
+    if meta["version"] >= 3:
+        if row_digest is None:
+            raise BundleError(f"{d}: missing actor_row.onnx")
+        checks.append((row_path, row_digest, "actor_row_sha256"))
+    for path, got, key in checks:
+        if got != meta.get(key):
+            raise BundleError(f"{path}: content hash {got[:12]}... does not match the "
+                              f"metadata's {str(meta.get(key))[:12]}... (corrupted or "
+                              "replaced)")
     if meta.get("decoding") not in DECODING:
         raise BundleError(f"{meta_path}: unknown decoding {meta.get('decoding')!r} (expected "
                           f"one of {sorted(DECODING)})")
@@ -209,18 +289,21 @@ def load_bundle(directory: str | Path, *, expect_layout: ObservationLayout | Non
     if batch_threads is None:
         batch_threads = min(len(os.sched_getaffinity(0)), 4)
 
-    def make(n: int) -> Any:
+    def make(n: int, path: Path = onnx_path) -> Any:
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = int(n)
         opts.inter_op_num_threads = 1
         opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        return ort.InferenceSession(str(onnx_path), sess_options=opts,
+        return ort.InferenceSession(str(path), sess_options=opts,
                                     providers=["CPUExecutionProvider"])
 
+    path = onnx_path
     try:
         session = make(threads)
         batch = make(batch_threads) if batch_threads > max(int(threads), 1) else None
+        path = row_path
+        row = make(threads, row_path) if meta["version"] >= 3 else None
     except Exception as e:  # onnxruntime raises its own exception types
-        raise BundleError(f"{onnx_path}: ONNX Runtime cannot load it ({e})") from None
-    return PolicyBundle(d, meta, layout, session, batch, int(batch_rows))
+        raise BundleError(f"{path}: ONNX Runtime cannot load it ({e})") from None
+    return PolicyBundle(d, meta, layout, session, batch, int(batch_rows), row)

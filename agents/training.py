@@ -194,7 +194,7 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
                 log.artifact(learning_curve_plot(curve, out / "learning_curve.png",
                                                  f"{name.upper()} on {spec.name}"), "plots")
             # the exported policy (ONNX + metadata) for serving
-            from .bundle import export_bundle
+            from .bundle import BUNDLE_FILES, export_bundle
 
             bundle_dir = Path(str(cfg.paths.checkpoint_dir)) / run_name
             export_bundle(scores, layout, ps.signature(), bundle_dir, overwrite=True,
@@ -203,7 +203,7 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
                                  "selected_at_steps": None if best is None else best[1],
                                  "gradient_updates": getattr(algo, "updates_done", None),
                                  "reward": to_dict(cfg.env.reward), "seed": int(cfg.seed)})
-            for f in ("actor.onnx", "metadata.json"):
+            for f in BUNDLE_FILES:
                 log.artifact(bundle_dir / f, "policy_bundle")
             print(f"[train] exported the policy bundle to {bundle_dir}", flush=True)
     finally:

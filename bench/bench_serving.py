@@ -32,6 +32,9 @@ are the ``FULL`` settings, ``--quick`` uses ``QUICK``):
    order (rate x fan-out descending), after one untimed full decision, so each call
    re-decides every type given the rest; and ``decide(None, replan=True)`` (one episode from
    an empty assignment). ``batch`` timed calls per run after 2 untimed ones. Target: <= 10 ms.
+   Also timed, to show what bounds the parallel batch: the policy call alone on its 1,000
+   observations, and the actor's widest layer (32 -> 32 on 1,000 x (K+1) rows) as one
+   NumPy float32 GEMM.
 3. **HTTP on loopback**: ``serve.py`` (uvicorn as installed: asyncio loop, h11) in a fresh
    subprocess per run, pinned to one core (core 0, as ``taskset -c 0``); this process, the
    load generator, pinned to the other core (core 1). One session with test window 0's
@@ -467,7 +470,7 @@ def run_split(snaps: list[dict], policy, samples: int, warmup: int) -> dict[str,
     res = {name: pct(us[:, j]) for j, name in enumerate((*STAGES, "total"))}  # in us
     res["not_argmax_share"] = not_argmax / us.shape[0]
     # raw ONNX Runtime in a tight loop: the floor of the policy call
-    sess = policy.bundle.session
+    sess = policy.bundle.row_session or policy.bundle.session  # what a single row runs on
     x = [o[None] for o in obs_kept]
     for i in range(500):
         sess.run(["scores"], {"obs": x[i % len(x)]})
@@ -502,6 +505,28 @@ def run_batch(snap: dict, policy, runs: int) -> dict[str, Any]:
             raise RuntimeError(f"batch {label}: {len(ds)} decisions, not all by the policy")
         out[label] = pct(np.array(lat) / 1e6) | {"cpu_share": tm.cpu_share}
     out["feasible_after"] = bool(s.metrics()["feasible"])
+    # what bounds the parallel batch: the policy call alone on the batch's observations,
+    # and, below it, the actor's widest layer alone as one NumPy GEMM ([1,000 x (K+1)] rows
+    # of 32 -> 32, float32: the multiply-adds no actor run can skip)
+    pos = np.array([s._pos[s.slot(t)] for t in types])
+    ch = s.state.channel.copy()
+    ch[pos] = UNASSIGNED
+    s.state.assign_all(ch)
+    obs = s.builder(policy.layout).observe_many(s.state, pos, 0.0)
+    rows = np.random.default_rng(0).random((obs.shape[0] * (s.spec.num_topics + 1), 32),
+                                           dtype=np.float32)
+    w = np.random.default_rng(1).random((32, 32), dtype=np.float32)
+    h = np.empty_like(rows)
+    for label, call in (("ort_batch", lambda: policy(obs)),
+                        ("gemm_floor", lambda: np.matmul(rows, w, out=h))):
+        for _ in range(2):
+            call()
+        lat = []
+        for _ in range(runs):
+            a = time.perf_counter_ns()
+            call()
+            lat.append(time.perf_counter_ns() - a)
+        out[label] = pct(np.array(lat) / 1e6)
     return out
 
 
@@ -954,7 +979,17 @@ def main() -> None:
         f"which each is active; 'list' = decide(the 1,000 ids in rate x fan-out order) on a "
         f"fully decided session, 'replan' = decide(None, replan=True) from an empty "
         f"assignment; assignment feasible after the runs: "
-        f"{all(r['batch']['feasible_after'] for r in inproc)}",
+        f"{all(r['batch']['feasible_after'] for r in inproc)} (no assignment can be: "
+        f"1,000 types need at least 1,000 sends against the scenario's C_p of "
+        f"{snap_b['controller']['cpu']}, so the safety layer finds no room and keeps each "
+        f"argmax); 'parallel' takes the 1,000 types off their channels together, so every "
+        f"topic is empty when they are observed",
+        f"what bounds the parallel batch (medians over the runs of each run's p50): the "
+        f"policy call alone on the 1,000 observations "
+        f"{stats([r['batch']['ort_batch']['p50'] for r in inproc])['median']:.1f} ms; the "
+        f"actor's widest layer alone as one NumPy GEMM "
+        f"({BATCH_TYPES:,} x {snap_b['num_topics'] + 1} rows, 32 -> 32, float32) "
+        f"{stats([r['batch']['gemm_floor']['p50'] for r in inproc])['median']:.1f} ms",
         f"HTTP: {CONNS} keep-alive connections, minimal asyncio HTTP/1.1 client; latency from "
         f"the scheduled send time. At 1,000/s, service time (from the actual send) p50/p99 "
         f"{med('bundle', 'http_1000', 'service_ms', 'p50'):.2f}/"

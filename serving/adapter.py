@@ -39,7 +39,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from agents.bundle import BundleError, load_bundle
+from agents.bundle import BUNDLE_FILES, BundleError, load_bundle
+from envs.dsmd import kernels
 from envs.dsmd.instance import rates_bps
 from envs.dsmd.message import Message, messages_to_trace
 from envs.dsmd.parser import BatchKey, IntervalEstimate, MessageParser, TypeCatalog
@@ -139,6 +140,7 @@ class ControllerAdapter:
 
             self._client = httpx.Client(base_url=base_url, timeout=timeout_s,
                                         headers={"X-API-Key": api_key} if api_key else {})
+        kernels.warm_up()  # the local session's compiled loops, before the first decision
         if session_id is not None:
             self.attach(session_id)
         if mode == "cached":
@@ -312,7 +314,7 @@ class ControllerAdapter:
         d = root / info["hash"][:16]
         d.mkdir(parents=True, exist_ok=True)
         with zipfile.ZipFile(io.BytesIO(raw)) as z:
-            for name in ("metadata.json", "actor.onnx"):
+            for name in set(z.namelist()) & set(BUNDLE_FILES):
                 (d / name).write_bytes(z.read(name))
         try:
             bundle = load_bundle(d)

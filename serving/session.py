@@ -26,7 +26,7 @@ and decodes with ``feasible``; ``rpc`` prefers RPC, then the first topic that fi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Protocol, Sequence
+from typing import Any, Iterable, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
@@ -99,8 +99,9 @@ class SessionSpec:
         return int(self.node_ids.size)
 
 
-@dataclass(frozen=True)
-class Decision:
+class Decision(NamedTuple):
+    """One channel decision (a named tuple: made once per decided type, cheaply)."""
+
     type_id: int
     channel: int  # 0 = RPC, t = MQ topic t
     source: str  # "policy" or "fallback"
@@ -247,7 +248,8 @@ class Session:
 
     # ------------------------------------------------------------------ observation
     def builder(self, layout: ObservationLayout) -> ObservationBuilder:
-        if self._builder_for != layout or self._builder is None:
+        if self._builder is None or (self._builder_for is not layout
+                                     and self._builder_for != layout):
             self._builder = ObservationBuilder(layout, self.inst)
             self._builder.reset(self.state)
             self._builder_for = layout
@@ -282,30 +284,31 @@ class Session:
             self._builder_for = None
         if parallel:
             return self._decide_parallel(positions, use, why, fallback, explain)
-        layout = use.layout if use is not None else None
-        builder = self.builder(layout) if layout is not None else None
+        builder = self.builder(use.layout) if use is not None else None
         n = max(self.inst.num_types, 1)
+        state, active, channel, type_ids = self.state, self.active, self.channel, self.type_ids
+        src = "policy" if use is not None else "fallback"
         out = []
         for p in positions:
-            s = int(self.active[p])
-            if self.state.channel[p] != UNASSIGNED:
-                self.state.move(p, UNASSIGNED)
+            s = int(active[p])
+            if state.channel[p] != UNASSIGNED:
+                state.move(p, UNASSIGNED)
                 if builder is not None:
                     builder.on_move(p, UNASSIGNED)
-            obs = scores = None
+            obs = None
             if use is not None:
-                obs = builder.observe(self.state, p, self.state.assigned / n)
-                scores = np.asarray(use(obs), dtype=np.float32).reshape(-1)
-                c = decode(scores, self.state, p, self.rng, use.decoding)
+                obs = builder.observe(state, p, state.assigned / n)
+                scores = use(obs)
+                c = decode(scores, state, p, self.rng, use.decoding)
             else:
                 scores = self._heuristic_scores(np.array([p]), fallback)[0]
-                c = decode(scores, self.state, p, self.rng, "feasible")
-            self.state.move(p, c)
+                c = decode(scores, state, p, self.rng, "feasible")
+            state.move(p, c)
             if builder is not None:
                 builder.on_move(p, c)
-            self.channel[s] = c
-            out.append(Decision(self.type_ids[s], c, "policy" if use is not None else "fallback",
-                                why, obs if explain else None, scores if explain else None))
+            channel[s] = c
+            out.append(Decision(type_ids[s], c, src, why, obs if explain else None,
+                                np.asarray(scores, np.float32).reshape(-1) if explain else None))
         self.version += 1
         return out
 
@@ -343,10 +346,16 @@ class Session:
         if mode == "feasible" and not self.state.metrics().feasible:
             ch[pos] = UNASSIGNED
             self.state.assign_all(ch)
-            for i, p in enumerate(pos.tolist()):
-                c = decode(scores[i], self.state, p, self.rng, "feasible")
-                self.state.move(p, c)
-                ch[p] = c
+            if self.state.topic_room(int(pos[0]), reserve=True):
+                for i, p in enumerate(pos.tolist()):
+                    c = decode(scores[i], self.state, p, self.rng, "feasible")
+                    self.state.move(p, c)
+                    ch[p] = c
+            else:  # no room on the controller before the first is placed: none for any of
+                # them (what the unplaced types reserve plus what is placed only grows), so
+                # decode() would give each its argmax, as above
+                ch[pos] = best
+                self.state.assign_all(ch)
         self._builder_for = None
         slots = self.active[pos]
         self.channel[slots] = ch[pos]

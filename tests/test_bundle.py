@@ -83,3 +83,86 @@ def test_per_channel_actor_exports_with_a_dynamic_batch(tmp_path, tiny_problems)
     for rows in (x[:1], x[:3], x):
         np.testing.assert_allclose(b(rows), ref[:len(rows)], atol=1e-5)
     np.testing.assert_allclose(b(x[0]), ref[0], atol=1e-5)
+
+
+def test_one_row_actor_file_and_version_2_bundles(exported, tmp_path):
+    """A bundle holds the actor twice (any batch, and one observation); both are verified.
+    A version 2 bundle (no actor_row.onnx) still loads and decides single rows with the
+    batch actor."""
+    import shutil
+
+    d, actor, layout, ps = exported
+    b = load_bundle(d)
+    assert b.row_session is not None and b.files == ("metadata.json", "actor.onnx",
+                                                     "actor_row.onnx")
+    x = np.random.default_rng(2).uniform(-1, 1, (4, layout.size)).astype(np.float32)
+    batch = b(x)
+    for i, row in enumerate(x):
+        np.testing.assert_array_equal(b(row), b(row[None])[0])
+        np.testing.assert_allclose(b(row), batch[i], atol=1e-5)
+    v2 = tmp_path / "v2"
+    shutil.copytree(d, v2)
+    (v2 / "actor_row.onnx").unlink()
+    meta = json.loads((v2 / "metadata.json").read_text())
+    meta["version"] = 2
+    del meta["actor_row_sha256"]
+    (v2 / "metadata.json").write_text(json.dumps(meta))
+    old = load_bundle(v2)
+    assert old.row_session is None and old.files == ("metadata.json", "actor.onnx")
+    np.testing.assert_allclose(old(x[0]), b(x[0]), atol=1e-5)
+    (d / "actor_row.onnx").unlink()
+    with pytest.raises(BundleError, match="missing actor_row.onnx"):
+        load_bundle(d)
+    shutil.copy(v2 / "actor.onnx", d / "actor_row.onnx")  # the wrong file in its place
+    with pytest.raises(BundleError, match="actor_row.onnx: content hash"):
+        load_bundle(d)
+    meta["version"] = 9
+    (v2 / "metadata.json").write_text(json.dumps(meta))
+    with pytest.raises(BundleError, match="version 2 or 3"):
+        load_bundle(v2)
+
+
+
+def test_single_rows_through_bound_buffers_equal_session_run(exported):
+    """One observation goes through per-thread IOBinding buffers: the same scores as a plain
+    ``session.run``, from several threads at once, and a session without the internals it
+    uses falls back to ``session.run``."""
+    import threading
+
+    from agents.bundle import _BoundRow
+
+    d, actor, layout, ps = exported
+    b = load_bundle(d)
+    x = np.random.default_rng(3).uniform(-1, 1, (40, layout.size)).astype(np.float32)
+    ref = np.stack([b.row_session.run(["scores"], {"obs": r[None]})[0][0] for r in x])
+    out: dict[int, np.ndarray] = {}
+
+    def work(i: int) -> None:
+        out[i] = np.stack([b(r) for r in x])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(out) == 4 and all(np.array_equal(v, ref) for v in out.values())
+    first = b(x[0])
+    b(x[1])
+    np.testing.assert_array_equal(first, ref[0])  # a returned row is not overwritten
+
+    class Plain:  # a session with only the public API
+        def __init__(self, s):
+            self.s = s
+
+        def get_outputs(self):
+            return self.s.get_outputs()
+
+        def io_binding(self):
+            return self.s.io_binding()
+
+        def run(self, *a):
+            return self.s.run(*a)
+
+    plain = _BoundRow(Plain(b.row_session), layout.size)
+    assert plain.call is None
+    np.testing.assert_array_equal(plain(x[2]), ref[2])

@@ -215,6 +215,24 @@ def test_per_channel_networks_are_permutation_equivariant():
         ChannelActor(10, a, blocks, [16])
 
 
+@pytest.mark.parametrize("hidden", [[], [16], [16, 8]])
+def test_per_channel_actor_paths_equal_the_reference_formulation(hidden):
+    """The actor's batched path and its one-observation path (``_one``, what a bundle's
+    actor_row.onnx is exported from) both equal ``net`` applied to each channel's
+    ``[globals, features_c]`` row, the textbook statement of the architecture."""
+    from agents.ddpg.networks import ChannelActor, _per_channel
+
+    g, blocks, a = 8, 4, 7
+    torch.manual_seed(1)
+    actor = ChannelActor(g + blocks * a, a, blocks, hidden)
+    obs = torch.randn(6, g + blocks * a)
+    with torch.no_grad():
+        ref = actor.net(_per_channel(obs, g, blocks, a)).squeeze(-1)
+        torch.testing.assert_close(actor(obs), ref)
+        for i in range(obs.shape[0]):
+            torch.testing.assert_close(actor(obs[i:i + 1]), ref[i:i + 1])
+
+
 def test_per_channel_architecture_needs_the_channel_observation():
     with pytest.raises(ValueError, match="architecture"):
         DDPGConfig().environment("Pendulum-v1").training(architecture="cnn").validate()

@@ -208,6 +208,31 @@ def test_parallel_batch(client, tiny_problems, tiny_bundles):
         assert one[0] == one[1]
 
 
+def test_parallel_batch_without_controller_room_keeps_the_argmax(tiny_problems, tiny_bundles):
+    """When the controller cannot carry the batch even before its first type is placed
+    (here C_p = 1 send for many types), no channel ever fits, so the safety layer is skipped:
+    every type keeps its highest-scoring channel, as one-by-one decoding would give it."""
+    from serving.policy_store import PolicyStore
+    from serving.session import Session
+
+    ps = tiny_problems
+    body = session_body(ps, ps.windows["test"][0])
+    snap = {k: body[k] for k in ("nodes", "num_topics", "interval_s", "scenario_signature",
+                                 "seed")}
+    snap["controller"] = dict(body["controller"], cpu=1)
+    snap["types"] = [{"rate_bps": 0, "messages": 1} | t | {"channel": -1}
+                     for t in body["types"]]
+    s = Session.from_snapshot(snap)
+    policy = PolicyStore().load(tiny_bundles["a"])
+    ds = s.decide(None, policy, parallel=True, explain=True)
+    assert len(ds) == s.active.size > 1 and not s.metrics()["feasible"]
+    for d in ds:
+        assert d.source == "policy" and d.scores[d.channel] == d.scores.max()
+    seq = Session.from_snapshot(snap).decide(None, policy, explain=True)
+    for d in seq:
+        assert d.scores[d.channel] == d.scores.max()
+
+
 def test_serving_imports_neither_rllib_nor_torch():
     import subprocess
     import sys

@@ -17,6 +17,7 @@ O(K) per sample instead of an MLP over all K+1 channels.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["mlp", "MLPCritic", "ChannelActor", "ChannelCritic", "channel_split"]
@@ -70,7 +71,37 @@ class ChannelActor(nn.Module):
         self.net = mlp(self.g + blocks, hidden, 1, nn.Tanh())
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.net(_per_channel(obs, self.g, self.blocks, self.a)).squeeze(-1)
+        """``net([globals, features_c])`` for every channel c, computed without repeating the
+        globals: the first layer's global half ``W_g g + b`` once per sample, its channel half
+        ``W_c x_c`` on ``[B*A, P]`` rows, then the rest of ``net`` on ``[B*A, H]`` rows (two
+        dimensional, so an exported graph is plain GEMMs that ONNX Runtime fuses with their
+        ReLUs; one observation goes through :meth:`_one`). Equal to
+        ``net(_per_channel(obs, ...))`` up to float rounding."""
+        if len(self.net) < 4:  # no hidden layer: net[0] is the output layer
+            return self.net(_per_channel(obs, self.g, self.blocks, self.a)).squeeze(-1)
+        b = obs.shape[0]
+        first = self.net[0]
+        w = first.weight
+        if b == 1:
+            return self._one(obs[0])
+        gh = F.linear(obs[:, :self.g], w[:, :self.g], first.bias)  # [B, H]
+        feats = obs[:, self.g:].reshape(b, self.blocks, self.a).transpose(1, 2)
+        h = F.linear(feats.reshape(b * self.a, self.blocks), w[:, self.g:])  # [B*A, H]
+        h = torch.relu(h.reshape(b, self.a, -1) + gh[:, None, :]).reshape(b * self.a, -1)
+        return self.net[2:](h).reshape(b, self.a)
+
+    def _one(self, x: torch.Tensor) -> torch.Tensor:
+        """One observation, channel-major: ``h = act(W h + b)`` on ``[H, A]`` columns, so each
+        layer is one GEMM whose bias is a column (the first layer's is ``W_g g + b``, the
+        globals' half) and the last one gives the ``[1, A]`` scores without a transpose."""
+        first = self.net[0]
+        w = first.weight
+        col = torch.addmm(first.bias[:, None], w[:, :self.g], x[:self.g, None])  # [H, 1]
+        h = torch.addmm(col, w[:, self.g:], x[self.g:].reshape(self.blocks, self.a))
+        for layer in self.net[1:]:
+            h = torch.addmm(layer.bias[:, None], layer.weight, h) \
+                if isinstance(layer, nn.Linear) else layer(h)
+        return h  # [1, A]
 
 
 class ChannelCritic(nn.Module):

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import kernels as _k
 from .errors import InstanceError
 from .instance import RPC, UNASSIGNED, DSMDInstance
 
@@ -237,66 +238,56 @@ class CostState:
 
     def _add(self, m: int, c: int) -> None:
         f, d, dest = self._rate[m], self._fan[m], self._dest[m]
-        b = self.node_traffic
+        b, pend = self.node_traffic, self.pending_node
+        track = pend is not None
         if c == RPC:
-            b[dest] += f
+            _k.rpc_shift(b, dest, f, pend if track else b, track)
             self.controller_bw += f * d
             self.controller_cpu += d
             self.total_traffic += f * d
             self.sent_messages += self._msgs[m] * d
             self.rpc_types += 1
-        else:
-            row = self.sub_count[c]
+        else:  # current subscribers get f, new subscribers the whole topic
             r_old, s_old = int(self.topic_rate[c]), int(self.topic_subscribers[c])
-            if s_old and f:
-                np.add(b, f, out=b, where=row > 0)  # every current subscriber gets f
-            fresh = dest[row[dest] == 0]
-            row[dest] += 1
-            if fresh.size:
-                b[fresh] += r_old + f  # new subscribers get the whole topic
+            fresh = _k.topic_add(b, self.sub_count[c], dest, f, r_old, s_old,
+                                 pend if track else b, track)
             self.topic_rate[c] = r_old + f
-            self.topic_subscribers[c] = s_old + fresh.size
+            self.topic_subscribers[c] = s_old + fresh
             self.topic_types[c] += 1
-            self.total_traffic += f * s_old + (r_old + f) * fresh.size
+            self.total_traffic += f * s_old + (r_old + f) * fresh
             self.controller_bw += f
             self.controller_cpu += 1
             self.sent_messages += self._msgs[m]
         self.necessary += f * d
-        if self.pending_node is not None:
-            self.pending_node[dest] -= f
+        if track:
             self.pending_rate -= f
         self.assigned += 1
         self.channel[m] = c
 
     def _remove(self, m: int, c: int) -> None:
         f, d, dest = self._rate[m], self._fan[m], self._dest[m]
-        b = self.node_traffic
+        b, pend = self.node_traffic, self.pending_node
+        track = pend is not None
         if c == RPC:
-            b[dest] -= f
+            _k.rpc_shift(b, dest, -f, pend if track else b, track)
             self.controller_bw -= f * d
             self.controller_cpu -= d
             self.total_traffic -= f * d
             self.sent_messages -= self._msgs[m] * d
             self.rpc_types -= 1
-        else:
-            row = self.sub_count[c]
+        else:  # leaving subscribers lose the whole topic, the remaining ones f
             r_old, s_old = int(self.topic_rate[c]), int(self.topic_subscribers[c])
-            row[dest] -= 1
-            gone = dest[row[dest] == 0]
-            if gone.size:
-                b[gone] -= r_old  # leaving subscribers lose the whole topic
-            if f:
-                np.subtract(b, f, out=b, where=row > 0)  # remaining subscribers lose f
+            gone = _k.topic_remove(b, self.sub_count[c], dest, f, r_old,
+                                   pend if track else b, track)
             self.topic_rate[c] = r_old - f
-            self.topic_subscribers[c] = s_old - gone.size
+            self.topic_subscribers[c] = s_old - gone
             self.topic_types[c] -= 1
-            self.total_traffic -= f * (s_old - gone.size) + r_old * gone.size
+            self.total_traffic -= f * (s_old - gone) + r_old * gone
             self.controller_bw -= f
             self.controller_cpu -= 1
             self.sent_messages -= self._msgs[m]
         self.necessary -= f * d
-        if self.pending_node is not None:
-            self.pending_node[dest] += f
+        if track:
             self.pending_rate += f
         self.assigned -= 1
         self.channel[m] = UNASSIGNED
@@ -310,12 +301,8 @@ class CostState:
         """
         if self.channel[m] != UNASSIGNED:
             raise InstanceError(f"type {m} is assigned; remove it before asking for deltas")
-        f, d, dest = self._rate[m], self._fan[m], self._dest[m]
-        fresh = (self.sub_count[:, dest] == 0).sum(axis=1, dtype=np.int64)
-        fresh[0] = 0
-        delta = f * self.topic_subscribers + (self.topic_rate + f) * fresh
-        delta[0] = f * d
-        return delta, fresh
+        return _k.channel_costs(self.sub_count, self._dest[m], self._rate[m],
+                                self.topic_subscribers, self.topic_rate)
 
     def channel_costs_many(self, ms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`channel_costs` of several unassigned types at once, each as if it were the
@@ -324,21 +311,8 @@ class CostState:
         if ms.size and np.any(self.channel[ms] != UNASSIGNED):
             raise InstanceError("channel_costs_many needs unassigned types")
         inst = self.inst
-        k1 = inst.num_topics + 1
-        if ms.size == 0:
-            z = np.zeros((0, k1), np.int64)
-            return z, z.copy()
-        ptr = inst.dest_ptr
-        lens = ptr[ms + 1] - ptr[ms]
-        starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
-        idx = np.concatenate([inst.dest_idx[ptr[m]:ptr[m + 1]] for m in ms.tolist()])
-        zero = self.sub_count[:, idx] == 0  # [K+1, E]
-        fresh = np.add.reduceat(zero, starts, axis=1, dtype=np.int64).T  # [B, K+1]
-        fresh[:, 0] = 0
-        f = inst.rate_bps[ms][:, None]
-        delta = f * self.topic_subscribers[None, :] + (self.topic_rate[None, :] + f) * fresh
-        delta[:, 0] = inst.rate_bps[ms] * lens
-        return delta, fresh
+        return _k.channel_costs_many(self.sub_count, inst.dest_ptr, inst.dest_idx, ms,
+                                     inst.rate_bps, self.topic_subscribers, self.topic_rate)
 
     def topic_deltas(self, m: int) -> np.ndarray:
         """The first half of :meth:`channel_costs`."""
@@ -375,12 +349,17 @@ class CostState:
         """Whether the controller has room for unassigned ``m`` on a topic (one publish of
         f(m), one send; the same test as :meth:`fits` makes for any topic, and RPC costs the
         controller at least as much): if not, no channel fits."""
+        return self._controller_fits(m, False, reserve)
+
+    def _controller_fits(self, m: int, rpc: bool, reserve: bool) -> bool:
+        """The controller's half of :meth:`fits`: bandwidth and CPU within C_b and C_p."""
         inst = self.inst
-        bw, cpu = self._rate[m], 1
+        f = self._rate[m]
+        bw, cpu = (f * self._fan[m], self._fan[m]) if rpc else (f, 1)
         if reserve:
             if self.pending_node is None:
                 self._track_pending()
-            bw += self.pending_rate - self._rate[m]
+            bw += self.pending_rate - f
             cpu += inst.num_types - self.assigned - 1
         return (self.controller_bw + bw <= inst.controller_bw_bps
                 and self.controller_cpu + cpu <= inst.controller_cpu)
@@ -394,32 +373,28 @@ class CostState:
         they will cost on any channel (one publish and one send on the controller, f(m') on
         each destination node), so a move that fits leaves the rest of the episode a chance
         to fit too."""
-        inst = self.inst
-        f, d, dest = self._rate[m], self._fan[m], self._dest[m]
-        bw, cpu = (f * d, d) if c == RPC else (f, 1)
-        if reserve and self.pending_node is None:
-            self._track_pending()
-        if reserve:
-            bw += self.pending_rate - f
-            cpu += inst.num_types - self.assigned - 1
-        if (self.controller_bw + bw > inst.controller_bw_bps
-                or self.controller_cpu + cpu > inst.controller_cpu):
+        if not self._controller_fits(m, c == RPC, reserve):
             return False
-        b, inv = self.node_traffic, inst.inv_capacity
-        if reserve:  # lower bound of each node's final traffic; m's own f is in it already
-            b = b + self.pending_node
-        row = self.sub_count[c] if c != RPC else None
-        if c == RPC:
-            return not bool(((b[dest] + (0 if reserve else f)) * inv[dest] > 1.0).any())
-        if f and self.topic_subscribers[c]:
-            subs = row > 0
-            if reserve:
-                subs[dest] = False  # subscribed destinations: f moves from pending to b
-            if ((b[subs] + f) * inv[subs] > 1.0).any():
-                return False
-        fresh = dest[row[dest] == 0]
-        add = int(self.topic_rate[c]) + (0 if reserve else f)
-        return not bool(((b[fresh] + add) * inv[fresh] > 1.0).any())
+        # with reserve, a node's traffic is counted with its pending least cost (a lower
+        # bound of its final traffic, m's own f included: on a subscribed destination f
+        # moves from pending to b)
+        b = self.node_traffic
+        return _k.nodes_fit(b, self.pending_node if reserve else b, reserve,
+                            self.inst.inv_capacity, self.sub_count[c], self._dest[m],
+                            self._rate[m], c == RPC, int(self.topic_rate[c]),
+                            int(self.topic_subscribers[c]))
+
+    def first_fit(self, m: int, scores: np.ndarray, skip: int = -1) -> int:
+        """The highest-scoring channel other than ``skip`` (ties: lower index first) that
+        unassigned ``m`` fits on with the reserve (``fits(m, c, reserve=True)``), or -1."""
+        rpc_ok = self._controller_fits(m, True, True)
+        topic_ok = self._controller_fits(m, False, True)
+        if not (rpc_ok or topic_ok):
+            return -1
+        return int(_k.first_fit(_k.as_scores(scores), int(skip), self.node_traffic,
+                                self.pending_node, self.inst.inv_capacity, self.sub_count,
+                                self._dest[m], self._rate[m], self.topic_rate,
+                                self.topic_subscribers, rpc_ok, topic_ok))
 
     # ------------------------------------------------------------------ views
     def snapshot(self) -> CostSnapshot:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import kernels as _k
 from .cost import CostState
 from .errors import DSMDError
 
@@ -40,13 +41,12 @@ def check_decoding(mode: str) -> str:
 
 def decode_action(action: np.ndarray, rng: np.random.Generator) -> int:
     """argmax over channel scores, ties broken uniformly at random."""
-    a = np.asarray(action).reshape(-1)
-    best = int(a.argmax())
-    top = a[best]
-    if np.count_nonzero(a == top) > 1:
-        ties = np.flatnonzero(a == top)
+    a = _k.as_scores(action)
+    best, count = _k.argmax_ties(a)  # NaN scores never win (np.argmax would pick them)
+    if count > 1:
+        ties = np.flatnonzero(a == a[best])
         best = int(ties[rng.integers(ties.size)])
-    return best
+    return int(best)
 
 
 def decode(action: np.ndarray, state: CostState, m: int, rng: np.random.Generator,
@@ -57,9 +57,5 @@ def decode(action: np.ndarray, state: CostState, m: int, rng: np.random.Generato
         return best
     if not state.topic_room(m, reserve=True):  # the controller is full: nothing can fit
         return best
-    scores = np.asarray(action).reshape(-1)
-    for c in np.argsort(-scores, kind="stable"):
-        c = int(c)
-        if c != best and state.fits(m, c, reserve=True):
-            return c
-    return best
+    c = state.first_fit(m, action, skip=best)
+    return best if c < 0 else c

@@ -36,6 +36,7 @@ from typing import Literal
 
 import numpy as np
 
+from . import kernels as _k
 from .cost import CostState
 from .errors import DSMDError
 from .instance import DSMDInstance
@@ -44,7 +45,8 @@ __all__ = ["ObsVariant", "ObservationLayout", "ObservationBuilder", "VARIANTS"]
 
 ObsVariant = Literal["paper", "paper_type", "channel"]
 VARIANTS: tuple[str, ...] = ("paper", "paper_type", "channel")
-_LOG_RATE_SCALE = 12.0  # log10(1 + f) / 12 in [0, 1] for f < 1 Tbit/s
+_LOG_RATE_SCALE = _k._LOG_RATE_SCALE  # log10(1 + f) / 12 in [0, 1] for f < 1 Tbit/s
+_NO_NODES = np.zeros(0, np.int64)
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,14 @@ class ObservationBuilder:
         self._rate = inst.rate_bps.tolist()
         self._fan = inst.fanout.tolist()
         self._last_type: int | None = None
+        # the channel variant's type-independent blocks and the S_t, R_t they were computed
+        # from (envs.dsmd.kernels._refresh_blocks)
+        k1 = layout.num_topics + 1
+        if layout.variant == "channel" and (self._sl["globals"] != slice(0, 8)
+                                            or self._sl["efficiency"].start != 8):
+            raise DSMDError("the channel kernels write 8 globals, then the 4 blocks")
+        self._seen = np.full((2, k1), -1, np.int64)
+        self._blocks = np.zeros((2, k1), np.float32)
 
     # ------------------------------------------------------------------ state tracking
     def reset(self, state: CostState) -> None:
@@ -141,82 +151,61 @@ class ObservationBuilder:
             out = np.stack([self.observe(state, int(m), progress) for m in ms]) if ms.size \
                 else np.zeros((0, self.layout.size), np.float32)
             return out
-        inst, sl = self.inst, self._sl
+        inst = self.inst
+        if ms.size and np.any(state.channel[ms] != -1):
+            raise DSMDError("observe_many needs unassigned types (take them off their "
+                            "channels first)")
         out = np.empty((ms.size, self.layout.size), dtype=np.float32)
-        cb = max(1.0 - state.controller_bw / inst.controller_bw_bps, -1.0)
-        cp = max(1.0 - state.controller_cpu / inst.controller_cpu, -1.0)
-        load = state.node_ratio()
-        peak = min(float(load.max()), 1.0) if load.size else 0.0
-        fi, di = inst.rate_bps[ms], inst.fanout[ms]  # int64, as observe's Python ints
-        f, d = fi.astype(np.float64), di.astype(np.float64)
-        g = out[:, sl["globals"]]
-        g[:, 0], g[:, 1] = cb, cp
-        g[:, 2] = np.minimum(np.log10(1.0 + f) / _LOG_RATE_SCALE, 1.0)
-        g[:, 3] = d / inst.num_nodes
-        g[:, 4] = progress
-        g[:, 5] = peak
-        g[:, 6] = np.minimum(f * d / inst.controller_bw_bps, 1.0)
-        g[:, 7] = np.minimum(d / inst.controller_cpu, 1.0)
-        delta, fresh = state.channel_costs_many(ms)
-        # the shared rows and the divisions exactly as observe() computes them (same dtypes
-        # and rounding), so both give the same float32 values
-        np.divide((fi * di)[:, None], np.maximum(delta, 1), out=out[:, sl["efficiency"]],
-                  casting="same_kind")
-        np.divide(fresh, di[:, None], out=out[:, sl["fresh"]], casting="same_kind")
-        row = self._buf[sl["subscribers"]].copy()
-        np.divide(state.topic_subscribers, inst.num_nodes, out=row, casting="same_kind")
-        out[:, sl["subscribers"]] = row
-        row = self._buf[sl["load"]].copy()
-        np.log10(1.0 + state.topic_rate, out=row, casting="same_kind")
-        row *= 1.0 / _LOG_RATE_SCALE
-        np.minimum(row, 1.0, out=row)
-        out[:, sl["load"]] = row
+        cb, cp = self._controller(state)
+        # every row by the kernel observe() uses: the same float32 values
+        _k.channel_observation_many(out, state.sub_count, inst.dest_ptr, inst.dest_idx, ms,
+                                    inst.rate_bps, state.topic_subscribers, state.topic_rate,
+                                    inst.num_nodes, cb, cp, float(progress),
+                                    state.node_traffic, inst.inv_capacity,
+                                    inst.controller_bw_bps, inst.controller_cpu, self._seen,
+                                    self._blocks)
         return out
+
+    def _controller(self, state: CostState) -> tuple[float, float]:
+        """Available controller bandwidth and CPU, 1 - bw / C_b and 1 - sends / C_p (>= -1)."""
+        inst = self.inst
+        return (max(1.0 - state.controller_bw / inst.controller_bw_bps, -1.0),
+                max(1.0 - state.controller_cpu / inst.controller_cpu, -1.0))
 
     def observe(self, state: CostState, m: int | None, progress: float = 0.0) -> np.ndarray:
         """The observation before deciding type ``m`` (None after the last type)."""
         inst, buf, sl = self.inst, self._buf, self._sl
-        cb = 1.0 - state.controller_bw / inst.controller_bw_bps
-        cp = 1.0 - state.controller_cpu / inst.controller_cpu
+        cb, cp = self._controller(state)
+        if self.layout.variant == "channel":
+            if m is None:
+                f = d = 0
+                dest, undecided = _NO_NODES, False
+            else:
+                f, d, dest = self._rate[m], self._fan[m], inst.destinations(m)
+                undecided = state.channel[m] < 0
+            _k.channel_observation(buf, state.sub_count, dest, f, d, state.topic_subscribers,
+                                   state.topic_rate, inst.num_nodes, undecided, cb, cp,
+                                   float(progress), state.node_traffic, inst.inv_capacity,
+                                   inst.controller_bw_bps, inst.controller_cpu, self._seen,
+                                   self._blocks)
+            return buf.copy()
         if m is not None:
             f = self._rate[m]
             d = self._fan[m]
             tfeat = (min(math.log10(1.0 + f) / _LOG_RATE_SCALE, 1.0), d / inst.num_nodes,
                      min(f * d / inst.controller_bw_bps, 1.0), min(d / inst.controller_cpu, 1.0))
         else:
-            f = d = 0
             tfeat = (0.0, 0.0, 0.0, 0.0)
-        cb, cp = max(cb, -1.0), max(cp, -1.0)
-        if self.layout.variant == "channel":
-            load = state.node_ratio()
-            g = buf[sl["globals"]]
-            g[:] = (cb, cp, tfeat[0], tfeat[1], progress,
-                    min(float(load.max()), 1.0) if load.size else 0.0, tfeat[2], tfeat[3])
-            if m is not None and state.channel[m] < 0:
-                delta, fresh = state.channel_costs(m)
-                np.divide(f * d, np.maximum(delta, 1), out=buf[sl["efficiency"]],
-                          casting="same_kind")
-                np.divide(fresh, d, out=buf[sl["fresh"]], casting="same_kind")
-            else:
-                buf[sl["efficiency"]] = 0.0
-                buf[sl["fresh"]] = 0.0
-            np.divide(state.topic_subscribers, inst.num_nodes, out=buf[sl["subscribers"]],
-                      casting="same_kind")
-            load = buf[sl["load"]]
-            np.log10(1.0 + state.topic_rate, out=load, casting="same_kind")
-            load *= 1.0 / _LOG_RATE_SCALE
-            np.minimum(load, 1.0, out=load)
-        else:
-            buf[sl["controller"]] = (cb, cp)
-            nodes = buf[sl["nodes"]]
-            np.subtract(1.0, state.node_ratio(), out=nodes, casting="same_kind")
-            np.maximum(nodes, -1.0, out=nodes)
-            if self.layout.variant == "paper_type":
-                buf[sl["type"]] = tfeat
-                gamma = buf[sl["gamma"]]
-                if self._last_type is not None:
-                    gamma[inst.destinations(self._last_type)] = 0.0
-                if m is not None:
-                    gamma[inst.destinations(m)] = 1.0
-                self._last_type = m
+        buf[sl["controller"]] = (cb, cp)
+        nodes = buf[sl["nodes"]]
+        np.subtract(1.0, state.node_ratio(), out=nodes, casting="same_kind")
+        np.maximum(nodes, -1.0, out=nodes)
+        if self.layout.variant == "paper_type":
+            buf[sl["type"]] = tfeat
+            gamma = buf[sl["gamma"]]
+            if self._last_type is not None:
+                gamma[inst.destinations(self._last_type)] = 0.0
+            if m is not None:
+                gamma[inst.destinations(m)] = 1.0
+            self._last_type = m
         return buf.copy()

@@ -1,0 +1,401 @@
+"""Compiled inner loops of the cost model (SMART Eq. 1) and of the ``channel`` observation.
+
+These are the only implementations of the loops they hold: :class:`~envs.dsmd.cost.CostState`
+(the simulator, the evaluation, the policy server and the cached adapter all use it) and
+:class:`~envs.dsmd.observation.ObservationBuilder` call them, so every path computes the same
+integers and the same float32 values. Each function works on plain arrays (numba ``njit``,
+compiled on first use and cached on disk next to this file); the arithmetic is the one the
+docstrings of ``cost.py`` state, in int64 bit/s, and the float tests are the ones of
+:func:`envs.dsmd.cost.node_stats` (``b(n) * (1 / s(n)) > 1.0`` in float64).
+
+A type's destinations ``dest`` are sorted and unique (``DSMDInstance`` builds them so); a
+topic's ``row`` is ``CostState.sub_count[t]``, the number of types on ``t`` with node ``n``
+among their destinations.
+
+Why compiled: one decision of the policy server is a few dozen small array operations, and
+NumPy's fixed cost per call (about 1 us) made them most of the in-process decision time
+(``bench/bench_serving.py``); each loop here visits |D(m)|, K+1 or N entries once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+__all__ = ["topic_add", "topic_remove", "rpc_shift", "channel_costs", "channel_costs_many",
+           "channel_observation", "channel_observation_many", "nodes_fit", "first_fit",
+           "max_ratio", "argmax_ties", "as_scores", "warm_up"]
+
+_LOG_RATE_SCALE = 12.0  # the observation's log10(1 + f) / 12 (envs.dsmd.observation)
+
+
+@njit(cache=True, nogil=True)
+def topic_add(b: np.ndarray, row: np.ndarray, dest: np.ndarray, f: int, r_old: int,
+              s_old: int, pend: np.ndarray, track: bool) -> int:
+    """Put a type of rate ``f`` on topic ``t`` (rate ``r_old``, ``s_old`` subscribers before):
+    every current subscriber receives ``f``; each destination not yet subscribed subscribes
+    and receives the whole topic, ``r_old + f``. Updates ``b`` (node traffic), ``row`` and,
+    with ``track``, the pending least costs ``pend``. Returns the number of new subscribers."""
+    if s_old != 0 and f != 0:
+        for n in range(b.shape[0]):
+            if row[n] > 0:
+                b[n] += f
+    fresh = 0
+    whole = r_old + f
+    for i in range(dest.shape[0]):
+        n = dest[i]
+        if row[n] == 0:
+            b[n] += whole
+            fresh += 1
+        row[n] += 1
+        if track:
+            pend[n] -= f
+    return fresh
+
+
+@njit(cache=True, nogil=True)
+def topic_remove(b: np.ndarray, row: np.ndarray, dest: np.ndarray, f: int, r_old: int,
+                 pend: np.ndarray, track: bool) -> int:
+    """Take a type of rate ``f`` off topic ``t`` (rate ``r_old`` before): destinations left
+    with no type on ``t`` unsubscribe and lose the whole topic, the remaining subscribers lose
+    ``f``. Returns the number of nodes that unsubscribed."""
+    gone = 0
+    for i in range(dest.shape[0]):
+        n = dest[i]
+        row[n] -= 1
+        if row[n] == 0:
+            b[n] -= r_old
+            gone += 1
+        if track:
+            pend[n] += f
+    if f != 0:
+        for n in range(b.shape[0]):
+            if row[n] > 0:
+                b[n] -= f
+    return gone
+
+
+@njit(cache=True, nogil=True)
+def rpc_shift(b: np.ndarray, dest: np.ndarray, f: int, pend: np.ndarray, track: bool) -> None:
+    """RPC adds ``f`` (or removes it, ``f < 0``) on each destination, nothing elsewhere."""
+    for i in range(dest.shape[0]):
+        n = dest[i]
+        b[n] += f
+        if track:
+            pend[n] -= f
+
+
+@njit(cache=True, nogil=True)
+def _fresh(row: np.ndarray, dest: np.ndarray) -> int:
+    """How many of ``dest`` a topic's ``row`` does not reach yet (its new subscribers)."""
+    c = 0
+    for i in range(dest.shape[0]):
+        if row[dest[i]] == 0:
+            c += 1
+    return c
+
+
+@njit(cache=True, nogil=True)
+def _costs_into(delta: np.ndarray, fresh: np.ndarray, sub_count: np.ndarray, dest: np.ndarray,
+                f: int, subscribers: np.ndarray, rate: np.ndarray) -> None:
+    delta[0] = f * dest.shape[0]
+    fresh[0] = 0
+    for t in range(1, subscribers.shape[0]):
+        c = _fresh(sub_count[t], dest)
+        fresh[t] = c
+        delta[t] = f * subscribers[t] + (rate[t] + f) * c
+
+
+@njit(cache=True, nogil=True)
+def channel_costs(sub_count: np.ndarray, dest: np.ndarray, f: int,
+                  subscribers: np.ndarray, rate: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(increase of ``sum_n b(n)``, new subscribers) per channel for an unassigned type:
+    RPC ``f |D|`` and 0; topic ``t``: ``f S_t + (R_t + f) |D \\ subscribers(t)|``."""
+    k1 = subscribers.shape[0]
+    delta = np.empty(k1, np.int64)
+    fresh = np.empty(k1, np.int64)
+    _costs_into(delta, fresh, sub_count, dest, f, subscribers, rate)
+    return delta, fresh
+
+
+@njit(cache=True, nogil=True)
+def channel_costs_many(sub_count: np.ndarray, dest_ptr: np.ndarray, dest_idx: np.ndarray,
+                       types: np.ndarray, rate_bps: np.ndarray, subscribers: np.ndarray,
+                       rate: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`channel_costs` of each of ``types`` from the same state, ``[len(types), K+1]``."""
+    k1 = subscribers.shape[0]
+    delta = np.empty((types.shape[0], k1), np.int64)
+    fresh = np.empty((types.shape[0], k1), np.int64)
+    for i in range(types.shape[0]):
+        m = types[i]
+        _costs_into(delta[i], fresh[i], sub_count, dest_idx[dest_ptr[m]:dest_ptr[m + 1]],
+                    rate_bps[m], subscribers, rate)
+    return delta, fresh
+
+
+@njit(cache=True, nogil=True)
+def _refresh_blocks(subscribers: np.ndarray, rate: np.ndarray, num_nodes: int,
+                    seen: np.ndarray, blocks: np.ndarray) -> None:
+    """The observation's type-independent blocks, ``blocks[0] = S_t / N`` and ``blocks[1] =
+    min(log10(1 + R_t) / 12, 1)`` (float32), recomputed only where S_t or R_t differ from
+    what they were computed from (``seen[0]``, ``seen[1]``; -1 at first): a decision moves
+    one type, so one or two topics change between two observations."""
+    scale = np.float32(1.0 / _LOG_RATE_SCALE)
+    for t in range(subscribers.shape[0]):
+        if seen[0, t] != subscribers[t]:
+            blocks[0, t] = np.float64(subscribers[t]) / np.float64(num_nodes)
+            seen[0, t] = subscribers[t]
+        if seen[1, t] != rate[t]:
+            x = np.float32(np.log10(1.0 + np.float64(rate[t]))) * scale
+            blocks[1, t] = min(x, np.float32(1.0))
+            seen[1, t] = rate[t]
+
+
+@njit(cache=True, nogil=True)
+def _observation_into(out: np.ndarray, sub_count: np.ndarray, dest: np.ndarray, f: int,
+                      d: int, subscribers: np.ndarray, rate: np.ndarray, num_nodes: int,
+                      undecided: bool, cb: float, cp: float, progress: float, peak: float,
+                      bw_cap: int, cpu_cap: int, blocks: np.ndarray) -> None:
+    # globals: available bandwidth and CPU, log-rate, |D|/N, progress, peak node load, RPC
+    # bandwidth and CPU shares (0 for the type features when no type is being decided)
+    out[0] = cb
+    out[1] = cp
+    if d > 0:
+        out[2] = min(np.log10(1.0 + np.float64(f)) / _LOG_RATE_SCALE, 1.0)
+        out[3] = np.float64(d) / np.float64(num_nodes)
+        out[6] = min(np.float64(f * d) / np.float64(bw_cap), 1.0)
+        out[7] = min(np.float64(d) / np.float64(cpu_cap), 1.0)
+    else:
+        out[2] = 0.0
+        out[3] = 0.0
+        out[6] = 0.0
+        out[7] = 0.0
+    out[4] = progress
+    out[5] = peak
+    k1 = subscribers.shape[0]
+    base = 8
+    for t in range(k1):
+        if undecided:
+            if t == 0:
+                c = 0
+                delta = f * d
+            else:
+                c = _fresh(sub_count[t], dest)
+                delta = f * subscribers[t] + (rate[t] + f) * c
+            out[base + t] = np.float64(f * d) / np.float64(max(delta, 1))
+            out[base + k1 + t] = np.float64(c) / np.float64(d)
+        else:
+            out[base + t] = 0.0
+            out[base + k1 + t] = 0.0
+        out[base + 2 * k1 + t] = blocks[0, t]
+        out[base + 3 * k1 + t] = blocks[1, t]
+
+
+@njit(cache=True, nogil=True)
+def channel_observation(out: np.ndarray, sub_count: np.ndarray, dest: np.ndarray, f: int,
+                        d: int, subscribers: np.ndarray, rate: np.ndarray, num_nodes: int,
+                        undecided: bool, cb: float, cp: float, progress: float,
+                        node_traffic: np.ndarray, inv_capacity: np.ndarray, bw_cap: int,
+                        cpu_cap: int, seen: np.ndarray, blocks: np.ndarray) -> None:
+    """The ``channel`` observation (:mod:`envs.dsmd.observation`) into the float32 ``out``:
+    8 globals (``cb``, ``cp``, min(log10(1 + f) / 12, 1), |D| / N, ``progress``, the peak
+    node load min(max_n b(n)/s(n), 1), min(f|D| / C_b, 1), min(|D| / C_p, 1)), then four
+    blocks of K+1 values: ``efficiency`` f|D| / max(delta, 1), ``fresh`` new subscribers /
+    |D| (both 0 when no type is being decided: ``undecided`` false), ``subscribers``
+    S_t / N and ``load`` min(log10(1 + R_t) / 12, 1) (kept between calls in ``blocks``, an
+    int64 ``seen[2, K+1]`` and float32 ``blocks[2, K+1]`` pair the caller holds; see
+    :func:`_refresh_blocks`)."""
+    peak = min(max_ratio(node_traffic, inv_capacity), 1.0)
+    _refresh_blocks(subscribers, rate, num_nodes, seen, blocks)
+    _observation_into(out, sub_count, dest, f, d, subscribers, rate, num_nodes, undecided,
+                      cb, cp, progress, peak, bw_cap, cpu_cap, blocks)
+
+
+@njit(cache=True, nogil=True)
+def channel_observation_many(out: np.ndarray, sub_count: np.ndarray, dest_ptr: np.ndarray,
+                             dest_idx: np.ndarray, types: np.ndarray, rate_bps: np.ndarray,
+                             subscribers: np.ndarray, rate: np.ndarray, num_nodes: int,
+                             cb: float, cp: float, progress: float, node_traffic: np.ndarray,
+                             inv_capacity: np.ndarray, bw_cap: int, cpu_cap: int,
+                             seen: np.ndarray, blocks: np.ndarray) -> None:
+    """:func:`channel_observation` of each unassigned type of ``types`` into row ``i`` of
+    the float32 ``out[len(types), size]``, all from the same state."""
+    peak = min(max_ratio(node_traffic, inv_capacity), 1.0)
+    _refresh_blocks(subscribers, rate, num_nodes, seen, blocks)
+    for i in range(types.shape[0]):
+        m = types[i]
+        dest = dest_idx[dest_ptr[m]:dest_ptr[m + 1]]
+        _observation_into(out[i], sub_count, dest, rate_bps[m], dest.shape[0], subscribers,
+                          rate, num_nodes, True, cb, cp, progress, peak, bw_cap, cpu_cap,
+                          blocks)
+
+
+@njit(cache=True, nogil=True)
+def nodes_fit(b: np.ndarray, pend: np.ndarray, reserve: bool, inv: np.ndarray,
+              row: np.ndarray, dest: np.ndarray, f: int, rpc: bool, r_t: int, s_t: int) -> bool:
+    """The node half of ``CostState.fits``: every node whose traffic the move changes stays
+    within s(n). ``reserve``: node traffic is counted with the pending least costs ``pend``
+    (which already hold the moved type's own ``f`` on its destinations)."""
+    own = 0 if reserve else f
+    if rpc:  # each destination receives f
+        return _dests_fit(b, pend, reserve, inv, dest, own, row, False)
+    if f != 0 and s_t != 0:  # the topic's current subscribers receive f
+        j = 0
+        nd = dest.shape[0]
+        for n in range(b.shape[0]):
+            if row[n] > 0:
+                x = b[n] + f
+                if reserve:
+                    while j < nd and dest[j] < n:
+                        j += 1
+                    if j < nd and dest[j] == n:  # f is in its pending cost already
+                        continue
+                    x += pend[n]
+                if x * inv[n] > 1.0:
+                    return False
+    # new subscribers receive the whole topic
+    return _dests_fit(b, pend, reserve, inv, dest, r_t + own, row, True)
+
+
+@njit(cache=True, nogil=True)
+def _dests_fit(b: np.ndarray, pend: np.ndarray, reserve: bool, inv: np.ndarray,
+               dest: np.ndarray, add: int, row: np.ndarray, only_new: bool) -> bool:
+    """Whether every destination (``only_new``: every one ``row`` does not reach yet) stays
+    within s(n) once it receives ``add`` more."""
+    for i in range(dest.shape[0]):
+        n = dest[i]
+        if only_new and row[n] != 0:
+            continue
+        x = b[n] + add
+        if reserve:
+            x += pend[n]
+        if x * inv[n] > 1.0:
+            return False
+    return True
+
+
+@njit(cache=True, nogil=True)
+def _fits_reserved(c: int, b: np.ndarray, pend: np.ndarray, inv: np.ndarray,
+                   sub_count: np.ndarray, dest: np.ndarray, f: int, topic_rate: np.ndarray,
+                   topic_subscribers: np.ndarray, rpc_ok: bool, topic_ok: bool) -> bool:
+    if c == 0:
+        return rpc_ok and nodes_fit(b, pend, True, inv, sub_count[0], dest, f, True, 0, 0)
+    return topic_ok and nodes_fit(b, pend, True, inv, sub_count[c], dest, f, False,
+                                  topic_rate[c], topic_subscribers[c])
+
+
+@njit(cache=True, nogil=True)
+def first_fit(scores: np.ndarray, skip: int, b: np.ndarray, pend: np.ndarray, inv: np.ndarray,
+              sub_count: np.ndarray, dest: np.ndarray, f: int, topic_rate: np.ndarray,
+              topic_subscribers: np.ndarray, rpc_ok: bool, topic_ok: bool) -> int:
+    """The highest-scoring channel other than ``skip`` (equal scores: lower index first) on
+    which the type fits with the reserve (:func:`nodes_fit`; ``rpc_ok`` / ``topic_ok``: the
+    controller's half of the test for RPC / for any topic), or -1 if none does."""
+    k1 = scores.shape[0]
+    tried = np.zeros(k1, np.bool_)
+    if 0 <= skip < k1:
+        tried[skip] = True
+    # the first candidates one by one (a scan each: the first or second usually fits), then
+    # the rest in a stable descending sort (NaN last in both)
+    for i in range(k1):
+        if i < 4:
+            c = -1
+            for t in range(k1):
+                if not tried[t] and (c < 0 or scores[t] > scores[c]
+                                     or (scores[c] != scores[c] and scores[t] == scores[t])):
+                    c = t
+            if c < 0:
+                return -1
+            tried[c] = True
+            if _fits_reserved(c, b, pend, inv, sub_count, dest, f, topic_rate,
+                              topic_subscribers, rpc_ok, topic_ok):
+                return c
+        else:
+            order = np.argsort(-scores, kind="mergesort")
+            for j in range(k1):
+                c = order[j]
+                if not tried[c] and _fits_reserved(c, b, pend, inv, sub_count, dest, f,
+                                                   topic_rate, topic_subscribers, rpc_ok,
+                                                   topic_ok):
+                    return c
+            return -1
+    return -1
+
+
+@njit(cache=True, nogil=True)
+def max_ratio(b: np.ndarray, inv: np.ndarray) -> float:
+    """max_n b(n) / s(n) (0 for no nodes)."""
+    top = 0.0
+    for n in range(b.shape[0]):
+        r = b[n] * inv[n]
+        if n == 0 or r > top:
+            top = r
+    return top
+
+
+@njit(cache=True, nogil=True)
+def argmax_ties(a: np.ndarray) -> tuple[int, int]:
+    """(first index of the maximum, how many entries equal it) of a 1-D float array; NaN
+    entries are passed over ((0, 0) if every entry is NaN)."""
+    best = -1
+    for i in range(a.shape[0]):
+        x = a[i]
+        if x == x and (best < 0 or x > a[best]):
+            best = i
+    if best < 0:
+        return 0, 0
+    top = a[best]
+    count = 0
+    for i in range(a.shape[0]):
+        if a[i] == top:
+            count += 1
+    return best, count
+
+
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def as_scores(a) -> np.ndarray:
+    """Channel scores as a contiguous 1-D float32/float64 array (what the kernels take)."""
+    a = np.asarray(a).reshape(-1)
+    if a.dtype not in _FLOATS or not a.flags.c_contiguous:
+        a = np.ascontiguousarray(a, dtype=np.float64)
+    return a
+
+
+_warm = False
+
+
+def warm_up() -> None:
+    """Compile (or load from the on-disk cache) every kernel with the argument types the
+    simulator uses, so that the first real call does not pay for it (the policy server calls
+    this while starting, the controller adapter when it is made). About 1 s from the cache,
+    a few seconds on a fresh install; later calls return at once."""
+    global _warm
+    if _warm:
+        return
+    i64 = np.zeros(3, np.int64)
+    row = np.zeros((2, 3), np.int32)
+    dest = np.array([0, 2], np.int64)
+    inv = np.ones(3, np.float64)
+    out = np.zeros((1, 16), np.float32)
+    topic_add(i64.copy(), row[1], dest, 1, 0, 0, i64.copy(), True)
+    topic_remove(i64.copy(), row[1].copy() + 1, dest, 1, 1, i64.copy(), False)
+    rpc_shift(i64.copy(), dest, 1, i64.copy(), True)
+    s, r = np.zeros(2, np.int64), np.zeros(2, np.int64)
+    channel_costs(row, dest, 1, s, r)
+    channel_costs_many(row, np.array([0, 2], np.int64), dest, np.array([0], np.int64),
+                       np.ones(1, np.int64), s, r)
+    seen, blocks = np.full((2, 2), -1, np.int64), np.zeros((2, 2), np.float32)
+    channel_observation(out[0], row, dest, 1, 2, s, r, 3, True, 0.5, 0.5, 0.0, i64, inv, 10, 10,
+                        seen, blocks)
+    channel_observation_many(out, row, np.array([0, 2], np.int64), dest, np.array([0], np.int64),
+                             np.ones(1, np.int64), s, r, 3, 0.5, 0.5, 0.0, i64, inv, 10, 10,
+                             seen, blocks)
+    nodes_fit(i64, i64, True, inv, row[1], dest, 1, False, 0, 0)
+    for sc in (np.zeros(2, np.float32), np.zeros(2, np.float64)):
+        first_fit(sc, 0, i64, i64, inv, row, dest, 1, s, r, True, True)
+    max_ratio(i64, inv)
+    argmax_ties(np.zeros(3, np.float32))
+    argmax_ties(np.zeros(3, np.float64))
+    _warm = True
