@@ -33,7 +33,7 @@ from .config import output_dir, to_dict  # noqa: E402
 from .episodes import (ActorEnvPolicy, EnvPolicy, SuiteError, episode_seeds,  # noqa: E402
                        load_suite, play_episode, run_episodes, summarize_episodes)
 from .tracking import tracked_run  # noqa: E402
-from .training import _train_metrics  # noqa: E402
+from .training import train_with_selection  # noqa: E402
 
 __all__ = ["run_env_training", "make_subproblem_env", "episode_demonstrations"]
 
@@ -200,38 +200,30 @@ def run_env_training(cfg: DictConfig) -> dict[str, Any]:
           + ", ".join(f"{k} {v:.3f}" for k, v in base_ret.items()) + f"; output: {out}",
           flush=True)
     history: list[dict] = []
-    best: tuple | None = None
     try:
         with tracked_run(cfg, run_name=run_name, tags=tags) as log:
-            steps, next_eval, next_log = 0, 0, t0 + float(a.log_every_s)
-            while steps < total:
-                res = algo.train()
-                steps = int(res["env_runners"]["num_env_steps_sampled_lifetime"])
-                metrics = _train_metrics(res, algo)
-                if steps >= next_eval or steps >= total:
-                    next_eval += int(a.eval_every)
-                    v = summarize_episodes(run_episodes([actor], env_id, env_kwargs,
-                                                        val_seeds)).iloc[0]
-                    metrics.update({f"val/{k}": float(v[k]) for k in v.index
-                                    if k not in ("policy", "episodes", "time_s", "steps")})
-                    metrics.update({f"val/baseline/{k}": r for k, r in base_ret.items()})
-                    history.append({"steps": steps, **metrics})
-                    if best is None or float(v["return"]) > best[0]:
-                        best = (float(v["return"]), steps, copy.deepcopy(scores.state_dict()))
-                log.metrics(metrics, step=steps)
-                if time.perf_counter() >= next_log or steps >= total:
-                    next_log = time.perf_counter() + float(a.log_every_s)
-                    el = time.perf_counter() - t0
-                    last = history[-1] if history else {}
-                    print(f"[train] {steps:>8,}/{total:,} steps  {steps / el:6.0f} steps/s  "
-                          f"validation return {last.get('val/return', float('nan')):.3f}",
-                          flush=True)
+            def validate() -> tuple[dict[str, float], float]:
+                v = summarize_episodes(run_episodes([actor], env_id, env_kwargs,
+                                                    val_seeds)).iloc[0]
+                val = {f"val/{k}": float(v[k]) for k in v.index
+                       if k not in ("policy", "episodes", "time_s", "steps")}
+                val.update({f"val/baseline/{k}": r for k, r in base_ret.items()})
+                return val, -float(v["return"])  # the highest return
+
+            def progress(st: int, el: float, last: dict) -> None:
+                print(f"[train] {st:>8,}/{total:,} steps  {st / el:6.0f} steps/s  "
+                      f"validation return {last.get('val/return', float('nan')):.3f}",
+                      flush=True)
+
+            history, best, steps = train_with_selection(
+                algo, scores, log, total, int(a.eval_every), float(a.log_every_s), t0,
+                validate, progress)
             algo.save_to_path(str(out / "rllib_checkpoint"))
             if best is not None and a.get("keep_best", True):
                 scores.load_state_dict(best[2])
-                log.metrics({"val/best_at_steps": best[1], "val/best_return": best[0]})
+                log.metrics({"val/best_at_steps": best[1], "val/best_return": -best[0]})
                 print(f"[train] selected the weights of step {best[1]:,} (validation return "
-                      f"{best[0]:.3f})", flush=True)
+                      f"{-best[0]:.3f})", flush=True)
             per_ep = run_episodes([*baselines, actor], env_id, env_kwargs, test_seeds,
                                   progress=bool(cfg.progress), desc="evaluate")
             summary = _report(log, per_ep, out, f"{name.upper()} vs baselines on {env_id} "

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import pandas as pd
@@ -73,6 +73,39 @@ def _train_metrics(res: dict, algo: Any) -> dict[str, float]:
     if hasattr(algo, "updates_done"):
         out["train/gradient_updates"] = algo.updates_done
     return out
+
+
+def train_with_selection(algo: Any, scores: Any, log: Any, total: int, eval_every: int,
+                         log_every_s: float, t0: float,
+                         validate: Callable[[], tuple[dict[str, float], Any]],
+                         progress: Callable[[int, float, dict], None]
+                         ) -> tuple[list[dict], tuple | None, int]:
+    """The training loop of both trainers (the DSMD one here and ``agents.env_training``):
+    one ``algo.train()`` step at a time until ``total`` env steps; every ``eval_every`` steps
+    and at the end, ``validate()`` gives the validation metrics and a selection key (lower is
+    better) and the weights with the best key so far are kept; every step's metrics go to
+    MLflow; ``progress(steps, elapsed, last validation row)`` prints a line every
+    ``log_every_s`` seconds and at the end. Returns ``(history, best, steps)``, ``best`` =
+    ``(key, steps, state_dict)`` or None."""
+    history: list[dict] = []
+    best: tuple | None = None
+    steps, next_eval, next_log = 0, 0, t0 + log_every_s
+    while steps < total:
+        res = algo.train()
+        steps = int(res["env_runners"]["num_env_steps_sampled_lifetime"])
+        metrics = _train_metrics(res, algo)
+        if steps >= next_eval or steps >= total:
+            next_eval += eval_every
+            val, key = validate()
+            metrics.update(val)
+            history.append({"steps": steps, **metrics})
+            if best is None or key < best[0]:
+                best = (key, steps, copy.deepcopy(scores.state_dict()))
+        log.metrics(metrics, step=steps)
+        if time.perf_counter() >= next_log or steps >= total:
+            next_log = time.perf_counter() + log_every_s
+            progress(steps, time.perf_counter() - t0, history[-1] if history else {})
+    return history, best, steps
 
 
 def _progress(steps: int, total: int, elapsed: float, algo: Any, last: dict) -> None:
@@ -144,35 +177,24 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
     print(f"[train] {name.upper()} on {spec.name}: {len(ps.windows['train'])} training windows, "
           f"observation {layout.variant} ({layout.size} values), {spec.num_topics + 1} "
           f"channels, {total_steps:,} env steps; output: {out}", flush=True)
-    history = []
+    history: list[dict] = []
     try:
         with tracked_run(cfg, run_name=run_name, tags=tags) as log:
-            steps, next_eval, next_log = 0, 0, t0 + float(a.log_every_s)
-            best: tuple | None = None  # (key, steps, weights) of the best validation
-            while steps < total_steps:
-                res = algo.train()
-                steps = int(res["env_runners"]["num_env_steps_sampled_lifetime"])
-                metrics = _train_metrics(res, algo)
-                if steps >= next_eval or steps >= total_steps:
-                    next_eval += int(a.eval_every)
-                    v = summarize(evaluate_policies([actor], val, progress=False)).iloc[0]
-                    metrics.update({"val/total_node_mbps": v.total_node_mbps,
-                                    "val/feasible_frac": v.feasible_frac,
-                                    "val/bw_violation": v.bw_violation,
-                                    "val/cpu_violation": v.cpu_violation,
-                                    "val/node_violation": v.node_violation,
-                                    "val/gap_to_greedy_pct":
-                                        100 * (v.total_node_mbps * 1e6 / greedy_total - 1)})
-                    history.append({"steps": steps, **metrics})
-                    # model selection on validation windows: feasibility first, then traffic
-                    key = (-float(v.feasible_frac), float(v.total_node_mbps))
-                    if best is None or key < best[0]:
-                        best = (key, steps, copy.deepcopy(scores.state_dict()))
-                log.metrics(metrics, step=steps)
-                if time.perf_counter() >= next_log or steps >= total_steps:
-                    next_log = time.perf_counter() + float(a.log_every_s)
-                    _progress(steps, total_steps, time.perf_counter() - t0, algo,
-                              history[-1] if history else {})
+            def validate() -> tuple[dict[str, float], tuple[float, float]]:
+                v = summarize(evaluate_policies([actor], val, progress=False)).iloc[0]
+                # model selection on validation windows: feasibility first, then traffic
+                return ({"val/total_node_mbps": v.total_node_mbps,
+                         "val/feasible_frac": v.feasible_frac,
+                         "val/bw_violation": v.bw_violation,
+                         "val/cpu_violation": v.cpu_violation,
+                         "val/node_violation": v.node_violation,
+                         "val/gap_to_greedy_pct":
+                             100 * (v.total_node_mbps * 1e6 / greedy_total - 1)},
+                        (-float(v.feasible_frac), float(v.total_node_mbps)))
+
+            history, best, steps = train_with_selection(
+                algo, scores, log, total_steps, int(a.eval_every), float(a.log_every_s), t0,
+                validate, lambda st, el, last: _progress(st, total_steps, el, algo, last))
             # a resumable checkpoint of the final training state (with DDPG's replay buffer)
             algo.save_to_path(str(out / "rllib_checkpoint"))
             if best is not None and a.get("keep_best", True):

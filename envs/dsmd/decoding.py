@@ -55,7 +55,5 @@ def decode(action: np.ndarray, state: CostState, m: int, rng: np.random.Generato
     best = decode_action(action, rng)
     if mode == "argmax" or state.fits(m, best, reserve=True):
         return best
-    if not state.topic_room(m, reserve=True):  # the controller is full: nothing can fit
-        return best
-    c = state.first_fit(m, action, skip=best)
+    c = state.first_fit(m, action, skip=best)  # -1 at once when the controller is full
     return best if c < 0 else c
