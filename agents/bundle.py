@@ -2,7 +2,10 @@
 
 A bundle is a directory::
 
-    actor.onnx       the actor: obs (float32, [B, size]) -> scores (float32, [B, K+1])
+    actor.onnx       the actor: obs (float32, [B, size]) -> scores (float32, [B, K+1]);
+                     a per-channel actor in its channel-major batch form
+                     (agents.ddpg.networks.ChannelActorBatch: same weights, biases folded
+                     into the GEMMs), scored in cache-sized chunks across threads
     actor_row.onnx   the same actor (same weights) exported for one observation
                      ([1, size] -> [1, K+1]): the graph of a batch of one has no batch
                      dimension to broadcast over, so ONNX Runtime runs it in about half the
@@ -49,6 +52,25 @@ DECODING = {"argmax": "argmax over the K+1 channel scores (0 = RPC, t = MQ topic
 
 
 _OUTPUTS = ["scores"]
+#: a batch is scored in chunks of about this many channel rows (observations x (K+1)):
+#: 49 observations of 201 channels, whose widest activations (1.3 MB) stay in cache
+BATCH_CHUNK_ROWS = 10_000
+_POOL: dict[tuple[int, int], Any] = {}
+_POOL_LOCK = threading.Lock()
+
+
+def _batch_pool(workers: int) -> Any:
+    """The process-wide pool of ``workers`` threads that score batch chunks (created once
+    per size and process: a forked child has none of its parent's threads; they idle
+    between batches)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    key = (os.getpid(), workers)
+    with _POOL_LOCK:
+        pool = _POOL.get(key)
+        if pool is None:
+            pool = _POOL[key] = ThreadPoolExecutor(workers, thread_name_prefix="bundle-batch")
+        return pool
 
 
 class BundleError(ValueError):
@@ -83,6 +105,19 @@ def export_onnx(module, obs_dim: int, path: Path, output_name: str = "scores",
     return path
 
 
+def _batch_form(actor: Any) -> Any:
+    """What ``actor.onnx`` is exported from: a per-channel actor's channel-major batch form
+    (:class:`agents.ddpg.networks.ChannelActorBatch`), any other actor as it is."""
+    from agents.ddpg.networks import ChannelActor, ChannelActorBatch
+
+    if isinstance(actor, ChannelActor):
+        try:
+            return ChannelActorBatch(actor).eval()
+        except ValueError:  # no hidden layer: nothing to fold
+            pass
+    return actor
+
+
 def export_bundle(actor: Any, layout: ObservationLayout, signature: dict, directory: str | Path,
                   *, order: str = "rate_desc", decoding: str = "feasible",
                   extra: dict | None = None,
@@ -93,7 +128,7 @@ def export_bundle(actor: Any, layout: ObservationLayout, signature: dict, direct
     with atomic_directory(directory, overwrite) as tmp:
         actor = actor.eval().cpu()
         # weights embedded in one file so the content hash covers the whole actor
-        export_onnx(actor, layout.size, tmp / "actor.onnx", output_name="scores")
+        export_onnx(_batch_form(actor), layout.size, tmp / "actor.onnx", output_name="scores")
         export_onnx(actor, layout.size, tmp / "actor_row.onnx", output_name="scores",
                     one_row=True)
         import onnx
@@ -121,16 +156,15 @@ class PolicyBundle:
     metadata: dict
     layout: ObservationLayout
     session: Any
-    #: a second session with ``batch_threads`` intra-op threads for calls of at least
-    #: ``batch_rows`` observations (a whole-window batch), or None
-    batch_session: Any = None
-    batch_rows: int = 64
+    #: threads that score the chunks of a batch together (see :meth:`_batch`)
+    batch_threads: int = 1
     #: the single-observation session (``actor_row.onnx``), or None (a version 2 bundle)
     row_session: Any = None
 
     def __post_init__(self) -> None:
         self._size = self.layout.size
         self._fixed = self.session.get_inputs()[0].shape[0]
+        self._chunk = max(1, BATCH_CHUNK_ROWS // (self.layout.num_topics + 1))
         self._row = self.row_session if self.row_session is not None else self.session
         self._bound = threading.local()  # each thread's _BoundRow (see _one)
 
@@ -181,9 +215,37 @@ class PolicyBundle:
         if isinstance(fixed, int) and fixed != x.shape[0]:  # an actor exported for one row
             return np.concatenate([self.session.run(_OUTPUTS, {"obs": x[i:i + fixed]})[0]
                                    for i in range(0, x.shape[0], fixed)])
-        if self.batch_session is not None and x.shape[0] >= self.batch_rows:
-            return self.batch_session.run(_OUTPUTS, {"obs": x})[0]
-        return self.session.run(_OUTPUTS, {"obs": x})[0]
+        if x.shape[0] <= self._chunk:
+            return self.session.run(_OUTPUTS, {"obs": x})[0]
+        return self._batch(x)
+
+    def _batch(self, x: np.ndarray) -> np.ndarray:
+        """Scores of a batch in chunks of ``BATCH_CHUNK_ROWS // (K+1)`` observations, the
+        chunks shared out among ``batch_threads`` threads (this one and a process-wide pool;
+        ONNX Runtime releases the GIL while it runs). A chunk's activations stay in the
+        core's cache, where one call on the whole batch streams every layer's
+        ``[B, H, K+1]`` tensor (26 MB at 1,000 x 201 x 32) through memory; and ONNX
+        Runtime's own intra-op threads did not speed these small per-sample GEMMs up
+        (``bench/bench_serving.py``)."""
+        n, k = x.shape[0], self._chunk
+        starts = list(range(0, n, k))
+        out = np.empty((n, self.layout.num_topics + 1), np.float32)
+
+        def run(part: list[int]) -> None:
+            for i in part:
+                out[i:i + k] = self.session.run(_OUTPUTS, {"obs": x[i:i + k]})[0]
+
+        threads = min(self.batch_threads, len(starts))
+        if threads <= 1:
+            run(starts)
+            return out
+        share = -(-len(starts) // threads)
+        parts = [starts[j:j + share] for j in range(0, len(starts), share)]
+        futures = [_batch_pool(threads - 1).submit(run, p) for p in parts[1:]]
+        run(parts[0])
+        for f in futures:
+            f.result()
+        return out
 
 
 class _BoundRow:
@@ -224,7 +286,7 @@ class _BoundRow:
 
 def load_bundle(directory: str | Path, *, expect_layout: ObservationLayout | None = None,
                 expect_signature: dict | None = None, threads: int = 1,
-                batch_threads: int | None = None, batch_rows: int = 64) -> PolicyBundle:
+                batch_threads: int | None = None) -> PolicyBundle:
     """Load and verify a bundle with ONNX Runtime (CPU).
 
     ``threads``: ONNX Runtime's intra-op threads. The default, 1, runs each call on the
@@ -232,11 +294,11 @@ def load_bundle(directory: str | Path, *, expect_layout: ObservationLayout | Non
     per core that busy-waits after every call, pinned to a core of its own choosing) doubled
     the tail latency of the policy server and burned the other core (``bench/bench_serving.py``).
 
-    ``batch_threads``: calls with at least ``batch_rows`` observations (a batch of a whole
-    window's types) go to a second session with that many threads (default: the cores this
-    process may use, at most 4; 1 turns the second session off). A batch of 1,000 rows of
-    the default per-channel actor takes about 20 ms on one core and 15 ms on two here, while
-    one row is 30% slower on a two-thread session, hence two sessions.
+    ``batch_threads``: how many threads score the chunks of one batch (a whole window's
+    types; :meth:`PolicyBundle._batch`), default the cores this process may use, at most 4.
+    Splitting the batch among threads scales where ONNX Runtime's intra-op threads did not:
+    a batch of 1,000 observations of the default actor took the same time on a two-thread
+    session as on one (``bench/bench_serving.py``).
     """
     d = Path(directory)
     meta_path, onnx_path, row_path = d / "metadata.json", d / "actor.onnx", d / "actor_row.onnx"
@@ -301,9 +363,8 @@ def load_bundle(directory: str | Path, *, expect_layout: ObservationLayout | Non
     path = onnx_path
     try:
         session = make(threads)
-        batch = make(batch_threads) if batch_threads > max(int(threads), 1) else None
         path = row_path
         row = make(threads, row_path) if meta["version"] >= 3 else None
     except Exception as e:  # onnxruntime raises its own exception types
         raise BundleError(f"{path}: ONNX Runtime cannot load it ({e})") from None
-    return PolicyBundle(d, meta, layout, session, batch, int(batch_rows), row)
+    return PolicyBundle(d, meta, layout, session, max(int(batch_threads), 1), row)

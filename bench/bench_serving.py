@@ -34,7 +34,10 @@ are the ``FULL`` settings, ``--quick`` uses ``QUICK``):
    an empty assignment). ``batch`` timed calls per run after 2 untimed ones. Target: <= 10 ms.
    Also timed, to show what bounds the parallel batch: the policy call alone on its 1,000
    observations, and the actor's widest layer (32 -> 32 on 1,000 x (K+1) rows) as one
-   NumPy float32 GEMM.
+   NumPy float32 GEMM. **On every core**: the parallel batch and its policy call again with
+   this process allowed all cores (``ALLOWED_CORES``) and the bundle loaded as an unpinned
+   server loads it (``load_bundle(batch_threads=<cores>)``: the batch's chunks scored on
+   that many threads), then the process is pinned back.
 3. **HTTP on loopback**: ``serve.py`` (uvicorn as installed: asyncio loop, h11) in a fresh
    subprocess per run, pinned to one core (core 0, as ``taskset -c 0``); this process, the
    load generator, pinned to the other core (core 1). One session with test window 0's
@@ -115,13 +118,14 @@ from typing import Any, Callable, Iterator, Sequence  # noqa: E402
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 
+from agents.bundle import load_bundle  # noqa: E402
 from envs.dsmd.decoding import decode  # noqa: E402
 from envs.dsmd.env import decision_order  # noqa: E402
 from envs.dsmd.instance import UNASSIGNED  # noqa: E402
 from envs.dsmd.problems import ProblemSet, problems_for  # noqa: E402
 from serving.adapter import ControllerAdapter  # noqa: E402
 from serving.app import ServerSettings, create_app  # noqa: E402
-from serving.policy_store import PolicyStore  # noqa: E402
+from serving.policy_store import LoadedPolicy, PolicyStore  # noqa: E402
 from serving.local import LocalServer  # noqa: E402
 from serving.scenario import adapter_for, replay_window, session_body  # noqa: E402
 from serving.session import Session  # noqa: E402
@@ -483,6 +487,42 @@ def run_split(snaps: list[dict], policy, samples: int, warmup: int) -> dict[str,
     return res
 
 
+def _timed(call: Callable[[], Any], runs: int) -> tuple[dict[str, float], Any]:
+    """``runs`` timed calls after 2 untimed ones: percentiles (ms) and the last result."""
+    for _ in range(2):
+        call()
+    lat = []
+    for _ in range(runs):
+        a = time.perf_counter_ns()
+        res = call()
+        lat.append(time.perf_counter_ns() - a)
+    return pct(np.array(lat) / 1e6), res
+
+
+def run_batch_cores(snap: dict, policy, runs: int) -> dict[str, Any]:
+    """The parallel batch and its policy call with this process allowed every core
+    (``ALLOWED_CORES``) and ``policy`` scoring the batch's chunks on as many threads, as a
+    policy server that is not pinned runs it; the affinity is restored afterwards."""
+    os.sched_setaffinity(0, set(ALLOWED_CORES))
+    try:
+        s = fresh_session(snap, policy)
+        order = decision_order(s.inst, policy.order, s.rng)
+        types = [s.type_ids[int(s.active[p])] for p in order]
+        out: dict[str, Any] = {}
+        out["parallel"], ds = _timed(lambda: s.decide(types, policy, parallel=True), runs)
+        if len(ds) != BATCH_TYPES or any(d.source != "policy" for d in ds):
+            raise RuntimeError(f"batch on {len(ALLOWED_CORES)} cores: not all by the policy")
+        pos = np.array([s._pos[s.slot(t)] for t in types])
+        ch = s.state.channel.copy()
+        ch[pos] = UNASSIGNED
+        s.state.assign_all(ch)
+        obs = s.builder(policy.layout).observe_many(s.state, pos, 0.0)
+        out["ort_batch"], _ = _timed(lambda: policy(obs), runs)
+        return out
+    finally:
+        os.sched_setaffinity(0, {CORE})
+
+
 def run_batch(snap: dict, policy, runs: int) -> dict[str, Any]:
     s = fresh_session(snap, policy)
     if s.active.size != BATCH_TYPES:
@@ -800,6 +840,9 @@ def main() -> None:
     sessions_desc = {c: describe_session(policies[c]) for c in ORT_CONFIGS}
     log(f"ONNX Runtime sessions: {sessions_desc}")
     policy = policies["bundle"]
+    # the same bundle as a server that is not pinned loads it: batch chunks on every core
+    policy_cores = None if len(ALLOWED_CORES) < 2 else LoadedPolicy(
+        load_bundle(BUNDLE, batch_threads=len(ALLOWED_CORES)), 0, time.time())
     test = list(ps.windows["test"])
     snaps = [snapshot_of(session_body(ps, w)) for w in test]
     body_b = batch_body(ps)
@@ -826,6 +869,8 @@ def main() -> None:
                 res["split"][conf] = run_split(snaps, policies[conf], cfg["split"],
                                                cfg["warmup"])
             res["batch"] = run_batch(snap_b, policy, cfg["batch"])
+            if policy_cores is not None:
+                res["batch_cores"] = run_batch_cores(snap_b, policy_cores, cfg["batch"])
             res["asgi"] = run_asgi(body_w, cfg["asgi"], cfg["warmup"])
             res["foreign_cores"] = cont.cores()
             if res["foreign_cores"] <= FOREIGN_OK or attempt == RETRIES - 1:
@@ -893,6 +938,10 @@ def main() -> None:
         ("batch", "replan"), "bundle", f"{cfg['batch']}", TARGET_BATCH_MS)
     add("batch_parallel", f"in-process, batch of {BATCH_TYPES:,} (parallel: one policy call)",
         inproc, ("batch", "parallel"), "bundle", f"{cfg['batch']}", TARGET_BATCH_MS)
+    if policy_cores is not None:
+        add("batch_parallel_cores", f"in-process, batch of {BATCH_TYPES:,} (parallel), "
+            f"{len(ALLOWED_CORES)} cores: chunks on {len(ALLOWED_CORES)} threads", inproc,
+            ("batch_cores", "parallel"), "bundle", f"{cfg['batch']}", TARGET_BATCH_MS)
     for rate in RATES:
         for conf in ORT_CONFIGS:
             k = f"http_{rate}"
@@ -989,7 +1038,12 @@ def main() -> None:
         f"{stats([r['batch']['ort_batch']['p50'] for r in inproc])['median']:.1f} ms; the "
         f"actor's widest layer alone as one NumPy GEMM "
         f"({BATCH_TYPES:,} x {snap_b['num_topics'] + 1} rows, 32 -> 32, float32) "
-        f"{stats([r['batch']['gemm_floor']['p50'] for r in inproc])['median']:.1f} ms",
+        f"{stats([r['batch']['gemm_floor']['p50'] for r in inproc])['median']:.1f} ms"
+        + ("" if policy_cores is None else
+           f"; the policy call on {len(ALLOWED_CORES)} cores (its chunks of "
+           f"{policy_cores.bundle._chunk} observations on {len(ALLOWED_CORES)} threads) "
+           f"{stats([r['batch_cores']['ort_batch']['p50'] for r in inproc])['median']:.1f} "
+           "ms"),
         f"HTTP: {CONNS} keep-alive connections, minimal asyncio HTTP/1.1 client; latency from "
         f"the scheduled send time. At 1,000/s, service time (from the actual send) p50/p99 "
         f"{med('bundle', 'http_1000', 'service_ms', 'p50'):.2f}/"

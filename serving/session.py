@@ -341,30 +341,31 @@ class Session:
             scores = self._heuristic_scores(pos, fallback)
             mode = "feasible"
         best = _argmax_rows(scores, self.rng)
+        # room on the controller for the first type, in the state without the batch (the
+        # state the safety layer would start from)
+        room = mode == "feasible" and self.state.topic_room(int(pos[0]), reserve=True)
         ch[pos] = best
         self.state.assign_all(ch)
-        if mode == "feasible" and not self.state.metrics().feasible:
+        # without that room, none of them has any (what the unplaced types reserve plus
+        # what is placed only grows), so decode() would give each its argmax, as above
+        if room and not self.state.metrics().feasible:
             ch[pos] = UNASSIGNED
             self.state.assign_all(ch)
-            if self.state.topic_room(int(pos[0]), reserve=True):
-                for i, p in enumerate(pos.tolist()):
-                    c = decode(scores[i], self.state, p, self.rng, "feasible")
-                    self.state.move(p, c)
-                    ch[p] = c
-            else:  # no room on the controller before the first is placed: none for any of
-                # them (what the unplaced types reserve plus what is placed only grows), so
-                # decode() would give each its argmax, as above
-                ch[pos] = best
-                self.state.assign_all(ch)
+            for i, p in enumerate(pos.tolist()):
+                c = decode(scores[i], self.state, p, self.rng, "feasible")
+                self.state.move(p, c)
+                ch[p] = c
         self._builder_for = None
         slots = self.active[pos]
-        self.channel[slots] = ch[pos]
+        chosen = ch[pos]
+        self.channel[slots] = chosen
         self.version += 1
         src = "policy" if use is not None else "fallback"
-        return [Decision(self.type_ids[int(s)], int(ch[p]), src, why,
-                         obs[i] if explain and obs is not None else None,
-                         scores[i] if explain else None)
-                for i, (p, s) in enumerate(zip(pos.tolist(), slots.tolist()))]
+        ids = [self.type_ids[s] for s in slots.tolist()]
+        if not explain:
+            return [Decision(t, c, src, why) for t, c in zip(ids, chosen.tolist())]
+        return [Decision(t, c, src, why, obs[i] if obs is not None else None, scores[i])
+                for i, (t, c) in enumerate(zip(ids, chosen.tolist()))]
 
     def _positions(self, type_ids: Sequence[int] | None, policy: ScoringPolicy | None,
                    replan: bool) -> list[int]:

@@ -85,6 +85,39 @@ def test_per_channel_actor_exports_with_a_dynamic_batch(tmp_path, tiny_problems)
     np.testing.assert_allclose(b(x[0]), ref[0], atol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_batches_are_scored_in_chunks_across_threads(tmp_path, tiny_problems, monkeypatch,
+                                                     threads):
+    """A batch larger than a chunk is scored chunk by chunk, shared out among
+    ``batch_threads`` threads: the same scores as each row on its own, in order, for a
+    batch that does not divide into whole chunks; the per-channel actor's batch file is its
+    channel-major form (no Add node: the biases are folded into the GEMMs)."""
+    import onnx
+
+    import agents.bundle as bundle_mod
+    from agents.ddpg.networks import ChannelActor
+
+    torch.manual_seed(0)
+    ps = tiny_problems
+    layout = ObservationLayout("channel", ps.catalog_size, ps.num_nodes, ps.spec.num_topics)
+    actor = ChannelActor(layout.size, layout.num_topics + 1, 4, [16, 16])
+    d = export_bundle(actor, layout, ps.signature(), tmp_path / "pc")
+    ops = [n.op_type for n in onnx.load(d / "actor.onnx").graph.node]
+    assert ops.count("MatMul") == 3 and "Add" not in ops
+    monkeypatch.setattr(bundle_mod, "BATCH_CHUNK_ROWS", 3 * (layout.num_topics + 1))
+    b = load_bundle(d, batch_threads=threads)
+    assert b._chunk == 3 and b.batch_threads == threads
+    x = np.random.default_rng(4).uniform(-1, 1, (20, layout.size)).astype(np.float32)
+    with torch.no_grad():
+        ref = actor(torch.as_tensor(x)).numpy()
+    for n in (2, 3, 4, 20):
+        got = b(x[:n])
+        assert got.shape == (n, layout.num_topics + 1) and got.dtype == np.float32
+        np.testing.assert_allclose(got, ref[:n], atol=1e-5)
+    one_by_one = [b.session.run(["scores"], {"obs": r[None]})[0][0] for r in x]
+    np.testing.assert_array_equal(b(x), np.stack(one_by_one))  # chunking changes no bit
+
+
 def test_one_row_actor_file_and_version_2_bundles(exported, tmp_path):
     """A bundle holds the actor twice (any batch, and one observation); both are verified.
     A version 2 bundle (no actor_row.onnx) still loads and decides single rows with the

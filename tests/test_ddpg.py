@@ -217,10 +217,12 @@ def test_per_channel_networks_are_permutation_equivariant():
 
 @pytest.mark.parametrize("hidden", [[], [16], [16, 8]])
 def test_per_channel_actor_paths_equal_the_reference_formulation(hidden):
-    """The actor's batched path and its one-observation path (``_one``, what a bundle's
-    actor_row.onnx is exported from) both equal ``net`` applied to each channel's
-    ``[globals, features_c]`` row, the textbook statement of the architecture."""
-    from agents.ddpg.networks import ChannelActor, _per_channel
+    """The actor's batched path, its one-observation path (``_one``, what a bundle's
+    actor_row.onnx is exported from) and its channel-major batch form with folded biases
+    (``ChannelActorBatch``, what actor.onnx is exported from) all equal ``net`` applied to
+    each channel's ``[globals, features_c]`` row, the textbook statement of the
+    architecture."""
+    from agents.ddpg.networks import ChannelActor, ChannelActorBatch, _per_channel
 
     g, blocks, a = 8, 4, 7
     torch.manual_seed(1)
@@ -231,6 +233,15 @@ def test_per_channel_actor_paths_equal_the_reference_formulation(hidden):
         torch.testing.assert_close(actor(obs), ref)
         for i in range(obs.shape[0]):
             torch.testing.assert_close(actor(obs[i:i + 1]), ref[i:i + 1])
+        if not hidden:
+            with pytest.raises(ValueError, match="hidden layer"):
+                ChannelActorBatch(actor)
+            return
+        batch_form = ChannelActorBatch(actor)
+        torch.testing.assert_close(batch_form(obs), ref)
+        torch.testing.assert_close(batch_form(obs[:1]), ref[:1])
+        actor.net[0].weight.add_(1.0)  # a copy: later training does not reach it
+        torch.testing.assert_close(batch_form(obs), ref)
 
 
 def test_per_channel_architecture_needs_the_channel_observation():
