@@ -22,7 +22,9 @@ def settings_from(cfg: DictConfig):
                           max_types=int(cfg.max_types), watch=bool(cfg.watch),
                           watch_period_s=float(cfg.watch_period_s),
                           require_policy=bool(cfg.require_policy),
-                          freeze_gc=bool(cfg.freeze_gc))
+                          freeze_gc=bool(cfg.freeze_gc),
+                          batch_threads=None if cfg.get("batch_threads") is None
+                          else int(cfg.batch_threads))
 
 
 @hydra.main(config_path="configs", config_name="serve", version_base="1.3")

@@ -70,6 +70,9 @@ class ServerSettings:
     #: (``gc.freeze``): a full collection would otherwise walk the libraries' ~150,000
     #: objects (75 ms here), a stall that queues every request arriving meanwhile
     freeze_gc: bool = True
+    #: threads that score one batch's chunks (``agents.bundle.load_bundle``); None: the cores
+    #: this process may use, at most 4
+    batch_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.fallback not in FALLBACKS:
@@ -80,6 +83,9 @@ class ServerSettings:
         for k in ("max_body_bytes", "max_batch", "max_sessions", "max_types"):
             if getattr(self, k) <= 0:
                 raise ValueError(f"{k} must be positive")
+        if self.batch_threads is not None and self.batch_threads < 1:
+            raise ValueError(f"batch_threads must be at least 1 (or null), got "
+                             f"{self.batch_threads}")
 
 
 _ERRORS = {400: {"model": ErrorOut, "description": "Body is not parseable (not JSON)"},
@@ -148,7 +154,7 @@ def create_app(settings: ServerSettings | None = None, *,
                store: PolicyStore | None = None) -> FastAPI:
     """The app; its lifespan loads ``settings.bundle`` (if any) and starts the watcher."""
     cfg = settings or ServerSettings(auth=False)
-    store = store or PolicyStore()
+    store = store or PolicyStore(batch_threads=cfg.batch_threads)
     metrics = ServerMetrics()
     sessions: dict[str, Session] = {}
 

@@ -66,7 +66,11 @@ class LoadedPolicy:
 
 
 class PolicyStore:
-    def __init__(self) -> None:
+    """The server's current policy. ``batch_threads``: passed to
+    :func:`agents.bundle.load_bundle` for every bundle it loads (None: its default)."""
+
+    def __init__(self, batch_threads: int | None = None) -> None:
+        self.batch_threads = batch_threads
         self._current: LoadedPolicy | None = None
         self._lock = threading.Lock()  # serialises loads, not reads
         self._version = 0
@@ -81,7 +85,7 @@ class PolicyStore:
         the candidate would cause (e.g. live sessions it does not fit); any problem refuses
         it (``BundleError``) unless ``force``."""
         with self._lock:
-            bundle = load_bundle(path)
+            bundle = load_bundle(path, batch_threads=self.batch_threads)
             cand = LoadedPolicy(bundle, self._version + 1, time.time())
             problems = check(cand) if check is not None else []
             if problems and not force:

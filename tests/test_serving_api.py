@@ -170,6 +170,31 @@ def test_settings_refuse_unsafe_defaults():
         ServerSettings()
     with pytest.raises(ValueError, match="fallback"):
         ServerSettings(auth=False, fallback="coin")
+    with pytest.raises(ValueError, match="batch_threads"):
+        ServerSettings(auth=False, batch_threads=0)
+
+
+def test_server_loads_bundles_with_its_batch_threads(tiny_bundles):
+    """``batch_threads`` reaches every bundle the server loads, at start and when swapped;
+    the command line's setting reaches the app (``serve.settings_from``)."""
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    from serve import settings_from
+
+    app = create_app(ServerSettings(bundle=str(tiny_bundles["a"]), auth=False,
+                                    batch_threads=3))
+    with TestClient(app):
+        store = app.state.store
+        assert store.current().bundle.batch_threads == 3
+        store.load(tiny_bundles["b"])
+        assert store.current().bundle.batch_threads == 3
+    with initialize_config_dir(str(Path(__file__).resolve().parents[1] / "configs"),
+                               version_base="1.3"):
+        for over, want in (([], None), (["batch_threads=2"], 2)):
+            assert settings_from(compose("serve", overrides=["auth=false", *over])
+                                 ).batch_threads == want
 
 
 def test_parallel_batch(client, tiny_problems, tiny_bundles):
