@@ -7,9 +7,12 @@ A bundle is a directory::
                      (agents.ddpg.networks.ChannelActorBatch: same weights, biases folded
                      into the GEMMs), scored in cache-sized chunks across threads
     actor_row.onnx   the same actor (same weights) exported for one observation
-                     ([1, size] -> [1, K+1]): the graph of a batch of one has no batch
-                     dimension to broadcast over, so ONNX Runtime runs it in about half the
-                     time (a single decision of the policy server); from version 3 on
+                     ([1, size] -> [1, K+1]; a per-channel actor's from version 4 on as
+                     globals [G, 1] and features [P, K+1] -> [1, K+1], views of the one
+                     observation, so the graph is only its fused GEMMs): the graph of a
+                     batch of one has no batch dimension to broadcast over, so ONNX Runtime
+                     runs it in about half the time (a single decision of the policy
+                     server); from version 3 on
     metadata.json    format and version, observation layout, scenario signature, action
                      decoding, decision order, training facts, library versions, and the
                      SHA-256 of each actor file
@@ -37,11 +40,13 @@ from envs.dsmd.observation import ObservationLayout
 from envs.fsutil import atomic_directory
 
 __all__ = ["BundleError", "PolicyBundle", "export_bundle", "export_onnx", "load_bundle",
-           "BUNDLE_FORMAT", "BUNDLE_FILES"]
+           "row_inputs", "BUNDLE_FORMAT", "BUNDLE_FILES"]
 
 BUNDLE_FORMAT = "smart-dsmd-policy"
-BUNDLE_VERSION = 3  # 2: the decoding mode (envs.dsmd.decoding) is recorded; 3: actor_row.onnx
-READABLE_VERSIONS = (2, 3)
+#: 2: the decoding mode (envs.dsmd.decoding) is recorded; 3: actor_row.onnx; 4: a per-channel
+#: actor's actor_row.onnx takes the observation as two inputs, its globals and its features
+BUNDLE_VERSION = 4
+READABLE_VERSIONS = (2, 3, 4)
 #: every file a bundle may hold (what is copied when a bundle is published or fetched)
 BUNDLE_FILES = ("metadata.json", "actor.onnx", "actor_row.onnx")
 DECODING = {"argmax": "argmax over the K+1 channel scores (0 = RPC, t = MQ topic t); ties "
@@ -82,23 +87,30 @@ def _sha256(path: Path) -> str:
 
 
 def export_onnx(module, obs_dim: int, path: Path, output_name: str = "scores",
-                one_row: bool = False) -> Path:
+                one_row: bool = False, inputs: dict[str, tuple[int, ...]] | None = None
+                ) -> Path:
     """``module`` (``obs [B, obs_dim] -> [B, d]``) as one ONNX file with a dynamic batch, or
-    for exactly one observation with ``one_row`` (torch.export-based exporter, weights
-    embedded), its optimiser's INFO logs silenced."""
+    for exactly one observation with ``one_row``, or with the fixed-shape ``inputs`` (name ->
+    shape, in the order ``module`` takes them) instead of ``obs`` (torch.export-based
+    exporter, weights embedded), its optimiser's INFO logs silenced."""
     import torch
 
     quiet = [logging.getLogger(n) for n in ("onnxscript", "onnx_ir")]
     levels = [lg.level for lg in quiet]
     for lg in quiet:  # the exporter's optimiser logs every pass at INFO
         lg.setLevel(logging.WARNING)
-    try:
+    if inputs is not None:
+        names, example, dynamic = list(inputs), tuple(torch.zeros(s) for s in inputs.values()), \
+            None
+    else:
         # an example batch of 2: torch.export specialises a dimension of size 1, which
         # would fix the exported batch to 1 wherever the network reshapes by it
-        torch.onnx.export(module, (torch.zeros(1 if one_row else 2, obs_dim),), str(path),
-                          input_names=["obs"], output_names=[output_name],
-                          dynamic_shapes=None if one_row else ({0: torch.export.Dim("batch")},),
-                          dynamo=True, external_data=False, verbose=False)
+        names, example = ["obs"], (torch.zeros(1 if one_row else 2, obs_dim),)
+        dynamic = None if one_row else ({0: torch.export.Dim("batch")},)
+    try:
+        torch.onnx.export(module, example, str(path), input_names=names,
+                          output_names=[output_name], dynamic_shapes=dynamic, dynamo=True,
+                          external_data=False, verbose=False)
     finally:
         for lg, lv in zip(quiet, levels):
             lg.setLevel(lv)
@@ -118,6 +130,19 @@ def _batch_form(actor: Any) -> Any:
     return actor
 
 
+def _export_row(actor: Any, obs_dim: int, path: Path) -> None:
+    """``actor_row.onnx``: a per-channel actor with inputs ``globals`` ``[G, 1]`` and
+    ``features`` ``[P, K+1]`` (:class:`agents.ddpg.networks.ChannelActorRow`: four fused
+    GEMMs in ONNX Runtime), any other actor with ``obs`` ``[1, size]``."""
+    from agents.ddpg.networks import ChannelActor, ChannelActorRow
+
+    if isinstance(actor, ChannelActor):
+        export_onnx(ChannelActorRow(actor).eval(), obs_dim, path, output_name="scores",
+                    inputs={"globals": (actor.g, 1), "features": (actor.blocks, actor.a)})
+    else:
+        export_onnx(actor, obs_dim, path, output_name="scores", one_row=True)
+
+
 def export_bundle(actor: Any, layout: ObservationLayout, signature: dict, directory: str | Path,
                   *, order: str = "rate_desc", decoding: str = "feasible",
                   extra: dict | None = None,
@@ -129,8 +154,7 @@ def export_bundle(actor: Any, layout: ObservationLayout, signature: dict, direct
         actor = actor.eval().cpu()
         # weights embedded in one file so the content hash covers the whole actor
         export_onnx(_batch_form(actor), layout.size, tmp / "actor.onnx", output_name="scores")
-        export_onnx(actor, layout.size, tmp / "actor_row.onnx", output_name="scores",
-                    one_row=True)
+        _export_row(actor, layout.size, tmp / "actor_row.onnx")
         import onnx
         import onnxruntime
 
@@ -248,18 +272,32 @@ class PolicyBundle:
         return out
 
 
+def row_inputs(session: Any, x: np.ndarray) -> dict[str, np.ndarray]:
+    """The inputs of a single-observation session, as views of the observation ``x``
+    (``[size]``): ``obs`` ``[1, size]``, or a per-channel actor's ``globals`` ``[G, 1]`` and
+    ``features`` ``[P, K+1]`` (bundle version 4)."""
+    names = [i.name for i in session.get_inputs()]
+    if names == ["globals", "features"]:
+        g = session.get_inputs()[0].shape[0]
+        p, a = session.get_inputs()[1].shape
+        return {"globals": x[:g].reshape(g, 1), "features": x[g:].reshape(p, a)}
+    return {"obs": x.reshape(1, -1)}
+
+
 class _BoundRow:
-    """One observation through ONNX Runtime with its input and output bound once to this
-    object's own buffers (an ``IOBinding``), run by the session's C++ ``run_with_iobinding``:
-    the same computation as ``session.run`` (tested) without building the input and output
-    values and the Python wrapper's checks on every call (its WebGPU capture check alone
-    costs more than the actor), which took a quarter of a single decision's time. If this
-    ONNX Runtime does not offer those internals, ``session.run``."""
+    """One observation through ONNX Runtime with its inputs and output bound once to this
+    object's own buffers (an ``IOBinding``; the inputs are views of one observation buffer,
+    :func:`row_inputs`), run by the session's C++ ``run_with_iobinding``: the same
+    computation as ``session.run`` (tested) without building the input and output values and
+    the Python wrapper's checks on every call (its WebGPU capture check alone costs more
+    than the actor), which took a quarter of a single decision's time. If this ONNX Runtime
+    does not offer those internals, ``session.run``."""
 
     def __init__(self, session: Any, size: int) -> None:
         import onnxruntime as ort
 
-        self.x = np.zeros((1, size), np.float32)
+        self.x = np.zeros(size, np.float32)
+        self.feeds = row_inputs(session, self.x)
         self.session = session
         self.call = None
         k1 = session.get_outputs()[0].shape[-1]
@@ -268,7 +306,8 @@ class _BoundRow:
                 raise TypeError("the output width is not fixed")
             self.y = np.zeros((1, k1), np.float32)
             binding = session.io_binding()
-            binding.bind_ortvalue_input("obs", ort.OrtValue.ortvalue_from_numpy(self.x))
+            for name, view in self.feeds.items():
+                binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(view))
             binding.bind_output(_OUTPUTS[0], "cpu", 0, np.float32, [1, k1], self.y.ctypes.data)
             run, native = session._sess.run_with_iobinding, binding._iobinding
             self.binding = binding  # keeps the bound values alive
@@ -277,9 +316,9 @@ class _BoundRow:
             self.call = None
 
     def __call__(self, obs: np.ndarray) -> np.ndarray:
+        self.x[:] = obs
         if self.call is None:
-            return self.session.run(_OUTPUTS, {"obs": obs[None]})[0][0]
-        self.x[0] = obs
+            return self.session.run(_OUTPUTS, self.feeds)[0][0]
         self.call()
         return self.y[0].copy()
 
@@ -318,7 +357,8 @@ def load_bundle(directory: str | Path, *, expect_layout: ObservationLayout | Non
         raise BundleError(f"{meta_path}: not a JSON object")
     if meta.get("format") != BUNDLE_FORMAT or meta.get("version") not in READABLE_VERSIONS:
         raise BundleError(f"{d}: not a {BUNDLE_FORMAT} bundle of version "
-                          f"{' or '.join(map(str, READABLE_VERSIONS))} "
+                          f"{', '.join(map(str, READABLE_VERSIONS[:-1]))} or "
+                          f"{READABLE_VERSIONS[-1]} "
                           f"(format={meta.get('format')!r}, version={meta.get('version')!r})")
     checks = [(onnx_path, digest, "actor_sha256")]
     if meta["version"] >= 3:

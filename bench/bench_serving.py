@@ -118,7 +118,7 @@ from typing import Any, Callable, Iterator, Sequence  # noqa: E402
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from agents.bundle import load_bundle  # noqa: E402
+from agents.bundle import load_bundle, row_inputs  # noqa: E402
 from envs.dsmd.decoding import decode  # noqa: E402
 from envs.dsmd.env import decision_order  # noqa: E402
 from envs.dsmd.instance import UNASSIGNED  # noqa: E402
@@ -475,13 +475,13 @@ def run_split(snaps: list[dict], policy, samples: int, warmup: int) -> dict[str,
     res["not_argmax_share"] = not_argmax / us.shape[0]
     # raw ONNX Runtime in a tight loop: the floor of the policy call
     sess = policy.bundle.row_session or policy.bundle.session  # what a single row runs on
-    x = [o[None] for o in obs_kept]
+    x = [row_inputs(sess, o) for o in obs_kept]
     for i in range(500):
-        sess.run(["scores"], {"obs": x[i % len(x)]})
+        sess.run(["scores"], x[i % len(x)])
     raw = np.empty(per * 2, np.int64)
     for i in range(raw.size):
         a = pc()
-        sess.run(["scores"], {"obs": x[i % len(x)]})
+        sess.run(["scores"], x[i % len(x)])
         raw[i] = pc() - a
     res["ort_run_hot"] = pct(raw / 1e3)
     return res

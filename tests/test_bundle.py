@@ -151,23 +151,81 @@ def test_one_row_actor_file_and_version_2_bundles(exported, tmp_path):
         load_bundle(d)
     meta["version"] = 9
     (v2 / "metadata.json").write_text(json.dumps(meta))
-    with pytest.raises(BundleError, match="version 2 or 3"):
+    with pytest.raises(BundleError, match="version 2, 3 or 4"):
         load_bundle(v2)
 
 
 
-def test_single_rows_through_bound_buffers_equal_session_run(exported):
+@pytest.fixture()
+def per_channel_exported(tmp_path, tiny_problems):
+    from agents.ddpg.networks import ChannelActor
+
+    torch.manual_seed(0)
+    ps = tiny_problems
+    layout = ObservationLayout("channel", ps.catalog_size, ps.num_nodes, ps.spec.num_topics)
+    actor = ChannelActor(layout.size, layout.num_topics + 1, 4, [16, 16])
+    d = export_bundle(actor, layout, ps.signature(), tmp_path / "pc")
+    return d, actor, layout, ps
+
+
+def test_per_channel_row_file_takes_globals_and_features(per_channel_exported):
+    """A per-channel actor's actor_row.onnx (bundle version 4) takes the observation as its
+    globals ``[G, 1]`` and feature blocks ``[P, K+1]``, views of one buffer, and is only its
+    GEMMs; it scores as the torch actor and the batch file do."""
+    import onnx
+
+    from agents.bundle import row_inputs
+
+    d, actor, layout, ps = per_channel_exported
+    assert json.loads((d / "metadata.json").read_text())["version"] == 4
+    ops = [n.op_type for n in onnx.load(d / "actor_row.onnx").graph.node]
+    assert ops == ["Gemm", "Gemm", "Relu", "Gemm", "Relu", "Gemm", "Tanh"]
+    b = load_bundle(d)
+    x = np.random.default_rng(5).uniform(-1, 1, (6, layout.size)).astype(np.float32)
+    feeds = row_inputs(b.row_session, x[0])
+    assert [(k, v.shape) for k, v in feeds.items()] == [
+        ("globals", (actor.g, 1)), ("features", (4, layout.num_topics + 1))]
+    assert all(np.shares_memory(v, x[0]) for v in feeds.values())
+    with torch.no_grad():
+        ref = actor(torch.as_tensor(x)).numpy()
+    batch = b(x)
+    for i, r in enumerate(x):
+        np.testing.assert_allclose(b(r), ref[i], atol=1e-5)
+        np.testing.assert_allclose(b(r), batch[i], atol=1e-5)
+    # a version 3 bundle of the same actor (its row file takes "obs" [1, size]) still loads
+    import hashlib
+    import shutil
+
+    from agents.bundle import export_onnx
+
+    v3 = d.parent / "pc_v3"
+    shutil.copytree(d, v3)
+    export_onnx(actor, layout.size, v3 / "actor_row.onnx", one_row=True)
+    meta = json.loads((v3 / "metadata.json").read_text())
+    meta["version"] = 3
+    meta["actor_row_sha256"] = hashlib.sha256((v3 / "actor_row.onnx").read_bytes()).hexdigest()
+    (v3 / "metadata.json").write_text(json.dumps(meta))
+    old = load_bundle(v3)
+    assert [i.name for i in old.row_session.get_inputs()] == ["obs"]
+    for r in x:
+        np.testing.assert_allclose(old(r), b(r), atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["exported", "per_channel_exported"])
+def test_single_rows_through_bound_buffers_equal_session_run(kind, request):
     """One observation goes through per-thread IOBinding buffers: the same scores as a plain
     ``session.run``, from several threads at once, and a session without the internals it
-    uses falls back to ``session.run``."""
+    uses falls back to ``session.run``; for a row file with one input (``obs``) and one
+    with two (a per-channel actor's globals and features)."""
     import threading
 
-    from agents.bundle import _BoundRow
+    from agents.bundle import _BoundRow, row_inputs
 
-    d, actor, layout, ps = exported
+    d, actor, layout, ps = request.getfixturevalue(kind)
     b = load_bundle(d)
     x = np.random.default_rng(3).uniform(-1, 1, (40, layout.size)).astype(np.float32)
-    ref = np.stack([b.row_session.run(["scores"], {"obs": r[None]})[0][0] for r in x])
+    ref = np.stack([b.row_session.run(["scores"], row_inputs(b.row_session, r))[0][0]
+                    for r in x])
     out: dict[int, np.ndarray] = {}
 
     def work(i: int) -> None:
@@ -186,6 +244,9 @@ def test_single_rows_through_bound_buffers_equal_session_run(exported):
     class Plain:  # a session with only the public API
         def __init__(self, s):
             self.s = s
+
+        def get_inputs(self):
+            return self.s.get_inputs()
 
         def get_outputs(self):
             return self.s.get_outputs()

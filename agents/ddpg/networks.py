@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["mlp", "MLPCritic", "ChannelActor", "ChannelActorBatch", "ChannelCritic",
-           "channel_split"]
+__all__ = ["mlp", "MLPCritic", "ChannelActor", "ChannelActorBatch", "ChannelActorRow",
+           "ChannelCritic", "channel_split"]
 
 
 def mlp(inp: int, hidden: list[int], out: int, out_act: nn.Module | None = None) -> nn.Sequential:
@@ -92,17 +92,37 @@ class ChannelActor(nn.Module):
         return self.net[2:](h).reshape(b, self.a)
 
     def _one(self, x: torch.Tensor) -> torch.Tensor:
-        """One observation, channel-major: ``h = act(W h + b)`` on ``[H, A]`` columns, so each
+        """One observation: :meth:`row` of its globals and its feature blocks."""
+        return self.row(x[:self.g, None], x[self.g:].reshape(self.blocks, self.a))
+
+    def row(self, g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """One observation given as its globals ``g`` (``[G, 1]``) and its feature blocks
+        ``x`` (``[P, A]``), channel-major: ``h = act(W h + b)`` on ``[H, A]`` columns, so each
         layer is one GEMM whose bias is a column (the first layer's is ``W_g g + b``, the
-        globals' half) and the last one gives the ``[1, A]`` scores without a transpose."""
+        globals' half) and the last one gives the ``[1, A]`` scores without a transpose
+        (a bundle's ``actor_row.onnx``: a handful of fused GEMMs)."""
         first = self.net[0]
         w = first.weight
-        col = torch.addmm(first.bias[:, None], w[:, :self.g], x[:self.g, None])  # [H, 1]
-        h = torch.addmm(col, w[:, self.g:], x[self.g:].reshape(self.blocks, self.a))
+        col = torch.addmm(first.bias[:, None], w[:, :self.g], g)  # [H, 1]
+        h = torch.addmm(col, w[:, self.g:], x)
         for layer in self.net[1:]:
             h = torch.addmm(layer.bias[:, None], layer.weight, h) \
                 if isinstance(layer, nn.Linear) else layer(h)
         return h  # [1, A]
+
+
+class ChannelActorRow(nn.Module):
+    """A :class:`ChannelActor` for one observation as a bundle's ``actor_row.onnx`` holds it:
+    inputs ``globals`` ``[G, 1]`` and ``features`` ``[P, A]`` (views of one observation
+    buffer, so nothing is sliced, reshaped or copied inside the graph), output ``[1, A]``
+    (:meth:`ChannelActor.row`)."""
+
+    def __init__(self, actor: ChannelActor) -> None:
+        super().__init__()
+        self.actor = actor
+
+    def forward(self, g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.actor.row(g, x)
 
 
 class ChannelActorBatch(nn.Module):
