@@ -488,15 +488,45 @@ def run_split(snaps: list[dict], policy, samples: int, warmup: int) -> dict[str,
 
 
 def _timed(call: Callable[[], Any], runs: int) -> tuple[dict[str, float], Any]:
-    """``runs`` timed calls after 2 untimed ones: percentiles (ms) and the last result."""
+    """``runs`` timed calls after 2 untimed ones: percentiles (ms) and this process's CPU
+    share over the timed calls (``Timer``), and the last call's result."""
     for _ in range(2):
         call()
     lat = []
-    for _ in range(runs):
-        a = time.perf_counter_ns()
-        res = call()
-        lat.append(time.perf_counter_ns() - a)
-    return pct(np.array(lat) / 1e6), res
+    with Timer() as tm:
+        for _ in range(runs):
+            a = time.perf_counter_ns()
+            res = call()
+            lat.append(time.perf_counter_ns() - a)
+    return pct(np.array(lat) / 1e6) | {"cpu_share": tm.cpu_share}, res
+
+
+def _batch_session(snap: dict, policy) -> tuple[Session, list[int]]:
+    """The batch session, every type decided once, and its 1,000 type ids in the policy's
+    decision order."""
+    s = fresh_session(snap, policy)
+    if s.active.size != BATCH_TYPES:
+        raise RuntimeError(f"batch session has {s.active.size} active types")
+    order = decision_order(s.inst, policy.order, s.rng)
+    return s, [s.type_ids[int(s.active[p])] for p in order]
+
+
+def _timed_batch(label: str, call: Callable[[], list], runs: int) -> dict[str, float]:
+    """:func:`_timed` of a batch decision, checked to decide all types by the policy."""
+    res, ds = _timed(call, runs)
+    if len(ds) != BATCH_TYPES or any(d.source != "policy" for d in ds):
+        raise RuntimeError(f"batch {label}: {len(ds)} decisions, not all by the policy")
+    return res
+
+
+def _batch_observations(s: Session, types: list[int], policy) -> np.ndarray:
+    """The observations a parallel batch of ``types`` scores (the session is left with
+    those types undecided)."""
+    pos = np.array([s._pos[s.slot(t)] for t in types])
+    ch = s.state.channel.copy()
+    ch[pos] = UNASSIGNED
+    s.state.assign_all(ch)
+    return s.builder(policy.layout).observe_many(s.state, pos, 0.0)
 
 
 def run_batch_cores(snap: dict, policy, runs: int) -> dict[str, Any]:
@@ -505,18 +535,10 @@ def run_batch_cores(snap: dict, policy, runs: int) -> dict[str, Any]:
     policy server that is not pinned runs it; the affinity is restored afterwards."""
     os.sched_setaffinity(0, set(ALLOWED_CORES))
     try:
-        s = fresh_session(snap, policy)
-        order = decision_order(s.inst, policy.order, s.rng)
-        types = [s.type_ids[int(s.active[p])] for p in order]
-        out: dict[str, Any] = {}
-        out["parallel"], ds = _timed(lambda: s.decide(types, policy, parallel=True), runs)
-        if len(ds) != BATCH_TYPES or any(d.source != "policy" for d in ds):
-            raise RuntimeError(f"batch on {len(ALLOWED_CORES)} cores: not all by the policy")
-        pos = np.array([s._pos[s.slot(t)] for t in types])
-        ch = s.state.channel.copy()
-        ch[pos] = UNASSIGNED
-        s.state.assign_all(ch)
-        obs = s.builder(policy.layout).observe_many(s.state, pos, 0.0)
+        s, types = _batch_session(snap, policy)
+        out = {"parallel": _timed_batch(f"parallel on {len(ALLOWED_CORES)} cores",
+                                        lambda: s.decide(types, policy, parallel=True), runs)}
+        obs = _batch_observations(s, types, policy)
         out["ort_batch"], _ = _timed(lambda: policy(obs), runs)
         return out
     finally:
@@ -524,49 +546,23 @@ def run_batch_cores(snap: dict, policy, runs: int) -> dict[str, Any]:
 
 
 def run_batch(snap: dict, policy, runs: int) -> dict[str, Any]:
-    s = fresh_session(snap, policy)
-    if s.active.size != BATCH_TYPES:
-        raise RuntimeError(f"batch session has {s.active.size} active types")
-    order = decision_order(s.inst, policy.order, s.rng)
-    types = [s.type_ids[int(s.active[p])] for p in order]
+    s, types = _batch_session(snap, policy)
     out: dict[str, Any] = {}
     for label, call in (("list", lambda: s.decide(types, policy)),
                         ("replan", lambda: s.decide(None, policy, replan=True)),
                         ("parallel", lambda: s.decide(types, policy, parallel=True))):
-        for _ in range(2):
-            call()
-        lat = []
-        with Timer() as tm:
-            for _ in range(runs):
-                a = time.perf_counter_ns()
-                ds = call()
-                lat.append(time.perf_counter_ns() - a)
-        if len(ds) != BATCH_TYPES or any(d.source != "policy" for d in ds):
-            raise RuntimeError(f"batch {label}: {len(ds)} decisions, not all by the policy")
-        out[label] = pct(np.array(lat) / 1e6) | {"cpu_share": tm.cpu_share}
+        out[label] = _timed_batch(label, call, runs)
     out["feasible_after"] = bool(s.metrics()["feasible"])
     # what bounds the parallel batch: the policy call alone on the batch's observations,
     # and, below it, the actor's widest layer alone as one NumPy GEMM ([1,000 x (K+1)] rows
     # of 32 -> 32, float32: the multiply-adds no actor run can skip)
-    pos = np.array([s._pos[s.slot(t)] for t in types])
-    ch = s.state.channel.copy()
-    ch[pos] = UNASSIGNED
-    s.state.assign_all(ch)
-    obs = s.builder(policy.layout).observe_many(s.state, pos, 0.0)
+    obs = _batch_observations(s, types, policy)
     rows = np.random.default_rng(0).random((obs.shape[0] * (s.spec.num_topics + 1), 32),
                                            dtype=np.float32)
     w = np.random.default_rng(1).random((32, 32), dtype=np.float32)
     h = np.empty_like(rows)
-    for label, call in (("ort_batch", lambda: policy(obs)),
-                        ("gemm_floor", lambda: np.matmul(rows, w, out=h))):
-        for _ in range(2):
-            call()
-        lat = []
-        for _ in range(runs):
-            a = time.perf_counter_ns()
-            call()
-            lat.append(time.perf_counter_ns() - a)
-        out[label] = pct(np.array(lat) / 1e6)
+    out["ort_batch"], _ = _timed(lambda: policy(obs), runs)
+    out["gemm_floor"], _ = _timed(lambda: np.matmul(rows, w, out=h), runs)
     return out
 
 

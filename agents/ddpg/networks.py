@@ -72,19 +72,19 @@ class ChannelActor(nn.Module):
         self.net = mlp(self.g + blocks, hidden, 1, nn.Tanh())
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        """``net([globals, features_c])`` for every channel c, computed without repeating the
-        globals: the first layer's global half ``W_g g + b`` once per sample, its channel half
-        ``W_c x_c`` on ``[B*A, P]`` rows, then the rest of ``net`` on ``[B*A, H]`` rows (two
-        dimensional, so an exported graph is plain GEMMs that ONNX Runtime fuses with their
-        ReLUs; one observation goes through :meth:`_one`). Equal to
-        ``net(_per_channel(obs, ...))`` up to float rounding."""
+        """``net([globals, features_c])`` for every channel c (training and inference in
+        torch), computed without repeating the globals: the first layer's global half
+        ``W_g g + b`` once per sample, its channel half ``W_c x_c`` on ``[B*A, P]`` rows, then
+        the rest of ``net`` on ``[B*A, H]`` rows; one observation goes through :meth:`_one`.
+        Equal to ``net(_per_channel(obs, ...))`` up to float rounding. (A bundle exports the
+        batch as :class:`ChannelActorBatch` and one observation as :class:`ChannelActorRow`.)"""
         if len(self.net) < 4:  # no hidden layer: net[0] is the output layer
             return self.net(_per_channel(obs, self.g, self.blocks, self.a)).squeeze(-1)
         b = obs.shape[0]
-        first = self.net[0]
-        w = first.weight
         if b == 1:
             return self._one(obs[0])
+        first = self.net[0]
+        w = first.weight
         gh = F.linear(obs[:, :self.g], w[:, :self.g], first.bias)  # [B, H]
         feats = obs[:, self.g:].reshape(b, self.blocks, self.a).transpose(1, 2)
         h = F.linear(feats.reshape(b * self.a, self.blocks), w[:, self.g:])  # [B*A, H]
