@@ -28,10 +28,11 @@ import hashlib
 import json
 import logging
 import os
+import queue
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -243,32 +244,63 @@ class PolicyBundle:
             return self.session.run(_OUTPUTS, {"obs": x})[0]
         return self._batch(x)
 
-    def _batch(self, x: np.ndarray) -> np.ndarray:
+    def score_rows(self, n: int, fill: Callable[[int, int, np.ndarray], None]
+                   ) -> tuple[np.ndarray, np.ndarray]:
+        """A batch of ``n`` observations written by ``fill(lo, hi, out)`` (rows ``lo:hi`` into
+        ``out``; :meth:`envs.dsmd.observation.ObservationBuilder.rows`) and their scores:
+        ``([n, size], [n, K+1])``. In a chunked batch (:meth:`_batch`) each chunk is filled
+        by the thread that scores it, just before it scores it: building the observations is
+        shared among the batch threads too, and each chunk is scored while it is in that
+        core's cache. ``fill`` must allow calls for disjoint rows on several threads at once.
+        """
+        obs = np.empty((n, self._size), np.float32)
+        if n <= self._chunk or isinstance(self._fixed, int):
+            fill(0, n, obs)
+            return obs, self(obs)
+        return obs, self._batch(obs, fill)
+
+    def _batch(self, x: np.ndarray, fill: Callable[[int, int, np.ndarray], None] | None = None
+               ) -> np.ndarray:
         """Scores of a batch in chunks of ``BATCH_CHUNK_ROWS // (K+1)`` observations, the
-        chunks shared out among ``batch_threads`` threads (this one and a process-wide pool;
-        ONNX Runtime releases the GIL while it runs). A chunk's activations stay in the
-        core's cache, where one call on the whole batch streams every layer's
-        ``[B, H, K+1]`` tensor (26 MB at 1,000 x 201 x 32) through memory; and ONNX
-        Runtime's own intra-op threads did not speed these small per-sample GEMMs up
-        (``bench/bench_serving.py``)."""
+        chunks taken one at a time by ``batch_threads`` threads (this one and a process-wide
+        pool; ONNX Runtime and the observation kernels release the GIL while they run). A
+        chunk's activations stay in the core's cache, where one call on the whole batch
+        streams every layer's ``[B, H, K+1]`` tensor (26 MB at 1,000 x 201 x 32) through
+        memory; and ONNX Runtime's own intra-op threads did not speed these small
+        per-sample GEMMs up (``bench/bench_serving.py``). With ``fill``, each chunk of ``x``
+        is first written by ``fill`` on the thread that scores it (:meth:`score_rows`). An
+        error in a chunk is raised here once the other threads have stopped."""
         n, k = x.shape[0], self._chunk
-        starts = list(range(0, n, k))
+        todo: queue.SimpleQueue[int] = queue.SimpleQueue()  # chunk starts, taken in order
+        for i in range(0, n, k):
+            todo.put(i)
         out = np.empty((n, self.layout.num_topics + 1), np.float32)
 
-        def run(part: list[int]) -> None:
-            for i in part:
+        def run() -> None:
+            # each thread takes the next chunk until none is left, so a thread that is late
+            # to start, slowed down or busy with another batch leaves its share to the others
+            while True:
+                try:
+                    i = todo.get_nowait()
+                except queue.Empty:
+                    return
+                if fill is not None:
+                    fill(i, min(i + k, n), x[i:i + k])
                 out[i:i + k] = self.session.run(_OUTPUTS, {"obs": x[i:i + k]})[0]
 
-        threads = min(self.batch_threads, len(starts))
-        if threads <= 1:
-            run(starts)
-            return out
-        share = -(-len(starts) // threads)
-        parts = [starts[j:j + share] for j in range(0, len(starts), share)]
-        futures = [_batch_pool(threads - 1).submit(run, p) for p in parts[1:]]
-        run(parts[0])
-        for f in futures:
-            f.result()
+        helpers = min(self.batch_threads, -(-n // k)) - 1
+        futures = [_batch_pool(helpers).submit(run) for _ in range(helpers)] if helpers else []
+        try:
+            run()
+        except BaseException:  # the helpers stop after their current chunk
+            while not todo.empty():
+                todo.get_nowait()
+            for f in futures:
+                f.cancel() or f.exception()
+            raise
+        for f in futures:  # a helper still queued behind other work is not waited for
+            if not f.cancel():
+                f.result()
         return out
 
 

@@ -1028,7 +1028,9 @@ def main() -> None:
         f"1,000 types need at least 1,000 sends against the scenario's C_p of "
         f"{snap_b['controller']['cpu']}, so the safety layer finds no room and keeps each "
         f"argmax); 'parallel' takes the 1,000 types off their channels together, so every "
-        f"topic is empty when they are observed",
+        f"topic is empty when they are observed (an empty topic's new subscribers are all "
+        f"of a type's destinations, counted without a scan), and builds the observations "
+        f"chunk by chunk on the threads that score them",
         f"what bounds the parallel batch (medians over the runs of each run's p50): the "
         f"policy call alone on the 1,000 observations "
         f"{stats([r['batch']['ort_batch']['p50'] for r in inproc])['median']:.1f} ms; the "

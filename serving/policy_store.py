@@ -64,6 +64,10 @@ class LoadedPolicy:
     def __call__(self, obs: np.ndarray) -> np.ndarray:
         return self.bundle(obs)
 
+    def score_rows(self, n: int, fill: Callable[[int, int, np.ndarray], None]
+                   ) -> tuple[np.ndarray, np.ndarray]:
+        return self.bundle.score_rows(n, fill)
+
 
 class PolicyStore:
     """The server's current policy. ``batch_threads``: passed to

@@ -26,10 +26,11 @@ and decodes with ``feasible``; ``rpc`` prefers RPC, then the first topic that fi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, NamedTuple, Protocol, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
+from envs.dsmd import kernels as _k
 from envs.dsmd.cost import CostState
 from envs.dsmd.decoding import decode
 from envs.dsmd.env import decision_order
@@ -60,6 +61,12 @@ class ScoringPolicy(Protocol):
     def order(self) -> str: ...
 
     def __call__(self, obs: np.ndarray) -> np.ndarray: ...
+
+    def score_rows(self, n: int, fill: Callable[[int, int, np.ndarray], None]
+                   ) -> tuple[np.ndarray, np.ndarray]:
+        """``n`` observations written by ``fill`` and their scores
+        (:meth:`agents.bundle.PolicyBundle.score_rows`)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -315,8 +322,9 @@ class Session:
     def _decide_parallel(self, positions: list[int], use: ScoringPolicy | None,
                          why: str | None, fallback: str, explain: bool) -> list[Decision]:
         """The batch's types are taken off their channels together; each is observed as if
-        it were the next to be decided (``ObservationBuilder.observe_many``, equal row by row
-        to ``observe``) and all are scored in one policy call; the argmaxes are applied
+        it were the next to be decided (``ObservationBuilder.rows``, equal row by row to
+        ``observe``) and all are scored in one policy call (``score_rows``, which builds the
+        observations chunk by chunk on the threads that score them); the argmaxes are applied
         together. With ``feasible`` decoding (and for the heuristics), if that breaks a
         constraint, the types are re-decoded one by one in the given order with the same
         scores (the safety layer), so the batch ends feasible whenever one-by-one decoding
@@ -334,8 +342,9 @@ class Session:
         n = max(self.inst.num_types, 1)
         obs = None
         if use is not None:
-            obs = self.builder(use.layout).observe_many(self.state, pos, self.state.assigned / n)
-            scores = np.asarray(use(obs), dtype=np.float32).reshape(pos.size, -1)
+            fill = self.builder(use.layout).rows(self.state, pos, self.state.assigned / n)
+            obs, scores = use.score_rows(pos.size, fill)
+            scores = np.asarray(scores, dtype=np.float32).reshape(pos.size, -1)
             mode = use.decoding
         else:
             scores = self._heuristic_scores(pos, fallback)
@@ -361,9 +370,12 @@ class Session:
         self.channel[slots] = chosen
         self.version += 1
         src = "policy" if use is not None else "fallback"
-        ids = [self.type_ids[s] for s in slots.tolist()]
+        tids = self.type_ids
+        ids = [tids[s] for s in slots.tolist()]
         if not explain:
-            return [Decision(t, c, src, why) for t, c in zip(ids, chosen.tolist())]
+            make = tuple.__new__  # Decision(t, c, src, why) without its Python __new__
+            return [make(Decision, (t, c, src, why, None, None))
+                    for t, c in zip(ids, chosen.tolist())]
         return [Decision(t, c, src, why, obs[i] if obs is not None else None, scores[i])
                 for i, (t, c) in enumerate(zip(ids, chosen.tolist()))]
 
@@ -375,6 +387,16 @@ class Session:
             if not replan:
                 order = order[self.state.channel[order] == UNASSIGNED]
             return [int(p) for p in order]
+        slot_of, pos_of = self._slot, self._pos
+        try:  # the common case in one pass; any miss is explained by the loop below
+            out = [pos_of[slot_of[t]] for t in type_ids]
+        except (KeyError, TypeError):
+            out = self._positions_checked(type_ids)
+        if len(set(out)) != len(out):
+            raise SessionError("a type is listed twice")
+        return out
+
+    def _positions_checked(self, type_ids: Sequence[int]) -> list[int]:
         out = []
         for t in type_ids:
             p = self._pos.get(self.slot(t))
@@ -382,8 +404,6 @@ class Session:
                 raise SessionError(f"type {t} has no rate in this session (send a rate update "
                                    "first)")
             out.append(p)
-        if len(set(out)) != len(out):
-            raise SessionError("a type is listed twice")
         return out
 
     def _heuristic_scores(self, positions: np.ndarray, fallback: str) -> np.ndarray:
@@ -434,12 +454,13 @@ class Session:
 
 
 def _argmax_rows(scores: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """Row-wise :func:`~envs.dsmd.decoding.decode_action`: argmax, ties uniformly at random."""
-    best = scores.argmax(axis=1) if scores.size else np.zeros(0, np.int64)
-    if scores.size:
-        top = scores[np.arange(scores.shape[0]), best]
-        tied = np.flatnonzero((scores == top[:, None]).sum(axis=1) > 1)
-        for r in tied.tolist():
-            ties = np.flatnonzero(scores[r] == top[r])
-            best[r] = ties[rng.integers(ties.size)]
-    return best.astype(np.int64)
+    """Row-wise :func:`~envs.dsmd.decoding.decode_action`: argmax, ties uniformly at random
+    (drawn row by row, in order), NaN scores never win."""
+    if scores.ndim != 2 or scores.shape[0] == 0:
+        return np.zeros(scores.shape[0] if scores.ndim == 2 else 0, np.int64)
+    a = scores if scores.dtype in (np.float32, np.float64) else scores.astype(np.float64)
+    best, count = _k.argmax_ties_rows(np.ascontiguousarray(a))
+    for r in np.flatnonzero(count > 1).tolist():
+        ties = np.flatnonzero(a[r] == a[r, best[r]])
+        best[r] = ties[rng.integers(ties.size)]
+    return best

@@ -85,6 +85,22 @@ def test_per_channel_actor_exports_with_a_dynamic_batch(tmp_path, tiny_problems)
     np.testing.assert_allclose(b(x[0]), ref[0], atol=1e-5)
 
 
+def _chunked_bundle(tmp_path, ps, monkeypatch, threads: int):
+    """A per-channel actor's bundle whose batches are scored in chunks of 3 observations on
+    ``threads`` threads: (bundle, its directory, the actor, the layout)."""
+    import agents.bundle as bundle_mod
+    from agents.ddpg.networks import ChannelActor
+
+    torch.manual_seed(0)
+    layout = ObservationLayout("channel", ps.catalog_size, ps.num_nodes, ps.spec.num_topics)
+    actor = ChannelActor(layout.size, layout.num_topics + 1, 4, [16, 16])
+    d = export_bundle(actor, layout, ps.signature(), tmp_path / "pc")
+    monkeypatch.setattr(bundle_mod, "BATCH_CHUNK_ROWS", 3 * (layout.num_topics + 1))
+    b = load_bundle(d, batch_threads=threads)
+    assert b._chunk == 3 and b.batch_threads == threads
+    return b, d, actor, layout
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 def test_batches_are_scored_in_chunks_across_threads(tmp_path, tiny_problems, monkeypatch,
                                                      threads):
@@ -94,19 +110,9 @@ def test_batches_are_scored_in_chunks_across_threads(tmp_path, tiny_problems, mo
     channel-major form (no Add node: the biases are folded into the GEMMs)."""
     import onnx
 
-    import agents.bundle as bundle_mod
-    from agents.ddpg.networks import ChannelActor
-
-    torch.manual_seed(0)
-    ps = tiny_problems
-    layout = ObservationLayout("channel", ps.catalog_size, ps.num_nodes, ps.spec.num_topics)
-    actor = ChannelActor(layout.size, layout.num_topics + 1, 4, [16, 16])
-    d = export_bundle(actor, layout, ps.signature(), tmp_path / "pc")
+    b, d, actor, layout = _chunked_bundle(tmp_path, tiny_problems, monkeypatch, threads)
     ops = [n.op_type for n in onnx.load(d / "actor.onnx").graph.node]
     assert ops.count("MatMul") == 3 and "Add" not in ops
-    monkeypatch.setattr(bundle_mod, "BATCH_CHUNK_ROWS", 3 * (layout.num_topics + 1))
-    b = load_bundle(d, batch_threads=threads)
-    assert b._chunk == 3 and b.batch_threads == threads
     x = np.random.default_rng(4).uniform(-1, 1, (20, layout.size)).astype(np.float32)
     with torch.no_grad():
         ref = actor(torch.as_tensor(x)).numpy()
@@ -116,6 +122,95 @@ def test_batches_are_scored_in_chunks_across_threads(tmp_path, tiny_problems, mo
         np.testing.assert_allclose(got, ref[:n], atol=1e-5)
     one_by_one = [b.session.run(["scores"], {"obs": r[None]})[0][0] for r in x]
     np.testing.assert_array_equal(b(x), np.stack(one_by_one))  # chunking changes no bit
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_score_rows_fills_each_chunk_on_the_thread_that_scores_it(tmp_path, tiny_problems,
+                                                                  monkeypatch, threads):
+    """``PolicyBundle.score_rows``: ``fill`` writes every row once, a chunk at a time on the
+    threads that score (all of them used for a batch of many chunks), and the observations
+    and scores are those of filling the whole batch first and scoring it; a batch of one
+    chunk or less is filled in one call."""
+    import threading
+
+    b, _, _, layout = _chunked_bundle(tmp_path, tiny_problems, monkeypatch, threads)
+    main = threading.get_ident()
+    helped = threading.Event()
+    x = np.random.default_rng(5).uniform(-1, 1, (40, layout.size)).astype(np.float32)
+    for n in (1, 3, 4, 40):
+        calls, lock = [], threading.Lock()
+
+        def fill(lo, hi, out):
+            me = threading.get_ident()
+            with lock:
+                calls.append((lo, hi, me))
+            if me != main:
+                helped.set()
+            elif threads > 1 and n == 40 and len(calls) == 1:  # leave chunks to the helpers
+                assert helped.wait(10), "no helper thread took a chunk"
+            out[...] = x[lo:hi]
+
+        obs, scores = b.score_rows(n, fill)
+        np.testing.assert_array_equal(obs, x[:n])
+        np.testing.assert_array_equal(scores, b(x[:n]))
+        assert sorted(c[:2] for c in calls) == ([(0, n)] if n <= 3 else
+                                                [(i, min(i + 3, n)) for i in range(0, n, 3)])
+        if n == 40 and threads == 3:
+            assert len({c[2] for c in calls}) > 1
+        elif threads == 1:
+            assert {c[2] for c in calls} == {main}
+
+
+def test_a_batch_does_not_wait_for_a_busy_pool(tmp_path, tiny_problems, monkeypatch):
+    """The batch threads take chunks as they come: with the pool's helper busy elsewhere
+    (another request's batch), the caller scores every chunk itself and returns at once."""
+    import threading
+
+    import agents.bundle as bundle_mod
+
+    b, _, _, layout = _chunked_bundle(tmp_path, tiny_problems, monkeypatch, 2)
+    x = np.random.default_rng(6).uniform(-1, 1, (20, layout.size)).astype(np.float32)
+    want = b(x)
+    release = threading.Event()
+    busy = bundle_mod._batch_pool(1).submit(release.wait, 30)
+    try:
+        done = threading.Event()
+        got = []
+        t = threading.Thread(target=lambda: (got.append(b(x)), done.set()), daemon=True)
+        t.start()
+        assert done.wait(10), "the batch waited for the busy helper"
+        np.testing.assert_array_equal(got[0], want)
+    finally:
+        release.set()
+        busy.result()
+
+
+@pytest.mark.parametrize("where", ["caller", "helper"])
+def test_an_error_in_a_chunk_reaches_the_caller(tmp_path, tiny_problems, monkeypatch, where):
+    """A chunk that fails (its observations here), on the caller's thread or a helper's, fails
+    the batch with that error; the pool still scores the next batch."""
+    import threading
+
+    b, _, _, layout = _chunked_bundle(tmp_path, tiny_problems, monkeypatch, 2)
+    main = threading.get_ident()
+    x = np.random.default_rng(7).uniform(-1, 1, (30, layout.size)).astype(np.float32)
+
+    helper_in = threading.Event()
+
+    def fill(lo, hi, out):
+        on_main = threading.get_ident() == main
+        if not on_main:
+            helper_in.set()
+        elif where == "helper":  # leave the helper a chunk to fail on
+            helper_in.wait(10)
+        if on_main == (where == "caller"):
+            raise RuntimeError(f"bad chunk at {lo}")
+        out[...] = x[lo:hi]
+
+    with pytest.raises(RuntimeError, match="bad chunk"):
+        b.score_rows(30, fill)
+    np.testing.assert_array_equal(b.score_rows(30, lambda lo, hi, out: out.__setitem__(
+        Ellipsis, x[lo:hi]))[1], b(x))
 
 
 def test_one_row_actor_file_and_version_2_bundles(exported, tmp_path):

@@ -88,6 +88,41 @@ def test_argmax_ties_is_numpy_argmax_without_nan(values):
     assert count == int((a == top).sum())
 
 
+@given(st.lists(st.lists(st.sampled_from([-1.0, 0.0, 0.5, 1.0, np.nan, -np.inf]),
+                         min_size=5, max_size=5), min_size=1, max_size=6),
+       st.sampled_from([np.float32, np.float64]))
+def test_argmax_ties_rows_is_argmax_ties_of_each_row(rows, dtype):
+    a = np.array(rows, dtype)
+    best, count = kernels.argmax_ties_rows(a)
+    assert best.dtype == count.dtype == np.int64
+    assert [(int(b), int(c)) for b, c in zip(best, count)] == [kernels.argmax_ties(r)
+                                                              for r in a]
+
+
+@settings(max_examples=40, deadline=None)
+@given(inst=instances(max_topics=5), seed=st.integers(0, 2**16),
+       progress=st.floats(0.0, 1.0), cuts=st.lists(st.integers(0, 40), max_size=4))
+def test_observation_rows_fill_any_split_as_observe_many(inst, seed, progress, cuts):
+    """``ObservationBuilder.rows``: any split of the types into ranges, filled in any order
+    (the later ranges first), gives observe_many's rows; a later observe() of another state
+    leaves a filler made before it unchanged."""
+    rng = np.random.default_rng(seed)
+    state = _random_state(inst, rng)
+    free = np.flatnonzero(state.channel == UNASSIGNED)
+    layout = ObservationLayout("channel", inst.num_types, inst.num_nodes, inst.num_topics)
+    builder = ObservationBuilder(layout, inst)
+    want = builder.observe_many(state, free, progress)
+    fill = builder.rows(state, free, progress)
+    if free.size:  # the builder's own cached blocks move on; the filler keeps its copy
+        other = _random_state(inst, np.random.default_rng(seed + 1))
+        builder.observe(other, None, 0.0)
+    edges = sorted({0, free.size, *(min(c, free.size) for c in cuts)})
+    got = np.full_like(want, np.nan)
+    for lo, hi in reversed(list(zip(edges, edges[1:]))):
+        fill(lo, hi, got[lo:hi])
+    np.testing.assert_array_equal(got, want)
+
+
 @settings(max_examples=80, deadline=None)
 @given(inst=instances(max_topics=5), seed=st.integers(0, 2**16),
        progress=st.floats(0.0, 1.0))

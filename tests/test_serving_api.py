@@ -233,6 +233,18 @@ def test_parallel_batch(client, tiny_problems, tiny_bundles):
         assert one[0] == one[1]
 
 
+def _undecided_snapshot(ps, **controller) -> dict:
+    """A session snapshot of the first test window with every type undecided (``controller``:
+    fields of the controller to change)."""
+    body = session_body(ps, ps.windows["test"][0])
+    snap = {k: body[k] for k in ("nodes", "num_topics", "interval_s", "scenario_signature",
+                                 "seed")}
+    snap["controller"] = dict(body["controller"], **controller)
+    snap["types"] = [{"rate_bps": 0, "messages": 1} | t | {"channel": -1}
+                     for t in body["types"]]
+    return snap
+
+
 def test_parallel_batch_without_controller_room_keeps_the_argmax(tiny_problems, tiny_bundles):
     """When the controller cannot carry the batch even before its first type is placed
     (here C_p = 1 send for many types), no channel ever fits, so the safety layer is skipped:
@@ -241,12 +253,7 @@ def test_parallel_batch_without_controller_room_keeps_the_argmax(tiny_problems, 
     from serving.session import Session
 
     ps = tiny_problems
-    body = session_body(ps, ps.windows["test"][0])
-    snap = {k: body[k] for k in ("nodes", "num_topics", "interval_s", "scenario_signature",
-                                 "seed")}
-    snap["controller"] = dict(body["controller"], cpu=1)
-    snap["types"] = [{"rate_bps": 0, "messages": 1} | t | {"channel": -1}
-                     for t in body["types"]]
+    snap = _undecided_snapshot(ps, cpu=1)
     s = Session.from_snapshot(snap)
     policy = PolicyStore().load(tiny_bundles["a"])
     ds = s.decide(None, policy, parallel=True, explain=True)
@@ -256,6 +263,68 @@ def test_parallel_batch_without_controller_room_keeps_the_argmax(tiny_problems, 
     seq = Session.from_snapshot(snap).decide(None, policy, explain=True)
     for d in seq:
         assert d.scores[d.channel] == d.scores.max()
+
+
+def test_parallel_batch_in_chunks_across_threads_decides_as_one_chunk(tiny_problems,
+                                                                      tiny_bundles,
+                                                                      monkeypatch):
+    """A parallel batch whose observations are built and scored chunk by chunk on three
+    threads (``PolicyBundle.score_rows``) gives the observations, scores and channels of one
+    chunk on one thread."""
+    import agents.bundle as bundle_mod
+    from serving.policy_store import PolicyStore
+    from serving.session import Session
+
+    ps = tiny_problems
+    snap = _undecided_snapshot(ps)
+    runs = []
+    for rows, threads in ((10**6, 1), (2, 3)):
+        monkeypatch.setattr(bundle_mod, "BATCH_CHUNK_ROWS", rows * (ps.spec.num_topics + 1))
+        policy = PolicyStore(batch_threads=threads).load(tiny_bundles["a"])
+        s = Session.from_snapshot(snap)
+        ds = s.decide(None, policy, parallel=True, explain=True)
+        assert len(ds) == s.active.size > 4
+        runs.append(ds)
+    for a, b in zip(*runs):
+        assert (a.type_id, a.channel, a.source) == (b.type_id, b.channel, b.source)
+        np.testing.assert_array_equal(a.observation, b.observation)
+        np.testing.assert_array_equal(a.scores, b.scores)
+
+
+def test_session_positions_name_what_is_wrong(tiny_problems):
+    """The batch's type list: an unregistered type, a type without a rate and a repeated
+    type are refused with the reason, and nothing is decided."""
+    from serving.session import Session, SessionError
+
+    ps = tiny_problems
+    snap = _undecided_snapshot(ps)
+    s = Session.from_snapshot(snap)
+    active = [s.type_ids[i] for i in s.active.tolist()]
+    idle = [t for t in s.type_ids if t not in set(active)]
+    cases = [([active[0], 10**9], "not registered"), ([active[0], active[0]], "listed twice")]
+    if idle:
+        cases.append(([active[0], idle[0]], "has no rate"))
+    for types, why in cases:
+        for parallel in (False, True):
+            with pytest.raises(SessionError, match=why):
+                s.decide(types, None, parallel=parallel)
+    assert (s.channel == -1).all()
+    assert [d.type_id for d in s.decide([np.int64(active[1]), active[0]], None,
+                                        parallel=True)] == [active[1], active[0]]
+
+
+def test_parallel_argmax_passes_over_nan_scores_as_decode_does():
+    """The parallel batch's row-wise argmax is ``decode_action`` row by row: a NaN score
+    never wins, and ties are drawn row by row in order with the session's generator."""
+    from envs.dsmd.decoding import decode_action
+    from serving.session import _argmax_rows
+
+    scores = np.array([[0.1, np.nan, 0.3], [np.nan, 0.5, 0.5], [0.2, 0.2, 0.2],
+                       [np.nan, np.nan, np.nan]], np.float32)
+    got = _argmax_rows(scores, np.random.default_rng(3))
+    rng = np.random.default_rng(3)
+    assert got.tolist() == [decode_action(r, rng) for r in scores]
+    assert got[0] == 2 and got[1] in (1, 2) and got[3] == 0
 
 
 def test_serving_imports_neither_rllib_nor_torch():

@@ -23,8 +23,9 @@ import numpy as np
 from numba import njit
 
 __all__ = ["topic_add", "topic_remove", "rpc_shift", "channel_costs", "channel_costs_many",
-           "channel_observation", "channel_observation_many", "nodes_fit", "first_fit",
-           "max_ratio", "argmax_ties", "as_scores", "warm_up"]
+           "channel_observation", "channel_observation_many", "observation_shared",
+           "channel_observation_rows", "nodes_fit", "first_fit",
+           "max_ratio", "argmax_ties", "argmax_ties_rows", "as_scores", "warm_up"]
 
 _LOG_RATE_SCALE = 12.0  # the observation's log10(1 + f) / 12 (envs.dsmd.observation)
 
@@ -101,7 +102,7 @@ def _costs_into(delta: np.ndarray, fresh: np.ndarray, sub_count: np.ndarray, des
     delta[0] = f * dest.shape[0]
     fresh[0] = 0
     for t in range(1, subscribers.shape[0]):
-        c = _fresh(sub_count[t], dest)
+        c = _fresh(sub_count[t], dest) if subscribers[t] else dest.shape[0]
         fresh[t] = c
         delta[t] = f * subscribers[t] + (rate[t] + f) * c
 
@@ -180,7 +181,8 @@ def _observation_into(out: np.ndarray, sub_count: np.ndarray, dest: np.ndarray, 
                 c = 0
                 delta = f * d
             else:
-                c = _fresh(sub_count[t], dest)
+                # a topic no node subscribes to gives every destination a new subscription
+                c = _fresh(sub_count[t], dest) if subscribers[t] else d
                 delta = f * subscribers[t] + (rate[t] + f) * c
             out[base + t] = np.float64(f * d) / np.float64(max(delta, 1))
             out[base + k1 + t] = np.float64(c) / np.float64(d)
@@ -212,6 +214,34 @@ def channel_observation(out: np.ndarray, sub_count: np.ndarray, dest: np.ndarray
 
 
 @njit(cache=True, nogil=True)
+def observation_shared(subscribers: np.ndarray, rate: np.ndarray, num_nodes: int,
+                       node_traffic: np.ndarray, inv_capacity: np.ndarray, seen: np.ndarray,
+                       blocks: np.ndarray) -> float:
+    """What every ``channel`` observation of one state shares: brings ``blocks`` up to date
+    (:func:`_refresh_blocks`) and returns the peak node load min(max_n b(n)/s(n), 1)."""
+    _refresh_blocks(subscribers, rate, num_nodes, seen, blocks)
+    return min(max_ratio(node_traffic, inv_capacity), 1.0)
+
+
+@njit(cache=True, nogil=True)
+def channel_observation_rows(out: np.ndarray, sub_count: np.ndarray, dest_ptr: np.ndarray,
+                             dest_idx: np.ndarray, types: np.ndarray, rate_bps: np.ndarray,
+                             subscribers: np.ndarray, rate: np.ndarray, num_nodes: int,
+                             cb: float, cp: float, progress: float, peak: float, bw_cap: int,
+                             cpu_cap: int, blocks: np.ndarray) -> None:
+    """:func:`channel_observation` of each unassigned type of ``types`` into row ``i`` of
+    the float32 ``out[len(types), size]``, all from the same state, given what they share
+    (``peak`` and ``blocks`` from :func:`observation_shared`). It only reads its other
+    arguments, so calls on disjoint ``out`` rows may run on several threads at once."""
+    for i in range(types.shape[0]):
+        m = types[i]
+        dest = dest_idx[dest_ptr[m]:dest_ptr[m + 1]]
+        _observation_into(out[i], sub_count, dest, rate_bps[m], dest.shape[0], subscribers,
+                          rate, num_nodes, True, cb, cp, progress, peak, bw_cap, cpu_cap,
+                          blocks)
+
+
+@njit(cache=True, nogil=True)
 def channel_observation_many(out: np.ndarray, sub_count: np.ndarray, dest_ptr: np.ndarray,
                              dest_idx: np.ndarray, types: np.ndarray, rate_bps: np.ndarray,
                              subscribers: np.ndarray, rate: np.ndarray, num_nodes: int,
@@ -220,14 +250,10 @@ def channel_observation_many(out: np.ndarray, sub_count: np.ndarray, dest_ptr: n
                              seen: np.ndarray, blocks: np.ndarray) -> None:
     """:func:`channel_observation` of each unassigned type of ``types`` into row ``i`` of
     the float32 ``out[len(types), size]``, all from the same state."""
-    peak = min(max_ratio(node_traffic, inv_capacity), 1.0)
-    _refresh_blocks(subscribers, rate, num_nodes, seen, blocks)
-    for i in range(types.shape[0]):
-        m = types[i]
-        dest = dest_idx[dest_ptr[m]:dest_ptr[m + 1]]
-        _observation_into(out[i], sub_count, dest, rate_bps[m], dest.shape[0], subscribers,
-                          rate, num_nodes, True, cb, cp, progress, peak, bw_cap, cpu_cap,
-                          blocks)
+    peak = observation_shared(subscribers, rate, num_nodes, node_traffic, inv_capacity, seen,
+                              blocks)
+    channel_observation_rows(out, sub_count, dest_ptr, dest_idx, types, rate_bps, subscribers,
+                             rate, num_nodes, cb, cp, progress, peak, bw_cap, cpu_cap, blocks)
 
 
 @njit(cache=True, nogil=True)
@@ -352,6 +378,17 @@ def argmax_ties(a: np.ndarray) -> tuple[int, int]:
     return best, count
 
 
+@njit(cache=True, nogil=True)
+def argmax_ties_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`argmax_ties` of each row of a 2-D float array: (first indices of the row
+    maxima, how many entries of each row equal its maximum)."""
+    best = np.zeros(a.shape[0], np.int64)
+    count = np.zeros(a.shape[0], np.int64)
+    for r in range(a.shape[0]):
+        best[r], count[r] = argmax_ties(a[r])
+    return best, count
+
+
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
 
@@ -392,10 +429,16 @@ def warm_up() -> None:
     channel_observation_many(out, row, np.array([0, 2], np.int64), dest, np.array([0], np.int64),
                              np.ones(1, np.int64), s, r, 3, 0.5, 0.5, 0.0, i64, inv, 10, 10,
                              seen, blocks)
+    peak = observation_shared(s, r, 3, i64, inv, seen, blocks)
+    channel_observation_rows(out[0:1], row, np.array([0, 2], np.int64), dest,
+                             np.array([0], np.int64)[0:1], np.ones(1, np.int64), s, r, 3, 0.5,
+                             0.5, 0.0, peak, 10, 10, blocks)
     nodes_fit(i64, i64, True, inv, row[1], dest, 1, False, 0, 0)
     for sc in (np.zeros(2, np.float32), np.zeros(2, np.float64)):
         first_fit(sc, 0, i64, i64, inv, row, dest, 1, s, r, True, True)
     max_ratio(i64, inv)
     argmax_ties(np.zeros(3, np.float32))
     argmax_ties(np.zeros(3, np.float64))
+    argmax_ties_rows(np.zeros((2, 3), np.float32))
+    argmax_ties_rows(np.zeros((2, 3), np.float64))
     _warm = True

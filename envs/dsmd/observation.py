@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Literal
+from typing import Callable, Literal
 
 import numpy as np
 
@@ -147,24 +147,43 @@ class ObservationBuilder:
         from the same state (each as if it were the next one). Equal, row by row, to
         :meth:`observe` (vectorised for the ``channel`` variant)."""
         ms = np.asarray(ms, dtype=np.int64)
+        out = np.empty((ms.size, self.layout.size), dtype=np.float32)
+        self.rows(state, ms, progress)(0, ms.size, out)
+        return out
+
+    def rows(self, state: CostState, ms: np.ndarray, progress: float = 0.0
+             ) -> Callable[[int, int, np.ndarray], None]:
+        """:meth:`observe_many` in parts: ``fill(lo, hi, out)`` writes the observations of
+        ``ms[lo:hi]`` into ``out`` (``[hi - lo, size]`` float32). For the ``channel``
+        variant, what the rows share is computed here, and ``fill`` only reads the state and
+        that, so calls for disjoint ranges may run on several threads at once (how
+        :meth:`agents.bundle.PolicyBundle.score_rows` builds a batch's observations on the
+        threads that score them). Valid until ``state`` changes."""
+        ms = np.asarray(ms, dtype=np.int64)
         if self.layout.variant != "channel":
-            out = np.stack([self.observe(state, int(m), progress) for m in ms]) if ms.size \
-                else np.zeros((0, self.layout.size), np.float32)
-            return out
+            done = (np.stack([self.observe(state, int(m), progress) for m in ms]) if ms.size
+                    else np.zeros((0, self.layout.size), np.float32))
+
+            def copy(lo: int, hi: int, out: np.ndarray) -> None:
+                out[...] = done[lo:hi]
+            return copy
         inst = self.inst
         if ms.size and np.any(state.channel[ms] != -1):
             raise DSMDError("observe_many needs unassigned types (take them off their "
                             "channels first)")
-        out = np.empty((ms.size, self.layout.size), dtype=np.float32)
         cb, cp = self._controller(state)
-        # every row by the kernel observe() uses: the same float32 values
-        _k.channel_observation_many(out, state.sub_count, inst.dest_ptr, inst.dest_idx, ms,
-                                    inst.rate_bps, state.topic_subscribers, state.topic_rate,
-                                    inst.num_nodes, cb, cp, float(progress),
-                                    state.node_traffic, inst.inv_capacity,
-                                    inst.controller_bw_bps, inst.controller_cpu, self._seen,
-                                    self._blocks)
-        return out
+        peak = _k.observation_shared(state.topic_subscribers, state.topic_rate, inst.num_nodes,
+                                     state.node_traffic, inst.inv_capacity, self._seen,
+                                     self._blocks)
+        blocks = self._blocks.copy()  # a later observe() refreshes the builder's own
+        args = (state.sub_count, inst.dest_ptr, inst.dest_idx)
+        rest = (inst.rate_bps, state.topic_subscribers, state.topic_rate, inst.num_nodes, cb, cp,
+                float(progress), peak, inst.controller_bw_bps, inst.controller_cpu, blocks)
+
+        def fill(lo: int, hi: int, out: np.ndarray) -> None:
+            # every row by the kernel observe() uses: the same float32 values
+            _k.channel_observation_rows(out, *args, ms[lo:hi], *rest)
+        return fill
 
     def _controller(self, state: CostState) -> tuple[float, float]:
         """Available controller bandwidth and CPU, 1 - bw / C_b and 1 - sends / C_p (>= -1)."""
