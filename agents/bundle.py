@@ -279,29 +279,40 @@ class PolicyBundle:
         def run() -> None:
             # each thread takes the next chunk until none is left, so a thread that is late
             # to start, slowed down or busy with another batch leaves its share to the others
-            while True:
-                try:
-                    i = todo.get_nowait()
-                except queue.Empty:
-                    return
-                if fill is not None:
-                    fill(i, min(i + k, n), x[i:i + k])
-                out[i:i + k] = self.session.run(_OUTPUTS, {"obs": x[i:i + k]})[0]
+            try:
+                while True:
+                    try:
+                        i = todo.get_nowait()
+                    except queue.Empty:
+                        return
+                    if fill is not None:
+                        fill(i, min(i + k, n), x[i:i + k])
+                    out[i:i + k] = self.session.run(_OUTPUTS, {"obs": x[i:i + k]})[0]
+            except BaseException:
+                _drain(todo)  # the other threads stop after their current chunk
+                raise
 
         helpers = min(self.batch_threads, -(-n // k)) - 1
         futures = [_batch_pool(helpers).submit(run) for _ in range(helpers)] if helpers else []
         try:
             run()
-        except BaseException:  # the helpers stop after their current chunk
-            while not todo.empty():
-                todo.get_nowait()
-            for f in futures:
-                f.cancel() or f.exception()
-            raise
-        for f in futures:  # a helper still queued behind other work is not waited for
-            if not f.cancel():
-                f.result()
+        finally:
+            # every helper that started has finished before this returns or raises; one still
+            # queued behind other work (another batch) is cancelled, not waited for
+            errors = [f.exception() for f in futures if not f.cancel()]
+        for e in errors:
+            if e is not None:
+                raise e
         return out
+
+
+def _drain(todo: queue.SimpleQueue) -> None:
+    """Empty ``todo`` (other threads may be taking from it at the same time)."""
+    try:
+        while True:
+            todo.get_nowait()
+    except queue.Empty:
+        pass
 
 
 def row_inputs(session: Any, x: np.ndarray) -> dict[str, np.ndarray]:

@@ -387,6 +387,7 @@ class Session:
             if not replan:
                 order = order[self.state.channel[order] == UNASSIGNED]
             return [int(p) for p in order]
+        type_ids = list(type_ids)  # read twice on a miss (an iterator would be used up)
         slot_of, pos_of = self._slot, self._pos
         try:  # the common case in one pass; any miss is explained by the loop below
             out = [pos_of[slot_of[t]] for t in type_ids]

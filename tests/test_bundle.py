@@ -135,10 +135,9 @@ def test_score_rows_fills_each_chunk_on_the_thread_that_scores_it(tmp_path, tiny
 
     b, _, _, layout = _chunked_bundle(tmp_path, tiny_problems, monkeypatch, threads)
     main = threading.get_ident()
-    helped = threading.Event()
     x = np.random.default_rng(5).uniform(-1, 1, (40, layout.size)).astype(np.float32)
     for n in (1, 3, 4, 40):
-        calls, lock = [], threading.Lock()
+        calls, lock, helped = [], threading.Lock(), threading.Event()
 
         def fill(lo, hi, out):
             me = threading.get_ident()
@@ -183,6 +182,37 @@ def test_a_batch_does_not_wait_for_a_busy_pool(tmp_path, tiny_problems, monkeypa
     finally:
         release.set()
         busy.result()
+
+
+def test_an_error_in_a_helper_stops_every_thread_before_it_is_raised(tmp_path, tiny_problems,
+                                                                    monkeypatch):
+    """With three threads, a helper's failing chunk stops the others: once the error is
+    raised, no thread fills or scores another chunk of that batch."""
+    import threading
+    import time
+
+    b, _, _, layout = _chunked_bundle(tmp_path, tiny_problems, monkeypatch, 3)
+    main = threading.get_ident()
+    x = np.random.default_rng(8).uniform(-1, 1, (60, layout.size)).astype(np.float32)
+    calls, lock = [], threading.Lock()
+    failed = threading.Event()
+
+    def fill(lo, hi, out):
+        with lock:
+            calls.append(lo)
+            first_helper = threading.get_ident() != main and not failed.is_set()
+            if first_helper:
+                failed.set()
+        if first_helper:
+            raise RuntimeError("bad chunk")
+        time.sleep(0.002)  # slow chunks, so the batch is still running when it fails
+        out[...] = x[lo:hi]
+
+    with pytest.raises(RuntimeError, match="bad chunk"):
+        b.score_rows(60, fill)
+    seen = len(calls)
+    time.sleep(0.1)
+    assert len(calls) == seen < 20
 
 
 @pytest.mark.parametrize("where", ["caller", "helper"])

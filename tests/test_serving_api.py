@@ -299,15 +299,17 @@ def test_session_positions_name_what_is_wrong(tiny_problems):
     ps = tiny_problems
     snap = _undecided_snapshot(ps)
     s = Session.from_snapshot(snap)
+    idle = s.type_ids[int(s.active[-1])]
+    s.update_rates({idle: 0})
     active = [s.type_ids[i] for i in s.active.tolist()]
-    idle = [t for t in s.type_ids if t not in set(active)]
-    cases = [([active[0], 10**9], "not registered"), ([active[0], active[0]], "listed twice")]
-    if idle:
-        cases.append(([active[0], idle[0]], "has no rate"))
+    assert idle not in active and len(active) > 1
+    cases = [([active[0], 10**9], "not registered"), ([active[0], active[0]], "listed twice"),
+             ([active[0], idle], "has no rate")]
     for types, why in cases:
         for parallel in (False, True):
-            with pytest.raises(SessionError, match=why):
-                s.decide(types, None, parallel=parallel)
+            for given in (list, iter):  # an iterator is read whole first
+                with pytest.raises(SessionError, match=why):
+                    s.decide(given(types), None, parallel=parallel)
     assert (s.channel == -1).all()
     assert [d.type_id for d in s.decide([np.int64(active[1]), active[0]], None,
                                         parallel=True)] == [active[1], active[0]]
