@@ -30,9 +30,8 @@ from typing import Any, Callable, Iterable, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
-from envs.dsmd import kernels as _k
 from envs.dsmd.cost import CostState
-from envs.dsmd.decoding import decode
+from envs.dsmd.decoding import decode, decode_actions
 from envs.dsmd.env import decision_order
 from envs.dsmd.errors import DSMDError
 from envs.dsmd.instance import UNASSIGNED, DSMDInstance
@@ -349,7 +348,7 @@ class Session:
         else:
             scores = self._heuristic_scores(pos, fallback)
             mode = "feasible"
-        best = _argmax_rows(scores, self.rng)
+        best = decode_actions(scores, self.rng)
         # room on the controller for the first type, in the state without the batch (the
         # state the safety layer would start from)
         room = mode == "feasible" and self.state.topic_room(int(pos[0]), reserve=True)
@@ -453,15 +452,3 @@ class Session:
         s.set_assignment({t["id"]: t["channel"] for t in types})
         return s
 
-
-def _argmax_rows(scores: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """Row-wise :func:`~envs.dsmd.decoding.decode_action`: argmax, ties uniformly at random
-    (drawn row by row, in order), NaN scores never win."""
-    if scores.ndim != 2 or scores.shape[0] == 0:
-        return np.zeros(scores.shape[0] if scores.ndim == 2 else 0, np.int64)
-    a = scores if scores.dtype in (np.float32, np.float64) else scores.astype(np.float64)
-    best, count = _k.argmax_ties_rows(np.ascontiguousarray(a))
-    for r in np.flatnonzero(count > 1).tolist():
-        ties = np.flatnonzero(a[r] == a[r, best[r]])
-        best[r] = ties[rng.integers(ties.size)]
-    return best

@@ -318,12 +318,11 @@ def test_session_positions_name_what_is_wrong(tiny_problems):
 def test_parallel_argmax_passes_over_nan_scores_as_decode_does():
     """The parallel batch's row-wise argmax is ``decode_action`` row by row: a NaN score
     never wins, and ties are drawn row by row in order with the session's generator."""
-    from envs.dsmd.decoding import decode_action
-    from serving.session import _argmax_rows
+    from envs.dsmd.decoding import decode_action, decode_actions
 
     scores = np.array([[0.1, np.nan, 0.3], [np.nan, 0.5, 0.5], [0.2, 0.2, 0.2],
                        [np.nan, np.nan, np.nan]], np.float32)
-    got = _argmax_rows(scores, np.random.default_rng(3))
+    got = decode_actions(scores, np.random.default_rng(3))
     rng = np.random.default_rng(3)
     assert got.tolist() == [decode_action(r, rng) for r in scores]
     assert got[0] == 2 and got[1] in (1, 2) and got[3] == 0

@@ -28,7 +28,7 @@ from . import kernels as _k
 from .cost import CostState
 from .errors import DSMDError
 
-__all__ = ["DECODINGS", "decode_action", "decode", "check_decoding"]
+__all__ = ["DECODINGS", "decode_action", "decode_actions", "decode", "check_decoding"]
 
 DECODINGS: tuple[str, ...] = ("argmax", "feasible")
 
@@ -39,14 +39,30 @@ def check_decoding(mode: str) -> str:
     return mode
 
 
+def _draw_tie(a: np.ndarray, best: int, rng: np.random.Generator) -> int:
+    """One of the channels whose score equals ``a[best]``, uniformly at random."""
+    ties = np.flatnonzero(a == a[best])
+    return int(ties[rng.integers(ties.size)])
+
+
 def decode_action(action: np.ndarray, rng: np.random.Generator) -> int:
     """argmax over channel scores, ties broken uniformly at random."""
     a = _k.as_scores(action)
     best, count = _k.argmax_ties(a)  # NaN scores never win (np.argmax would pick them)
-    if count > 1:
-        ties = np.flatnonzero(a == a[best])
-        best = int(ties[rng.integers(ties.size)])
-    return int(best)
+    return _draw_tie(a, best, rng) if count > 1 else int(best)
+
+
+def decode_actions(scores: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """:func:`decode_action` of each row of ``[B, K+1]`` scores (ties drawn row by row, in
+    order, as ``B`` calls would draw them)."""
+    if scores.ndim != 2 or scores.shape[0] == 0:
+        return np.zeros(scores.shape[0] if scores.ndim == 2 else 0, np.int64)
+    a = np.ascontiguousarray(scores, dtype=scores.dtype if scores.dtype in _k._FLOATS
+                             else np.float64)
+    best, count = _k.argmax_ties_rows(a)
+    for r in np.flatnonzero(count > 1).tolist():
+        best[r] = _draw_tie(a[r], int(best[r]), rng)
+    return best
 
 
 def decode(action: np.ndarray, state: CostState, m: int, rng: np.random.Generator,

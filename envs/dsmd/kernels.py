@@ -23,7 +23,7 @@ import numpy as np
 from numba import njit
 
 __all__ = ["topic_add", "topic_remove", "rpc_shift", "channel_costs", "channel_costs_many",
-           "channel_observation", "channel_observation_many", "observation_shared",
+           "channel_observation", "observation_shared",
            "channel_observation_rows", "nodes_fit", "first_fit",
            "max_ratio", "argmax_ties", "argmax_ties_rows", "as_scores", "warm_up"]
 
@@ -242,21 +242,6 @@ def channel_observation_rows(out: np.ndarray, sub_count: np.ndarray, dest_ptr: n
 
 
 @njit(cache=True, nogil=True)
-def channel_observation_many(out: np.ndarray, sub_count: np.ndarray, dest_ptr: np.ndarray,
-                             dest_idx: np.ndarray, types: np.ndarray, rate_bps: np.ndarray,
-                             subscribers: np.ndarray, rate: np.ndarray, num_nodes: int,
-                             cb: float, cp: float, progress: float, node_traffic: np.ndarray,
-                             inv_capacity: np.ndarray, bw_cap: int, cpu_cap: int,
-                             seen: np.ndarray, blocks: np.ndarray) -> None:
-    """:func:`channel_observation` of each unassigned type of ``types`` into row ``i`` of
-    the float32 ``out[len(types), size]``, all from the same state."""
-    peak = observation_shared(subscribers, rate, num_nodes, node_traffic, inv_capacity, seen,
-                              blocks)
-    channel_observation_rows(out, sub_count, dest_ptr, dest_idx, types, rate_bps, subscribers,
-                             rate, num_nodes, cb, cp, progress, peak, bw_cap, cpu_cap, blocks)
-
-
-@njit(cache=True, nogil=True)
 def nodes_fit(b: np.ndarray, pend: np.ndarray, reserve: bool, inv: np.ndarray,
               row: np.ndarray, dest: np.ndarray, f: int, rpc: bool, r_t: int, s_t: int) -> bool:
     """The node half of ``CostState.fits``: every node whose traffic the move changes stays
@@ -426,9 +411,6 @@ def warm_up() -> None:
     seen, blocks = np.full((2, 2), -1, np.int64), np.zeros((2, 2), np.float32)
     channel_observation(out[0], row, dest, 1, 2, s, r, 3, True, 0.5, 0.5, 0.0, i64, inv, 10, 10,
                         seen, blocks)
-    channel_observation_many(out, row, np.array([0, 2], np.int64), dest, np.array([0], np.int64),
-                             np.ones(1, np.int64), s, r, 3, 0.5, 0.5, 0.0, i64, inv, 10, 10,
-                             seen, blocks)
     peak = observation_shared(s, r, 3, i64, inv, seen, blocks)
     channel_observation_rows(out[0:1], row, np.array([0, 2], np.int64), dest,
                              np.array([0], np.int64)[0:1], np.ones(1, np.int64), s, r, 3, 0.5,
