@@ -35,14 +35,9 @@ __all__ = ["GreedyLocalSearch", "violation"]
 
 
 def violation(state: CostState) -> float:
-    """Total normalised violation: controller bandwidth, CPU, and every node."""
-    inst = state.inst
-    v = max(state.controller_bw / inst.controller_bw_bps - 1.0, 0.0)
-    v += max(state.controller_cpu / inst.controller_cpu - 1.0, 0.0)
-    over = state.node_traffic - inst.node_capacity_bps
-    if over.max(initial=0) > 0:
-        v += float((np.maximum(over, 0) / inst.node_capacity_bps).sum())
-    return v
+    """Total normalised violation: controller bandwidth, CPU, and every node
+    (:func:`envs.dsmd.cost.violation`)."""
+    return state.violation()
 
 
 def _rank(state: CostState) -> tuple[bool, float, int]:

@@ -10,7 +10,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-__all__ = ["comparison_plot", "sweep_plots", "learning_curve_plot", "SWEEP_FIGURES"]
+__all__ = ["comparison_plot", "sweep_plots", "learning_curve_plot", "online_timeline_plot",
+           "pareto_plot", "SWEEP_FIGURES"]
 
 _STYLE = {"rpc": ("tab:red", "o"), "vita": ("tab:blue", "s"), "idcs": ("tab:green", "^"),
           "alcor": ("tab:purple", "v"), "greedy": ("tab:orange", "D"), "exact": ("black", "*"),
@@ -115,4 +116,45 @@ def learning_curve_plot(curve: pd.DataFrame, path: Path, title: str) -> Path:
         ax.set_xlabel("environment steps")
         if len(cols) > 1 and ax.lines:
             ax.legend(fontsize=7)
+    return _save(fig, path, title)
+
+
+def online_timeline_plot(df: pd.DataFrame, path: Path, title: str) -> Path:
+    """One test trace, a line per policy: interval cost, redundancy ratio, violation and
+    SubscribeInfos per interval (``df``: per-interval rows of that trace)."""
+    cols = [("cost", "Interval cost"), ("redundancy_ratio", "Node traffic / necessary"),
+            ("violation", "Normalised violation"), ("subscribe_infos", "SubscribeInfos")]
+    fig, axes = plt.subplots(len(cols), 1, figsize=(9, 2.3 * len(cols)), sharex=True)
+    for pol, g in df.groupby("policy", sort=False):
+        for ax, (c, _) in zip(axes, cols):
+            ax.plot(g["window"], g[c], lw=1.2, label=pol)
+    for ax, (_, label) in zip(axes, cols):
+        ax.set_ylabel(label, fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0].set_yscale("log")
+    axes[-1].set_xlabel("interval")
+    axes[0].legend(fontsize=7, ncol=3, loc="upper right")
+    return _save(fig, path, title)
+
+
+def pareto_plot(points: pd.DataFrame, front: pd.DataFrame, path: Path, title: str,
+                others: pd.DataFrame | None = None) -> Path:
+    """The tunable heuristics' knob settings as points of (node traffic / necessary,
+    SubscribeInfos per interval), the non-dominated ones joined; ``others`` (one point per
+    fixed policy) drawn as labelled markers."""
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    feas = points["any_violated"] <= 0.0
+    ax.scatter(points.loc[feas, "redundancy_ratio"], points.loc[feas, "subscribe_infos"],
+               s=14, c="tab:blue", alpha=0.6, label="knob setting, no violated interval")
+    ax.scatter(points.loc[~feas, "redundancy_ratio"], points.loc[~feas, "subscribe_infos"],
+               s=14, c="tab:red", alpha=0.6, marker="x", label="knob setting with violations")
+    ax.plot(front["redundancy_ratio"], front["subscribe_infos"], "k-", lw=1, label="Pareto front")
+    if others is not None:
+        for _, r in others.iterrows():
+            ax.scatter([r["redundancy_ratio"]], [r["subscribe_infos"]], marker="s", s=30)
+            ax.annotate(r["policy"], (r["redundancy_ratio"], r["subscribe_infos"]), fontsize=7)
+    ax.set_xlabel("node traffic / necessary traffic")
+    ax.set_ylabel("SubscribeInfos per interval")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
     return _save(fig, path, title)

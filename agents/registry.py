@@ -5,36 +5,46 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 from envs.dsmd.problems import ProblemSet
+from envs.dsmd.scenarios import ScenarioSpec
+from envs.dsmd.topology import Topology
 
 from .baselines import IDCS, VITA, AlcorAuto, RPCOnly
 from .exact import ExactMILP
 from .greedy import GreedyLocalSearch
 from .policy import Policy
 
-__all__ = ["POLICIES", "make_policy", "make_policies"]
+__all__ = ["POLICIES", "make_policy", "make_policies", "make_policy_for"]
 
 
-def _alcor(ps: ProblemSet, p: Mapping[str, Any]) -> Policy:
-    extra = ps.spec.extra
-    return AlcorAuto(ps.dataset.topology.vpc_ports(),
+def _alcor(spec: ScenarioSpec, topology: Topology, p: Mapping[str, Any]) -> Policy:
+    extra = spec.extra
+    return AlcorAuto(topology.vpc_ports(),
                      upper=int(p.get("upper") or extra.get("alcor_upper", 1000)),
                      lower=int(p.get("lower") or extra.get("alcor_lower", 100)))
 
 
-POLICIES: dict[str, Callable[[ProblemSet, Mapping[str, Any]], Policy]] = {
-    "rpc": lambda ps, p: RPCOnly(),
-    "vita": lambda ps, p: VITA(),
-    "idcs": lambda ps, p: IDCS(),
+PolicyFactory = Callable[[ScenarioSpec, Topology, Mapping[str, Any]], Policy]
+
+POLICIES: dict[str, PolicyFactory] = {
+    "rpc": lambda s, t, p: RPCOnly(),
+    "vita": lambda s, t, p: VITA(),
+    "idcs": lambda s, t, p: IDCS(),
     "alcor": _alcor,
-    "greedy": lambda ps, p: GreedyLocalSearch(**dict(p)),
-    "exact": lambda ps, p: ExactMILP(**dict(p)),
+    "greedy": lambda s, t, p: GreedyLocalSearch(**dict(p)),
+    "exact": lambda s, t, p: ExactMILP(**dict(p)),
 }
 
 
-def make_policy(name: str, ps: ProblemSet, params: Mapping[str, Any] | None = None) -> Policy:
+def make_policy_for(name: str, spec: ScenarioSpec, topology: Topology,
+                    params: Mapping[str, Any] | None = None) -> Policy:
+    """The policy ``name`` for a scenario (its ``extra`` parameters) and topology."""
     if name not in POLICIES:
         raise KeyError(f"unknown policy '{name}'; known: {', '.join(POLICIES)}")
-    return POLICIES[name](ps, params or {})
+    return POLICIES[name](spec, topology, params or {})
+
+
+def make_policy(name: str, ps: ProblemSet, params: Mapping[str, Any] | None = None) -> Policy:
+    return make_policy_for(name, ps.spec, ps.dataset.topology, params)
 
 
 def make_policies(names, ps: ProblemSet, params: Mapping[str, Mapping] | None = None

@@ -9,6 +9,7 @@ any MLflow server. ``logger.enabled=false`` turns tracking off (nothing is writt
 from __future__ import annotations
 
 import contextlib
+import logging
 import shlex
 import sys
 from pathlib import Path
@@ -98,6 +99,8 @@ def tracked_run(cfg: DictConfig, *, run_name: str, tags: Mapping[str, str] | Non
     import mlflow
     from mlflow import MlflowClient
 
+    for noisy in ("mlflow.store.db.utils", "alembic"):  # schema set-up lines on every new store
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     uri = str(lcfg.tracking_uri)
     if uri.startswith("sqlite:///"):
         Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)

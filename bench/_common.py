@@ -15,7 +15,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "bench" / "results"
@@ -128,6 +128,26 @@ def _json_default(o: Any) -> Any:
     if hasattr(o, "tolist"):
         return o.tolist()
     return str(o)
+
+
+def timed(label: str, fn: Callable[[int], Any], repeats: int) -> tuple[dict, Any]:
+    """``fn(0)`` once cold, then ``fn(1..repeats)``: {"cold_s", "warm_s": stats} and the
+    last result."""
+    import time
+
+    times: list[float] = []
+    out: Any = None
+    for r in range(repeats + 1):
+        t0 = time.perf_counter()
+        out = fn(r)
+        times.append(time.perf_counter() - t0)
+        log(f"  {label:10s} {'cold' if r == 0 else f'run {r}/{repeats}'}: {times[-1]:.3f} s")
+    return {"cold_s": times[0], "warm_s": stats(times[1:])}, out
+
+
+def dir_bytes(d: Path) -> int:
+    """Bytes of every file below ``d``."""
+    return sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
 
 
 def log(msg: str) -> None:

@@ -27,10 +27,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import finish, fmt_stats, log, md_table, stats  # noqa: E402
+from _common import dir_bytes, finish, fmt_stats, log, md_table, timed  # noqa: E402
 
 from envs.dsmd.instance import DSMDInstance  # noqa: E402
 from envs.dsmd.parser import parse_trace  # noqa: E402
@@ -38,23 +37,6 @@ from envs.dsmd.scenarios import generate, load_scenario  # noqa: E402
 from envs.dsmd.traces import read_dataset, write_dataset  # noqa: E402
 
 REPEATS = 5  # stages take well under 2 s on cern, so 5 runs are cheap
-
-
-def timed(label: str, fn: Callable[[int], Any], repeats: int) -> tuple[dict, Any]:
-    """``fn(0)`` once cold, then ``fn(1..repeats)``: {"cold_s", "warm_s": stats} and the
-    last result."""
-    times: list[float] = []
-    out: Any = None
-    for r in range(repeats + 1):
-        t0 = time.perf_counter()
-        out = fn(r)
-        times.append(time.perf_counter() - t0)
-        log(f"  {label:10s} {'cold' if r == 0 else f'run {r}/{repeats}'}: {times[-1]:.3f} s")
-    return {"cold_s": times[0], "warm_s": stats(times[1:])}, out
-
-
-def dir_bytes(d: Path) -> int:
-    return sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
 
 
 def main() -> None:

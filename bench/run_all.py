@@ -21,7 +21,7 @@ from _common import RESULTS_DIR, ROOT, log, machine_info  # noqa: E402
 
 BENCHMARKS = ("bench_env", "bench_trace", "bench_exact", "bench_replay", "bench_pendulum",
               "bench_throughput", "bench_serving", "bench_testbed", "bench_multicast",
-              "bench_shaping")
+              "bench_shaping", "bench_online", "bench_dataset")
 
 
 def run(name: str, extra: list[str]) -> tuple[int, float]:

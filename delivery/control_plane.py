@@ -33,9 +33,9 @@ import time
 from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
-from scipy.optimize import linear_sum_assignment
 
 from envs.dsmd.message import Message
+from envs.dsmd.online import relabel_topics as relabel_topics_matrix
 from envs.dsmd.parser import IntervalEstimate
 
 from .controller import Controller
@@ -60,18 +60,16 @@ def relabel_topics(new: Mapping[int, int], subscribed: Mapping[int, Iterable[int
     nodes = sorted(set().union(*(map(int, hosts_of(t)) for t, c in new.items() if c))
                    | {int(n) for n in subscribed})
     col = {n: i for i, n in enumerate(nodes)}
-    need = np.zeros((len(used), len(nodes)), np.int32)
-    row = {a: i for i, a in enumerate(used)}
+    need = np.zeros((num_topics, len(nodes)), bool)
     for t, c in new.items():
         if c:
-            need[row[int(c)], [col[int(n)] for n in hosts_of(t)]] = 1
-    have = np.zeros((num_topics, len(nodes)), np.int32)
+            need[int(c) - 1, [col[int(n)] for n in hosts_of(t)]] = True
+    have = np.zeros((num_topics, len(nodes)), bool)
     for n, topics in subscribed.items():
         for b in topics:
-            have[int(b) - 1, col[int(n)]] = 1
-    rows, cols = linear_sum_assignment(need @ have.T, maximize=True)
-    to = {used[r]: int(c) + 1 for r, c in zip(rows, cols)}
-    return {int(t): (to[int(c)] if c else 0) for t, c in new.items()}
+            have[int(b) - 1, col[int(n)]] = True
+    to = relabel_topics_matrix(need, have)
+    return {int(t): (int(to[int(c)]) if c else 0) for t, c in new.items()}
 
 
 class ControlPlane:

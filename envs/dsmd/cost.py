@@ -25,7 +25,8 @@ from . import kernels as _k
 from .errors import InstanceError
 from .instance import RPC, UNASSIGNED, DSMDInstance
 
-__all__ = ["Metrics", "CostSnapshot", "CostState", "evaluate", "metrics_from", "node_stats"]
+__all__ = ["Metrics", "CostSnapshot", "CostState", "evaluate", "metrics_from", "node_stats",
+           "violation"]
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,18 @@ def evaluate(inst: DSMDInstance, channel: np.ndarray) -> CostSnapshot:
         total_traffic=int(fd[rpc].sum() + np.dot(topic_rate, subs)),
         necessary=int(fd[assigned].sum()),
         sent_messages=int((msgs * d)[rpc].sum() + msgs[mq].sum()))
+
+
+def violation(inst: DSMDInstance, controller_bw: int, controller_cpu: int,
+              node_traffic: np.ndarray) -> float:
+    """Total normalised violation of Eq. 1's constraints:
+    ``[bw/C_b - 1]^+ + [sends/C_p - 1]^+ + sum_n [b(n)/s(n) - 1]^+``."""
+    v = max(controller_bw / inst.controller_bw_bps - 1.0, 0.0)
+    v += max(controller_cpu / inst.controller_cpu - 1.0, 0.0)
+    over = node_traffic - inst.node_capacity_bps
+    if over.size and over.max() > 0:
+        v += float((np.maximum(over, 0) / inst.node_capacity_bps).sum())
+    return v
 
 
 def _check_channels(inst: DSMDInstance, channel: np.ndarray) -> None:
@@ -397,6 +410,10 @@ class CostState:
                                 self.topic_subscribers, rpc_ok, topic_ok))
 
     # ------------------------------------------------------------------ views
+    def violation(self) -> float:
+        """:func:`violation` of the current state."""
+        return violation(self.inst, self.controller_bw, self.controller_cpu, self.node_traffic)
+
     def snapshot(self) -> CostSnapshot:
         return CostSnapshot(self.node_traffic.copy(), self.topic_rate.copy(),
                             self.topic_subscribers.copy(), self.controller_bw,

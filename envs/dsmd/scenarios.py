@@ -19,6 +19,11 @@ Traffic model (documented in ``datasets/README.md``):
   same arrivals, sizes and uniforms at every share (common random numbers for sweeps).
 * Sizes follow a bounded power law (Pareto on [L, H], H/L = ``size_range``) whose exponent
   is solved so that the largest 20% of messages carry 80% of the bytes, scaled to the mean.
+
+Groups are kept as VM membership (:class:`_Groups`) and resolved to node sets under a VM
+placement (:class:`_Placement`), so :func:`envs.dsmd.dynamics.generate_dynamic` can move VMs
+during a trace. Both generators turn requests into messages with one function
+(:func:`_emit_messages`) and share the topology and group helpers.
 """
 
 from __future__ import annotations
@@ -207,9 +212,9 @@ def _sizes(g: np.random.Generator, n: int, spec: ScenarioSpec) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------- topology
-def _topology(spec: ScenarioSpec) -> tuple[Topology, list[np.ndarray]]:
-    """Topology plus each VPC's VM indices."""
-    g = rng(spec.seed, spec.name, "topology")
+def _topology(spec: ScenarioSpec, g: np.random.Generator
+              ) -> tuple[Topology, list[np.ndarray]]:
+    """Topology plus each VPC's VM indices, drawn from ``g`` (the ``topology`` stream)."""
     node_ids = np.arange(1, spec.num_nodes + 1, dtype=np.uint32)  # ids != indices on purpose
     bw = np.full(spec.num_nodes, int(spec.node_bandwidth_bps), dtype=np.int64)
     weights = g.lognormal(0.0, spec.vpc_size_sigma, spec.num_vpcs)
@@ -226,33 +231,92 @@ def _topology(spec: ScenarioSpec) -> tuple[Topology, list[np.ndarray]]:
     return topo, members
 
 
-def _groups(spec: ScenarioSpec, topo: Topology, members: list[np.ndarray]):
-    """Per VPC: group 0 is the whole VPC, then subnets, then security groups.
+@dataclass(frozen=True, eq=False)
+class _Groups:
+    """Multicast groups by VM membership, so a moved VM moves every group it is in.
 
-    Returns (group_kind codes, group node CSR, per-VPC group offsets)."""
-    g = rng(spec.seed, spec.name, "groups")
+    VPC ``v``'s groups are rows ``start[v]:start[v+1]``: the whole VPC (kind 0), then its
+    subnets (kind 1), then its security groups (kind 2). Group ``i``'s VMs (indices) are
+    ``vms[vm_ptr[i]:vm_ptr[i+1]]``.
+    """
+
+    kind: np.ndarray  # int8 (G,)
+    vm_ptr: np.ndarray  # int64 (G+1,)
+    vms: np.ndarray  # int64 VM indices
+    start: np.ndarray  # int64 (num_vpcs+1,)
+
+    @property
+    def size(self) -> int:
+        return int(self.kind.size)
+
+    def subnets(self) -> np.ndarray:
+        """Number of subnets of each VPC."""
+        return np.add.reduceat((self.kind == 1).astype(np.int64), self.start[:-1])
+
+    def nodes(self, vm_node: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """CSR (indptr, node indices) of each group's sorted distinct nodes under the
+        placement ``vm_node`` (VM index -> node index), or under several placements at
+        once when ``vm_node`` is ``(P, V)``: then row ``p * G + i`` is group ``i`` under
+        placement ``p``."""
+        vm_node = np.atleast_2d(np.asarray(vm_node, dtype=np.int64))
+        reps = vm_node.shape[0]
+        width = int(vm_node.max()) + 1 if vm_node.size else 1
+        row = (np.arange(reps, dtype=np.int64)[:, None] * self.size
+               + np.repeat(np.arange(self.size, dtype=np.int64), np.diff(self.vm_ptr))[None, :])
+        key = np.sort((row * width + vm_node[:, self.vms]).ravel())  # by (row, node)
+        keep = np.ones(key.size, dtype=bool)
+        keep[1:] = key[1:] != key[:-1]
+        key = key[keep]
+        counts = np.bincount(key // width, minlength=reps * self.size)
+        return np.concatenate([[0], np.cumsum(counts)]), key % width
+
+
+def _group_members(spec: ScenarioSpec, members: list[np.ndarray], g: np.random.Generator
+                   ) -> _Groups:
+    """Per VPC: the whole VPC, 1..``max_subnets`` subnets (a random partition of its VMs)
+    and 0..``max_security_groups`` security groups (random halves), drawn from ``g``."""
     kinds: list[int] = []
-    nodes: list[np.ndarray] = []
+    vms_of: list[np.ndarray] = []
     start = np.zeros(spec.num_vpcs + 1, dtype=np.int64)
     for v, vms in enumerate(members):
         start[v] = len(kinds)
         kinds.append(0)
-        nodes.append(np.unique(topo.vm_node[vms]))
+        vms_of.append(vms)
         n_sub = int(g.integers(1, min(spec.max_subnets, vms.size) + 1))
         labels = g.integers(0, n_sub, vms.size)
         labels[:n_sub] = np.arange(n_sub)  # every subnet non-empty
         for s in range(n_sub):
             kinds.append(1)
-            nodes.append(np.unique(topo.vm_node[vms[labels == s]]))
+            vms_of.append(vms[labels == s])
         for _ in range(int(g.integers(0, spec.max_security_groups + 1))):
             pick = g.random(vms.size) < 0.5
             pick[int(g.integers(vms.size))] = True
             kinds.append(2)
-            nodes.append(np.unique(topo.vm_node[vms[pick]]))
+            vms_of.append(vms[pick])
     start[-1] = len(kinds)
-    lens = np.array([a.size for a in nodes], dtype=np.int64)
-    indptr = np.concatenate([[0], np.cumsum(lens)])
-    return np.array(kinds, dtype=np.int8), indptr, np.concatenate(nodes), start
+    lens = np.array([a.size for a in vms_of], dtype=np.int64)
+    return _Groups(np.array(kinds, dtype=np.int8), np.concatenate([[0], np.cumsum(lens)]),
+                   np.concatenate(vms_of).astype(np.int64), start)
+
+
+@dataclass(frozen=True, eq=False)
+class _Placement:
+    """Where the VMs are: ``P`` versions of the placement (one for a static trace; one per
+    change for a trace with migrations), each with every group's node set.
+
+    ``vm_node[p]`` maps VM index -> node index under version ``p``; group ``i``'s nodes
+    under version ``p`` are row ``p * G + i`` of the CSR (``group_ptr``, ``group_nodes``).
+    """
+
+    vm_node: np.ndarray  # int64 (P, V)
+    group_ptr: np.ndarray  # int64 (P*G + 1,)
+    group_nodes: np.ndarray  # int64 node indices
+
+    @classmethod
+    def of(cls, groups: _Groups, vm_node: np.ndarray) -> "_Placement":
+        vm_node = np.atleast_2d(np.asarray(vm_node, dtype=np.int64))
+        ptr, nodes = groups.nodes(vm_node)
+        return cls(vm_node, ptr, nodes)
 
 
 def _gather_csr(indptr: np.ndarray, values: np.ndarray, rows: np.ndarray):
@@ -262,30 +326,60 @@ def _gather_csr(indptr: np.ndarray, values: np.ndarray, rows: np.ndarray):
     return out_ptr, values[idx]
 
 
-# ---------------------------------------------------------------------- trace
-def generate(spec: ScenarioSpec) -> Dataset:
-    """Generate the scenario's topology and message trace (deterministic in ``spec.seed``)."""
-    topo, members = _topology(spec)
-    gkind, gptr, gnodes, gstart = _groups(spec, topo, members)
-    g = rng(spec.seed, spec.name, "arrivals")
+# ---------------------------------------------------------------------- messages
+#: Per-request life-cycle phase (dynamic traces): ordinary traffic, a VPC's creation burst
+#: (mostly CREATE of PORT / SUBNET) or its deletion burst (mostly DELETE).
+PHASE_NORMAL, PHASE_CREATE, PHASE_DELETE = 0, 1, 2
+
+
+def _messages_per_request(g: np.random.Generator, n_req: int, spec: ScenarioSpec) -> np.ndarray:
+    """1 + Geometric messages per request, mean ``messages_per_request``."""
     mean_msgs = max(spec.messages_per_request, 1.0)
-    req_times: list[np.ndarray] = []
-    t0 = 0.0
-    for dur, mult in spec.phase_table():
-        lam = spec.total_rate_bps() * mult / (8.0 * spec.mean_size_bytes) / mean_msgs
-        k = int(g.poisson(lam * dur))
-        req_times.append(np.sort(t0 + g.random(k) * dur))
-        t0 += dur
-    rt = np.concatenate(req_times) if req_times else np.zeros(0)
+    return (g.geometric(1.0 / mean_msgs, n_req) if mean_msgs > 1
+            else np.ones(n_req, dtype=np.int64))
+
+
+def _op_codes(u: np.ndarray) -> np.ndarray:
+    """Operation mix: CREATE 40%, UPDATE 40%, DELETE 15%, GET 2.5%, INFO 2.5%."""
+    opc = {o: OPERATION_NAMES.index(o.value) for o in OT}
+    return np.select([u < 0.4, u < 0.8, u < 0.95, u < 0.975],
+                     [opc[OT.CREATE], opc[OT.UPDATE], opc[OT.DELETE], opc[OT.GET]],
+                     opc[OT.INFO]).astype(np.int8)
+
+
+def _lifecycle_ops(op: np.ndarray, u_op: np.ndarray, phase: np.ndarray, share: float) -> None:
+    """In a creation (deletion) burst a message is CREATE (DELETE) with probability
+    ``share``, else it follows the ordinary mix (drawn from the rest of the same uniform)."""
+    opc = {o: OPERATION_NAMES.index(o.value) for o in OT}
+    life = phase != PHASE_NORMAL
+    if not life.any():
+        return
+    rest = _op_codes(np.clip((u_op[life] - share) / max(1.0 - share, 1e-12), 0.0, 1.0))
+    forced = np.where(phase[life] == PHASE_CREATE, opc[OT.CREATE], opc[OT.DELETE])
+    op[life] = np.where(u_op[life] < share, forced, rest).astype(np.int8)
+
+
+def _emit_messages(spec: ScenarioSpec, g: np.random.Generator, rt: np.ndarray,
+                   per_req: np.ndarray, req_vpc: np.ndarray, topo: Topology,
+                   members: list[np.ndarray], groups: _Groups, place: _Placement, *,
+                   start_ns: int = TRACE_EPOCH_NS, req_version: np.ndarray | None = None,
+                   req_phase: np.ndarray | None = None, lifecycle_share: float = 0.9
+                   ) -> Trace:
+    """Requests -> messages, shared by the static and the dynamic generator.
+
+    ``rt`` are request times (seconds after ``start_ns``, sorted), ``per_req`` their message
+    counts and ``req_vpc`` their VPC indices. Draws sizes and the kind / pick / configuration
+    / operation uniforms from ``g``. Optional per request: ``req_version``, the placement
+    version in force (default 0), and ``req_phase``, the VPC's life-cycle phase
+    (:data:`PHASE_CREATE` messages are CREATE of SUBNET (multicast) or PORT (unicast) with
+    probability ``lifecycle_share``; :data:`PHASE_DELETE` messages are DELETE with that
+    probability). Message ids are ``1..n``, request ids ``1..len(rt)``.
+    """
     n_req = rt.size
-    # 1 + Geometric messages per request, mean ``messages_per_request``
-    per_req = (g.geometric(1.0 / mean_msgs, n_req) if mean_msgs > 1
-               else np.ones(n_req, dtype=np.int64))
-    req_vpc = g.integers(0, spec.num_vpcs, n_req)  # equal traffic per VPC
     n = int(per_req.sum())
     req_of = np.repeat(np.arange(n_req), per_req)
     within = np.arange(n) - np.repeat(np.cumsum(per_req) - per_req, per_req)
-    ts = TRACE_EPOCH_NS + np.rint(rt[req_of] * 1e9).astype(np.int64) + within  # +1 ns each
+    ts = start_ns + np.rint(rt[req_of] * 1e9).astype(np.int64) + within  # +1 ns each
     order = np.argsort(ts, kind="stable")
     req_of, ts = req_of[order], ts[order]
     vpc = req_vpc[req_of]
@@ -295,13 +389,21 @@ def generate(spec: ScenarioSpec) -> Dataset:
     u_cfg = g.random(n)
     u_op = g.random(n)
     multicast = u_kind < spec.multicast_share
+    phase = None if req_phase is None else req_phase[req_of]
 
     # multicast: whole VPC w.p. 1/3, else a subnet or security group
+    gstart = groups.start
     n_groups = gstart[vpc + 1] - gstart[vpc]
     rest = np.maximum(n_groups - 1, 1)
     sub = np.minimum((u_pick - 1 / 3) * 1.5 * rest, rest - 1).astype(np.int64)
     grp = np.where((u_pick < 1 / 3) | (n_groups == 1), gstart[vpc],
                    gstart[vpc] + 1 + np.maximum(sub, 0))
+    creating = None
+    if phase is not None:  # a creation burst configures subnets and ports
+        creating = phase == PHASE_CREATE
+        n_sub = groups.subnets()[vpc]
+        subnet = gstart[vpc] + 1 + np.minimum((u_pick * n_sub).astype(np.int64), n_sub - 1)
+        grp = np.where(creating & (u_cfg < lifecycle_share), subnet, grp)
     # unicast: one VM of the VPC
     vpc_sizes = np.array([m.size for m in members])
     vm_pos = np.minimum((u_pick * vpc_sizes[vpc]).astype(np.int64), vpc_sizes[vpc] - 1)
@@ -311,35 +413,26 @@ def generate(spec: ScenarioSpec) -> Dataset:
 
     code = {c: CONFIG_NAMES.index(c.value) for c in CT}
     cfg = np.empty(n, dtype=np.int8)
-    kind = gkind[grp]
+    kind = groups.kind[grp]
     cfg_whole = np.where(u_cfg < 0.6, code[CT.VPC], np.where(u_cfg < 0.85, code[CT.ROUTER],
                                                              code[CT.GATEWAY]))
     cfg_multi = np.where(kind == 0, cfg_whole,
                          np.where(kind == 1, code[CT.SUBNET], code[CT.SECURITY_GROUP]))
     cfg_uni = np.where(u_cfg < 0.7, code[CT.PORT], np.where(u_cfg < 0.9, code[CT.NEIGHBOR],
                                                             code[CT.DHCP]))
+    if creating is not None:
+        cfg_uni = np.where(creating & (u_cfg < lifecycle_share), code[CT.PORT], cfg_uni)
     cfg[:] = np.where(multicast, cfg_multi, cfg_uni)
-    opc = {o: OPERATION_NAMES.index(o.value) for o in OT}
-    op = np.select([u_op < 0.4, u_op < 0.8, u_op < 0.95, u_op < 0.975],
-                   [opc[OT.CREATE], opc[OT.UPDATE], opc[OT.DELETE], opc[OT.GET]],
-                   opc[OT.INFO]).astype(np.int8)
+    op = _op_codes(u_op)
+    if phase is not None:
+        _lifecycle_ops(op, u_op, phase, lifecycle_share)
     resource = np.where(multicast, (np.uint64(1) << np.uint64(56)) + grp.astype(np.uint64),
                         (np.uint64(2) << np.uint64(56)) + vm.astype(np.uint64)).astype(np.uint64)
-
-    # destinations: group nodes or the VM's node, as node *ids*
-    g_ptr, g_vals = _gather_csr(gptr, gnodes, grp)
-    lens = np.where(multicast, np.diff(g_ptr), 1)
-    hosts_ptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-    hosts = np.empty(hosts_ptr[-1], dtype=np.int64)
-    mc_rows = np.flatnonzero(multicast)
-    if mc_rows.size:
-        src_ptr, src_vals = _gather_csr(g_ptr, g_vals, mc_rows)
-        dst = np.repeat(hosts_ptr[mc_rows] - src_ptr[:-1], np.diff(src_ptr)) + np.arange(
-            src_ptr[-1])
-        hosts[dst] = src_vals
-    uc_rows = np.flatnonzero(~multicast)
-    hosts[hosts_ptr[uc_rows]] = topo.vm_node[vm[uc_rows]]
-    trace = Trace(
+    version = (np.zeros(n, dtype=np.int64) if req_version is None
+               else req_version[req_of].astype(np.int64))
+    hosts_ptr, hosts = _destinations(place, groups.size, grp + version * groups.size, vm,
+                                     version, multicast)
+    return Trace(
         message_id=np.arange(1, n + 1, dtype=np.uint32),
         request_id=(req_of + 1).astype(np.uint32),
         vpc_id=topo.vm_vpc[vm_flat[vm_start[vpc]]].astype(np.uint32),
@@ -351,6 +444,46 @@ def generate(spec: ScenarioSpec) -> Dataset:
         hosts_indptr=hosts_ptr,
         hosts=topo.node_ids[hosts],
     )
+
+
+def _destinations(place: _Placement, num_groups: int, group_row: np.ndarray, vm: np.ndarray,
+                  version: np.ndarray, multicast: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Destination CSR (indptr, node indices): a multicast message goes to its group's
+    nodes (row ``group_row`` of the placement's group CSR), a unicast one to its VM's node."""
+    g_ptr, g_vals = _gather_csr(place.group_ptr, place.group_nodes, group_row)
+    lens = np.where(multicast, np.diff(g_ptr), 1)
+    hosts_ptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    hosts = np.empty(hosts_ptr[-1], dtype=np.int64)
+    mc_rows = np.flatnonzero(multicast)
+    if mc_rows.size:
+        src_ptr, src_vals = _gather_csr(g_ptr, g_vals, mc_rows)
+        dst = np.repeat(hosts_ptr[mc_rows] - src_ptr[:-1], np.diff(src_ptr)) + np.arange(
+            src_ptr[-1])
+        hosts[dst] = src_vals
+    uc_rows = np.flatnonzero(~multicast)
+    hosts[hosts_ptr[uc_rows]] = place.vm_node[version[uc_rows], vm[uc_rows]]
+    return hosts_ptr, hosts
+
+
+# ---------------------------------------------------------------------- trace
+def generate(spec: ScenarioSpec) -> Dataset:
+    """Generate the scenario's topology and message trace (deterministic in ``spec.seed``)."""
+    topo, members = _topology(spec, rng(spec.seed, spec.name, "topology"))
+    groups = _group_members(spec, members, rng(spec.seed, spec.name, "groups"))
+    place = _Placement.of(groups, topo.vm_node)
+    g = rng(spec.seed, spec.name, "arrivals")
+    mean_msgs = max(spec.messages_per_request, 1.0)
+    req_times: list[np.ndarray] = []
+    t0 = 0.0
+    for dur, mult in spec.phase_table():
+        lam = spec.total_rate_bps() * mult / (8.0 * spec.mean_size_bytes) / mean_msgs
+        k = int(g.poisson(lam * dur))
+        req_times.append(np.sort(t0 + g.random(k) * dur))
+        t0 += dur
+    rt = np.concatenate(req_times) if req_times else np.zeros(0)
+    per_req = _messages_per_request(g, rt.size, spec)
+    req_vpc = g.integers(0, spec.num_vpcs, rt.size)  # equal traffic per VPC
+    trace = _emit_messages(spec, g, rt, per_req, req_vpc, topo, members, groups, place)
     meta = {"name": spec.name, "generator": "envs.dsmd.scenarios.generate",
             "trace_key": spec.trace_key(), "spec": spec.to_dict(),
             "start_ns": TRACE_EPOCH_NS, "duration_s": spec.duration_s}

@@ -1,0 +1,311 @@
+"""The online yardstick: run deciders over the traces of a dataset split, tune the online
+heuristics' knobs on the validation traces, bound with the hindsight oracle, and tabulate.
+
+Evaluation protocol (``docs/online.md``): traces are split by seed; every knob is chosen on
+the validation traces only; the test traces are the same for every method; each method is
+reported with its mean and 95% interval over test traces, as a point of (realised node
+traffic, SubscribeInfos per interval) with its violated intervals, and with its regret
+against the hindsight oracle. ``headroom`` = best tuned online heuristic minus oracle.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+import pandas as pd
+
+from envs.dsmd.dataset import TraceDataset, open_dataset
+from envs.dsmd.errors import DSMDError
+from envs.dsmd.online import OnlineCost, OnlineSimulator, OnlineTrace
+from envs.progress import Progress
+
+from .online import HindsightGreedy, OnlineGreedy, make_static
+
+__all__ = ["DeciderSpec", "evaluate_online", "tune", "pareto_front", "summarize_online",
+           "format_online_table", "knob_grid", "oracle_specs", "per_trace", "exact_bound",
+           "exact_bounds", "as_horizon", "compose_oracle", "ci95"]
+
+
+@dataclass(frozen=True)
+class DeciderSpec:
+    """A decider by kind and parameters (picklable, built inside worker processes).
+
+    ``kind``: ``static`` (``params.policy`` re-planned every interval), ``online_greedy``
+    (:class:`agents.online.OnlineGreedy` knobs in ``params``) or ``oracle`` (hindsight)."""
+
+    name: str
+    kind: str
+    params: tuple[tuple[str, Any], ...] = ()
+
+    @classmethod
+    def make(cls, name: str, kind: str, **params: Any) -> "DeciderSpec":
+        if kind not in ("static", "online_greedy", "oracle"):
+            raise DSMDError(f"unknown decider kind {kind!r}")
+        return cls(name, kind, tuple(sorted(params.items())))
+
+    @property
+    def kw(self) -> dict[str, Any]:
+        return dict(self.params)
+
+    def build(self, trace: OnlineTrace, cost: OnlineCost):
+        p = self.kw
+        if self.kind == "static":
+            pol = p.pop("policy", self.name)
+            return make_static(pol, trace.spec, trace.parsed.catalog.topology, cost, p)
+        if self.kind == "online_greedy":
+            return OnlineGreedy(cost=cost, name=self.name, **p)
+        return HindsightGreedy(cost=cost, name=self.name, **p)
+
+
+# ---------------------------------------------------------------------- workers
+_TRACES: dict[tuple[str, str], OnlineTrace] = {}
+
+
+def _trace(root: str, trace_id: str) -> OnlineTrace:
+    key = (root, trace_id)
+    if key not in _TRACES:
+        ds = open_dataset(Path(root))
+        _TRACES.clear()  # one trace per worker at a time keeps memory flat
+        _TRACES[key] = OnlineTrace.from_dataset(ds.load(trace_id), ds.scenario, trace_id)
+    return _TRACES[key]
+
+
+def _run_job(args: tuple) -> list[dict[str, Any]]:
+    root, trace_id, specs, cost, windows = args
+    tr = _trace(root, trace_id)
+    rows = []
+    for spec in specs:
+        sim = OnlineSimulator(tr, cost, hindsight=spec.kind == "oracle")
+        for r in sim.run(spec.build(tr, cost), windows):
+            rows.append({"policy": spec.name, "trace": trace_id, **r.as_dict()})
+    return rows
+
+
+def evaluate_online(dataset: TraceDataset, trace_ids: Sequence[str],
+                    specs: Sequence[DeciderSpec], cost: OnlineCost, windows: int | None = None,
+                    workers: int = 1, progress: bool = True, desc: str = "online") -> pd.DataFrame:
+    """One row per (policy, trace, interval) with every term of the interval.
+
+    Jobs are one trace each (every decider on it), spread over ``workers`` processes."""
+    jobs = [(str(dataset.root), t, tuple(specs), cost, windows) for t in trace_ids]
+    rows: list[dict[str, Any]] = []
+    bar = Progress(progress, len(jobs), desc)
+    if workers <= 1 or len(jobs) <= 1:
+        for j in jobs:
+            rows.extend(_run_job(j))
+            bar.step(j[1])
+    else:
+        import multiprocessing as mp
+
+        with ProcessPoolExecutor(max_workers=min(workers, len(jobs)),
+                                 mp_context=mp.get_context("fork")) as ex:
+            for j, out in zip(jobs, ex.map(_run_job, jobs)):
+                rows.extend(out)
+                bar.step(j[1])
+    bar.close()
+    return pd.DataFrame(rows)
+
+
+# ---------------------------------------------------------------------- tuning
+def compose_oracle(df: pd.DataFrame, name: str = "oracle") -> pd.DataFrame:
+    """Rows of a policy named ``name``: per trace, whichever run had the least mean cost over
+    the trace's busy intervals, among the hindsight variants (``oracle_*``) and every online
+    method evaluated. Hindsight may pick per trace, so no method has negative regret; the
+    greedy variants alone are heuristics, not bounds (the exact bound is
+    :func:`exact_bound`)."""
+    pt = per_trace(df)
+    best = pt.loc[pt.groupby("trace", sort=False)["cost"].idxmin(), ["trace", "policy"]]
+    pick = df.merge(best, on=["trace", "policy"])
+    pick = pick.assign(oracle_source=pick.policy, policy=name)
+    return pd.concat([df, pick], ignore_index=True)
+
+
+def knob_grid(family: str, grid: Mapping[str, Sequence[Any]]) -> list[DeciderSpec]:
+    """Every combination of ``grid`` as an ``online_greedy`` decider named after its knobs."""
+    keys = sorted(grid)
+    out = []
+    for combo in itertools.product(*(list(grid[k]) for k in keys)):
+        kw = {k: (as_horizon(v) if k == "horizon" else v) for k, v in zip(keys, combo)}
+        label = ",".join(f"{k}={_fmt(v)}" for k, v in kw.items())
+        out.append(DeciderSpec.make(f"{family}[{label}]", "online_greedy", **kw))
+    return out
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def per_trace(df: pd.DataFrame) -> pd.DataFrame:
+    """Per (policy, trace) means of the interval terms, and violated-interval shares."""
+    g = df[df["types"] > 0].groupby(["policy", "trace"], sort=False)
+    out = g[["cost", "redundancy_ratio", "violation", "subscribe_infos", "moved_types",
+             "total_node_traffic_bps", "bw_violated", "cpu_violated", "node_violated",
+             "new_types", "types"]].mean()
+    out["any_violated"] = g["feasible"].apply(lambda s: 1.0 - s.mean())
+    return out.reset_index()
+
+
+def tune(df: pd.DataFrame, families: Iterable[str]) -> dict[str, str]:
+    """The best decider of each family (lowest mean cost over the validation traces)."""
+    pt = per_trace(df)
+    means = pt.groupby("policy")["cost"].mean()
+    best = {}
+    for fam in families:
+        cand = means[[p for p in means.index if p.startswith(fam + "[")]]
+        if cand.empty:
+            raise DSMDError(f"no decider of family '{fam}' was evaluated")
+        best[fam] = str(cand.idxmin())
+    return best
+
+
+def pareto_front(points: pd.DataFrame, x: str, y: str) -> pd.DataFrame:
+    """The points not dominated in (x, y), both minimised, sorted by x."""
+    p = points.sort_values([x, y]).reset_index(drop=True)
+    keep, best_y = [], math.inf
+    for i, r in p.iterrows():
+        if r[y] < best_y - 1e-12:
+            keep.append(i)
+            best_y = r[y]
+    return p.loc[keep]
+
+
+def as_horizon(h: Any) -> float:
+    """A hysteresis horizon from config: a number, or ``inf`` / ``null`` for "always"."""
+    return math.inf if h is None or str(h).lower() in ("inf", "infinity") else float(h)
+
+
+def oracle_specs(horizons: Sequence[Any]) -> list[DeciderSpec]:
+    """One hindsight greedy per distinct horizon."""
+    hs = list(dict.fromkeys(as_horizon(h) for h in horizons))
+    return [DeciderSpec.make(f"oracle_greedy[horizon={_fmt(h)}]", "oracle", horizon=h)
+            for h in hs]
+
+
+# ---------------------------------------------------------------------- summary
+def ci95(x: np.ndarray) -> float:
+    x = np.asarray(x, np.float64)
+    if x.size < 2:
+        return float("nan")
+    from scipy.stats import t
+
+    return float(t.ppf(0.975, x.size - 1) * x.std(ddof=1) / math.sqrt(x.size))
+
+
+def summarize_online(df: pd.DataFrame, oracle: str = "oracle") -> pd.DataFrame:
+    """Per policy: means over test traces with 95% intervals, violated intervals per
+    constraint, switching per interval, and regret against ``oracle`` (a policy name in
+    ``df``) computed trace by trace."""
+    pt = per_trace(df)
+    ref = pt[pt.policy == oracle].set_index("trace")["cost"] if oracle in set(pt.policy) else None
+    rows = []
+    for pol, g in pt.groupby("policy", sort=False):
+        row = {"policy": pol, "traces": len(g), "cost": g.cost.mean(), "cost_ci95": ci95(g.cost),
+               "node_traffic_mbps": g.total_node_traffic_bps.mean() / 1e6,
+               "redundancy_ratio": g.redundancy_ratio.mean(),
+               "bw_violated_pct": 100 * g.bw_violated.mean(),
+               "cpu_violated_pct": 100 * g.cpu_violated.mean(),
+               "node_violated_pct": 100 * g.node_violated.mean(),
+               "subscribe_infos": g.subscribe_infos.mean(),
+               "moved_types": g.moved_types.mean()}
+        if ref is not None:
+            reg = 100 * (g.set_index("trace").cost / ref.loc[g.trace].values - 1.0)
+            row["regret_pct"], row["regret_ci95"] = float(reg.mean()), ci95(reg.values)
+        rows.append(row)
+    return pd.DataFrame(rows).sort_values("cost").reset_index(drop=True)
+
+
+def format_online_table(summary: pd.DataFrame) -> str:
+    cols = [("policy", "policy", "{}"), ("cost", "cost", "{:.4f}"), ("cost_ci95", "±95%", "{:.4f}"),
+            ("node_traffic_mbps", "node Mbps", "{:.1f}"), ("redundancy_ratio", "redund.", "{:.3f}"),
+            ("bw_violated_pct", "C_b viol%", "{:.1f}"), ("cpu_violated_pct", "C_p viol%", "{:.1f}"),
+            ("node_violated_pct", "s(n) viol%", "{:.1f}"), ("subscribe_infos", "SI/int", "{:.0f}"),
+            ("moved_types", "moves/int", "{:.1f}"), ("regret_pct", "regret%", "{:+.1f}"),
+            ("regret_ci95", "±95%", "{:.1f}")]
+    cols = [c for c in cols if c[0] in summary]
+    head = [c[1] for c in cols]
+    body = [[("nan" if isinstance(r[c[0]], float) and math.isnan(r[c[0]]) else c[2].format(r[c[0]]))
+             for c in cols] for _, r in summary.iterrows()]
+    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
+    line = lambda xs: "  ".join(x.rjust(w) if i else x.ljust(w)  # noqa: E731
+                                for i, (x, w) in enumerate(zip(xs, widths)))
+    return "\n".join([line(head), line(["-" * w for w in widths]), *map(line, body)])
+
+
+def default_workers() -> int:
+    return max(1, min(len(os.sched_getaffinity(0)), 4))
+
+
+# ---------------------------------------------------------------------- exact bound
+def exact_bound(trace: OnlineTrace, cost: OnlineCost, horizon: int, time_limit_s: float,
+                max_variables: int, windows: int | None = None) -> dict[str, Any]:
+    """A certified lower bound on the mean interval cost of any plan for ``trace``.
+
+    The trace is cut into chunks of ``horizon`` intervals, each solved by the multi-period
+    MILP (:func:`agents.exact_online.solve_online_oracle`) from a free start (its first
+    interval pays no switching terms). Dropping those terms only lowers the cost, so the sum
+    of the chunks' dual bounds (less each one's float tolerance) bounds the whole trace's
+    optimum from below; it is a bound, not the optimum, even when every chunk is solved.
+    ``status`` is ``chunks_optimal`` when every chunk was solved to optimality, ``bound``
+    when some stopped at the time limit (their dual bound still counts), ``too_large`` when
+    a chunk exceeds ``max_variables``, ``empty`` when no interval carries traffic."""
+    from .exact import InstanceTooLarge
+    from .exact_online import solve_online_oracle
+
+    horizon = int(horizon)
+    if horizon < 1:
+        raise DSMDError(f"the exact bound's horizon must be >= 1 interval, got {horizon}")
+    n = trace.num_windows if windows is None else min(trace.num_windows, int(windows))
+    insts = [trace.realised(w) for w in range(n)]
+    insts = [i for i in insts if i.num_types]  # an empty interval changes nothing
+    total, statuses, t = 0.0, [], 0.0
+    if not insts:
+        return {"trace": trace.name, "status": "empty", "bound": float("nan"), "intervals": 0,
+                "detail": "no interval carries traffic"}
+    for a in range(0, len(insts), horizon):
+        chunk = insts[a:a + horizon]
+        if not chunk:
+            continue
+        try:
+            r = solve_online_oracle(chunk, cost.w_violation, cost.w_subscribe, cost.w_move,
+                                    time_limit_s=time_limit_s, max_variables=max_variables)
+        except InstanceTooLarge as e:
+            return {"trace": trace.name, "status": "too_large", "bound": float("nan"),
+                    "intervals": n, "detail": str(e)}
+        if r.dual_bound is None:
+            return {"trace": trace.name, "status": r.status, "bound": float("nan"),
+                    "intervals": n, "detail": "no dual bound"}
+        total += r.dual_bound - r.gap_tolerance  # the bound's float error, conservatively
+        statuses.append(r.status)
+        t += r.time_s
+    status = "chunks_optimal" if all(s == "optimal" for s in statuses) else "bound"
+    return {"trace": trace.name, "status": status, "bound": total / max(len(insts), 1),
+            "intervals": len(insts),
+            "chunks": len(statuses), "time_s": t, "detail": ""}
+
+
+def _bound_job(args: tuple) -> dict[str, Any]:
+    root, trace_id, cost, horizon, time_limit_s, max_variables, windows = args
+    return exact_bound(_trace(root, trace_id), cost, horizon, time_limit_s, max_variables,
+                       windows)
+
+
+def exact_bounds(dataset: TraceDataset, trace_ids: Sequence[str], cost: OnlineCost,
+                 horizon: int, time_limit_s: float, max_variables: int,
+                 windows: int | None = None, workers: int = 1) -> pd.DataFrame:
+    """:func:`exact_bound` of every trace (one row each)."""
+    jobs = [(str(dataset.root), t, cost, horizon, time_limit_s, max_variables, windows)
+            for t in trace_ids]
+    if workers <= 1 or len(jobs) <= 1:
+        return pd.DataFrame([_bound_job(j) for j in jobs])
+    import multiprocessing as mp
+
+    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)),
+                             mp_context=mp.get_context("fork")) as ex:
+        return pd.DataFrame(list(ex.map(_bound_job, jobs)))

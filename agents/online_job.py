@@ -1,0 +1,152 @@
+"""The online yardstick job: ``python train.py env=online agent=baselines``.
+
+1. Build (or open, cached) the trace dataset of ``env.dataset``.
+2. Tune the online heuristics' knobs on the **validation** traces (a grid per family),
+   and evaluate every static baseline there too; the best online heuristic is chosen there.
+3. On the **test** traces: every static baseline re-planned each interval, each tuned
+   family at its chosen knobs, the hindsight greedy variants, the oracle (per trace the
+   best of the hindsight variants and every online method) and, where the multi-period
+   MILP fits, its certified lower bound (``agents.exact_online``).
+4. Print the yardstick table, write CSVs and plots, record an MLflow run.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from typing import Any
+
+import pandas as pd
+from omegaconf import DictConfig
+
+from envs.dsmd.dataset import build_dataset, load_dataset_spec
+from envs.dsmd.errors import DSMDError
+from envs.dsmd.online import OnlineCost
+from envs.seeding import seed_everything
+
+from .config import output_dir, to_dict
+from .online_eval import (DeciderSpec, ci95, compose_oracle, default_workers, evaluate_online,
+                          exact_bounds, format_online_table, knob_grid, oracle_specs,
+                          pareto_front, per_trace, summarize_online, tune)
+from .plots import online_timeline_plot, pareto_plot
+from .tracking import tracked_run
+
+__all__ = ["run_online_main"]
+
+
+def _bound_text(bounds: pd.DataFrame, pt: pd.Series, best: str, horizon: int) -> str:
+    """The exact lower bound's line of the summary: where it was solved, how far the greedy
+    oracle and the best online heuristic are above it."""
+    ok = bounds[bounds.status.isin(["chunks_optimal", "bound"])]
+    if ok.empty:
+        why = bounds.detail.iloc[0] if len(bounds) else "no test trace"
+        return f"exact lower bound (multi-period MILP): not computed ({why})\n"
+    b = ok.set_index("trace")["bound"]
+    ora = 100 * (pt.loc["oracle"].loc[b.index] / b - 1.0)
+    on = 100 * (pt.loc[best].loc[b.index] / b - 1.0)
+    return (f"exact lower bound (multi-period MILP, chunks of {horizon} intervals, "
+            f"{len(ok)}/{len(bounds)} traces, every chunk solved to optimality on "
+            f"{int((ok.status == 'chunks_optimal').sum())}): oracle {ora.mean():+.2f}% ± "
+            f"{ci95(ora.values):.2f}%, "
+            f"{best} {on.mean():+.2f}% ± {ci95(on.values):.2f}% above it\n")
+
+
+def run_online_main(cfg: DictConfig) -> dict[str, Any]:
+    seed_everything(int(cfg.seed))
+    e = cfg.env
+    if cfg.agent.name != "baselines":
+        raise DSMDError(f"env=online runs the online yardstick (agent=baselines); agent="
+                        f"{cfg.agent.name} has no online trainer here")
+    out = output_dir(cfg)
+    progress = bool(cfg.progress)
+    spec = load_dataset_spec(str(e.dataset), **(to_dict(e.get("dataset_overrides")) or {}))
+    ds = build_dataset(spec, cfg.paths.data_dir, progress=progress)
+    cost = OnlineCost.from_dict(to_dict(e.cost))
+    workers = int(e.workers or default_workers())
+    val_ids = [r.id for r in ds.traces("validation")][:e.tune.traces or None]
+    test_ids = [r.id for r in ds.traces("test")][:e.eval_traces or None]
+    if not val_ids or not test_ids:
+        raise DSMDError(f"dataset '{spec.name}' needs validation and test traces "
+                        f"(has {len(val_ids)} and {len(test_ids)})")
+    statics = [DeciderSpec.make(n, "static", **(to_dict(e.static_params).get(n) or {}))
+               for n in e.baselines]
+    families = {fam: knob_grid(fam, to_dict(grid)) for fam, grid in to_dict(e.tune.grid).items()}
+    sc = ds.scenario
+    print(f"[online] dataset {spec.name}: {len(ds.traces('all'))} traces of "
+          f"{spec.duration_s:g}s ({len(val_ids)} validation, {len(test_ids)} test used), "
+          f"scenario {sc.name}: N={sc.num_nodes}, K={sc.num_topics}, T={sc.interval_s:g}s; "
+          f"{sum(len(v) for v in families.values())} knob settings; output: {out}", flush=True)
+    t0 = time.perf_counter()
+    run_name = cfg.get("run_name") or f"{spec.name}__online_baselines__{cfg.seed}"
+    tags = {"scenario": sc.name, "dataset": spec.name, "task": "online_baselines",
+            "seed": str(cfg.seed)}
+    with tracked_run(cfg, run_name=run_name, tags=tags) as log:
+        # 1. validation: every static baseline and every knob setting
+        val = evaluate_online(ds, val_ids, statics + [s for v in families.values() for s in v],
+                              cost, e.tune.windows, workers, progress, "tune (validation)")
+        vpt = per_trace(val)
+        points = vpt.groupby("policy", sort=False).mean(numeric_only=True).reset_index()
+        best = tune(val, families)
+        online_means = points.set_index("policy")["cost"]
+        candidates = [s.name for s in statics] + list(best.values())
+        best_online = str(online_means[candidates].idxmin())
+        tuned = {fam: next(s for s in families[fam] if s.name == name)
+                 for fam, name in best.items()}
+        log.table(points, out / "tuning.csv")
+        for fam, name in best.items():
+            print(f"[online] tuned on validation: {name} (cost {online_means[name]:.4f})",
+                  flush=True)
+        # 2. test: baselines, tuned heuristics (renamed to their family), oracle variants
+        test_specs = statics + [DeciderSpec(fam, s.kind, s.params) for fam, s in tuned.items()]
+        horizons = [*e.oracle.horizons, *(s.kw.get("horizon", math.inf) for s in tuned.values())]
+        test_specs += oracle_specs(horizons)
+        df = evaluate_online(ds, test_ids, test_specs, cost, e.eval_windows, workers, progress,
+                             "evaluate (test)")
+        df = compose_oracle(df)
+        summary = summarize_online(df, "oracle")
+        fam_of = {name: fam for fam, name in best.items()}
+        best_test = fam_of.get(best_online, best_online)
+        pt = per_trace(df).set_index(["policy", "trace"])["cost"]
+        head = 100 * (pt.loc[best_test] / pt.loc["oracle"] - 1.0)
+        headroom = {"best_online": best_test, "headroom_pct": float(head.mean()),
+                    "headroom_ci95": ci95(head.values), "traces": int(head.size)}
+        ex = e.oracle.exact
+        bounds = exact_bounds(ds, test_ids, cost, int(ex.horizon), float(ex.time_limit_s),
+                              int(ex.max_variables), e.eval_windows, workers)
+        log.table(bounds, out / "bounds.csv")
+        # 3. report
+        table = format_online_table(summary)
+        text = (f"Online yardstick: dataset {spec.name}, {len(test_ids)} test traces "
+                f"(mean over traces, 95% interval over traces; regret against the hindsight "
+                f"oracle)\n\n{table}\n\nheadroom (best online heuristic on validation: "
+                f"{best_test}) = {headroom['headroom_pct']:+.2f}% ± "
+                f"{headroom['headroom_ci95']:.2f}% over the oracle\n"
+                + _bound_text(bounds, pt, best_test, int(ex.horizon)))
+        print("\n" + text, flush=True)
+        (out / "summary.txt").write_text(text)
+        log.text(text, "summary.txt")
+        log.table(summary, out / "summary.csv")
+        log.table(df, out / "per_interval.csv")
+        front = pareto_front(points[points.policy.str.contains(r"\[")], "redundancy_ratio",
+                             "subscribe_infos")
+        log.table(front, out / "pareto.csv")
+        figs = [pareto_plot(points[points.policy.str.contains(r"\[")], front,
+                            out / "pareto.png", f"{spec.name}: knob settings on validation",
+                            points[~points.policy.str.contains(r"\[")]),
+                online_timeline_plot(df[(df.trace == test_ids[0]) & (df.types > 0)
+                                        & ~df.policy.str.startswith("oracle_")],
+                                     out / "timeline.png", f"{spec.name}: test trace {test_ids[0]}")]
+        for f in figs:
+            log.artifact(f, "plots")
+        for row in summary.itertuples(index=False):
+            key = re.sub(r"[^A-Za-z0-9_.\-/ ]", "_", str(row.policy))  # MLflow's charset
+            log.metrics({f"{key}/cost": row.cost, f"{key}/subscribe_infos": row.subscribe_infos,
+                         f"{key}/redundancy_ratio": row.redundancy_ratio})
+        log.metrics({"headroom_pct": headroom["headroom_pct"]})
+    print(f"[online] done in {time.perf_counter() - t0:.0f}s; wrote {out}/summary.csv, "
+          "summary.txt, per_interval.csv, tuning.csv, pareto.csv, bounds.csv, pareto.png, timeline.png"
+          + (f"; MLflow run {log.run_id}" if log.run_id else ""), flush=True)
+    return {"summary": summary, "per_interval": df, "tuning": points, "best": best,
+            "bounds": bounds,
+            "headroom": headroom, "output_dir": out, "run_id": log.run_id, "dataset": ds}

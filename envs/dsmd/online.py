@@ -1,0 +1,555 @@
+"""The online DSMD problem (SMART Section V-D, "online execution"; Fig. 10): the simulator core.
+
+The static problem (:mod:`envs.dsmd.env`) gives a policy one interval with its true rates.
+Online, a controller commits the channels for the next interval knowing only what it has
+measured (Algorithm 1 estimates ``f(m)`` from the interval that just ended), types first
+seen during an interval need a channel on their first message, and every change costs.
+
+One interval ``i`` of a trace runs as follows (:class:`OnlineSimulator`):
+
+1. **Boundary.** The decider's :meth:`OnlineDecider.plan` sees an :class:`OnlineView`: the
+   types seen before ``i`` (destinations, VPC, configuration), the per-interval rate
+   estimates of the intervals before ``i`` and the current channel of every type. It
+   returns a channel (and the rate it expects) for the types it wants to (re)plan; every
+   other type keeps its channel.
+2. **During the interval.** Each type the plan did not cover and that sends in ``i`` is
+   placed, in the order of its first message in ``i``, by :meth:`OnlineDecider.place` from
+   what is known then: its destinations, the size of that message (its rate estimate is
+   ``8 size / T``), its current channel if it had one (a *returning* type: seen before,
+   not in the plan, typically silent in the interval before the boundary; a *new* type has
+   none) and the controller's expected load
+   (the plan at the expected rates plus the types placed so far), through a
+   :class:`Placement` handle.
+3. **Scoring on the realised rates.** The interval's realised instance (the same instance
+   as the static problem's window ``i``: every type with traffic in it, Eq. 1) is scored
+   with the channels in force (:func:`envs.dsmd.cost.evaluate` through ``CostState``), plus
+   the switching terms:
+
+   * ``subscribe_infos``: the (node, topic) subscriptions that differ from the previous
+     interval's (each is one SubscribeInfo to an agent and one subscription created or
+     deleted on the broker); the subscriptions of an interval are those of its own types
+     on topics (Eq. 1's ``z``);
+   * ``moved_types``: the types of the interval whose channel differs from the channel
+     they had when they last carried traffic (a type never seen before is not a move);
+     each move opens a window in which the agent restores order across the two channels.
+
+   The interval's cost (lower is better) is
+
+       cost_i = sum_n b(n) / sum_m f(m)|D(m)|  +  w_violation V_i
+                + w_subscribe subscribe_infos_i  +  w_move moved_types_i
+
+   with ``V_i`` the normalised violation of C_b, C_p and every s(n)
+   (:func:`envs.dsmd.cost.violation`). The weights are :class:`OnlineCost`.
+
+The first interval of a run without an initial state pays no switching terms. An interval
+in which nothing is sent costs nothing and changes nothing (its subscriptions are those of
+the interval before); summaries average over the intervals that carry traffic.
+
+Nothing here imports gymnasium; :mod:`envs.dsmd.online_env` is the thin wrapper.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from .cost import CostState, violation
+from .errors import DSMDError
+from .instance import UNASSIGNED, DSMDInstance, rates_bps
+from .parser import BatchKey, ParsedTrace, parse_trace
+from .scenarios import ScenarioSpec
+from .traces import Dataset
+
+__all__ = ["OnlineCost", "OnlineTrace", "OnlineView", "Placement", "NewType", "OnlineDecider",
+           "OnlineSimulator", "IntervalResult", "relabel_topics", "INTERVAL_FIELDS",
+           "run_online"]
+
+
+@dataclass(frozen=True)
+class OnlineCost:
+    """Weights of the online interval cost (module docstring).
+
+    The node-traffic term is the redundancy ratio (1.0 = no redundant traffic). Defaults:
+    a violation of 1% of a capacity costs as much as 10% more node traffic
+    (``w_violation = 10``); 1,000 SubscribeInfos cost as much as 10% more node traffic
+    (``w_subscribe = 1e-4``, the order of the delay a burst of SubscribeInfos adds in the
+    testbed's Fig. 10 run); a moved type costs as much as ten SubscribeInfos
+    (``w_move = 1e-3``: the reordering window of one type).
+    """
+
+    w_violation: float = 10.0
+    w_subscribe: float = 1e-4
+    w_move: float = 1e-3
+
+    def __post_init__(self) -> None:
+        for k in ("w_violation", "w_subscribe", "w_move"):
+            v = getattr(self, k)
+            if not (isinstance(v, (int, float)) and np.isfinite(v) and v >= 0):
+                raise DSMDError(f"online cost weight {k} must be a finite number >= 0, got {v!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> "OnlineCost":
+        d = dict(d or {})
+        unknown = sorted(set(d) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise DSMDError(f"unknown online cost keys {unknown}; expected some of "
+                            f"{sorted(cls.__dataclass_fields__)}")
+        return cls(**{k: float(v) for k, v in d.items()})
+
+
+def relabel_topics(need: np.ndarray, have: np.ndarray) -> np.ndarray:
+    """A permutation of topics that keeps as many current subscriptions as possible.
+
+    ``need[a, n]``: node ``n`` will need (new) topic ``a + 1``; ``have[b, n]``: it is
+    subscribed to topic ``b + 1`` now. Returns ``perm`` (length K+1, ``perm[0] = 0``) with
+    ``perm[a]`` the topic that new topic ``a`` becomes, maximising the kept subscriptions
+    (Hungarian method). Which types share a topic, and so Eq. 1's cost, does not change.
+    """
+    from scipy.optimize import linear_sum_assignment
+
+    k = need.shape[0]
+    perm = np.arange(k + 1, dtype=np.int64)
+    if k == 0:
+        return perm
+    overlap = need.astype(np.int32) @ have.astype(np.int32).T
+    rows, cols = linear_sum_assignment(overlap, maximize=True)
+    perm[rows + 1] = cols + 1
+    return perm
+
+
+# ---------------------------------------------------------------------- the trace
+@dataclass(frozen=True, eq=False)
+class OnlineTrace:
+    """One trace parsed once (Algorithm 1) over one type catalogue: the realised instance of
+    every interval, each type's first interval and first message, and each interval's new
+    types in the order of their first message."""
+
+    name: str
+    spec: ScenarioSpec
+    parsed: ParsedTrace
+    first_window: np.ndarray  # (M,) interval of each type's first message
+    first_row: np.ndarray  # (M,) trace row of that message (arrival order)
+    sizes: np.ndarray  # (R,) bytes of every message of the trace
+    node_capacity_bps: np.ndarray
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_dataset(cls, dataset: Dataset, spec: ScenarioSpec, name: str = "",
+                     batch_key: BatchKey = "hosts") -> "OnlineTrace":
+        start = dataset.meta.get("start_ns")
+        dur = dataset.meta.get("duration_s")
+        end = (None if start is None or dur is None
+               else int(start) + int(round(float(dur) * 1e9)))
+        parsed = parse_trace(dataset.trace, dataset.topology, spec.interval_s, batch_key,
+                             start_ns=start, end_ns=end)
+        m = parsed.num_types
+        types = parsed.message_type
+        first_row = np.full(m, np.iinfo(np.int64).max, np.int64)
+        np.minimum.at(first_row, types, np.arange(types.size, dtype=np.int64))
+        if m and first_row.max() == np.iinfo(np.int64).max:  # pragma: no cover - by construction
+            raise DSMDError("a catalogued type has no message")
+        return cls(name or dataset.name, spec, parsed,
+                   parsed.message_window[first_row].astype(np.int64), first_row,
+                   dataset.trace.size_bytes.astype(np.int64),
+                   dataset.topology.bandwidth_bps.astype(np.int64))
+
+    @property
+    def num_windows(self) -> int:
+        return self.parsed.num_windows
+
+    @property
+    def first_size(self) -> np.ndarray:
+        """Bytes of each type's first message."""
+        return self.sizes[self.first_row]
+
+    @property
+    def num_types(self) -> int:
+        return self.parsed.num_types
+
+    @property
+    def interval_s(self) -> float:
+        return self.parsed.interval_s
+
+    def realised(self, w: int) -> DSMDInstance:
+        """The instance of interval ``w`` with its realised rates (rows: types with traffic
+        in ``w``, ``catalog_index`` their type ids)."""
+        key = ("realised", w)
+        if key not in self._cache:
+            s = self.spec
+            self._cache[key] = DSMDInstance.from_estimate(
+                self.parsed.catalog, self.parsed.window(w), s.num_topics, s.controller_bw_bps,
+                s.controller_cpu, self.node_capacity_bps, name=f"{self.name}/w{w}")
+        return self._cache[key]
+
+    def rates(self, w: int) -> np.ndarray:
+        """Algorithm 1's estimate of interval ``w`` for every type (0 where it sent nothing)."""
+        key = ("rates", w)
+        if key not in self._cache:
+            row = self.parsed.counter_bytes[w]
+            r = np.zeros(row.size, np.int64)
+            on = self.parsed.messages[w] > 0
+            r[on] = rates_bps(row[on], self.interval_s)
+            self._cache[key] = r
+        return self._cache[key]
+
+    def arrivals(self, w: int) -> tuple[np.ndarray, np.ndarray]:
+        """(types with traffic in interval ``w`` in the order of their first message in it,
+        the trace rows of those messages)."""
+        key = ("arrivals", w)
+        if key not in self._cache:
+            win = self.parsed.message_window
+            lo, hi = np.searchsorted(win, [w, w + 1])
+            types, first = np.unique(self.parsed.message_type[lo:hi], return_index=True)
+            order = np.argsort(first, kind="stable")
+            self._cache[key] = (types[order], lo + first[order])
+        return self._cache[key]
+
+    def new_types(self, w: int) -> np.ndarray:
+        """Types first seen in interval ``w``, in the order of their first message."""
+        key = ("new", w)
+        if key not in self._cache:
+            t = np.flatnonzero(self.first_window == w)
+            self._cache[key] = t[np.argsort(self.first_row[t], kind="stable")]
+        return self._cache[key]
+
+    def instance(self, types: np.ndarray, rates: np.ndarray, name: str = "") -> DSMDInstance:
+        """An instance over catalogue ``types`` with the given rates (estimates, forecasts)."""
+        cat = self.parsed.catalog
+        types = np.asarray(types, np.int64)
+        lens = np.fromiter((cat.destinations[t].size for t in types), np.int64, types.size)
+        ptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+        idx = (np.concatenate([cat.destinations[t] for t in types]) if types.size
+               else np.zeros(0, np.int64)).astype(np.int64)
+        s = self.spec
+        return DSMDInstance(self.parsed.catalog.topology.num_nodes, s.num_topics,
+                            self.node_capacity_bps, s.controller_bw_bps, s.controller_cpu,
+                            np.asarray(rates, np.int64), ptr, idx,
+                            vpc=np.array([cat.vpc[t] for t in types], np.int64),
+                            config=np.array([cat.config[t] for t in types], np.int8),
+                            catalog_index=types, interval_s=self.interval_s, name=name)
+
+
+# ---------------------------------------------------------------------- what deciders see
+class OnlineView:
+    """What a decider knows at the boundary before interval ``window``: nothing of the future.
+
+    ``hindsight=True`` (the oracle only) also exposes the realised instance of ``window``.
+    """
+
+    def __init__(self, trace: OnlineTrace, window: int, channel: np.ndarray,
+                 hindsight: bool = False) -> None:
+        self._trace, self.window, self._hindsight = trace, int(window), hindsight
+        self._channel = channel
+
+    @property
+    def spec(self) -> ScenarioSpec:
+        return self._trace.spec
+
+    @property
+    def num_topics(self) -> int:
+        return self._trace.spec.num_topics
+
+    @property
+    def interval_s(self) -> float:
+        return self._trace.interval_s
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self._trace.node_capacity_bps.size)
+
+    @property
+    def node_capacity_bps(self) -> np.ndarray:
+        return self._trace.node_capacity_bps
+
+    def known_types(self) -> np.ndarray:
+        """Every type seen before this interval (ascending ids)."""
+        return np.flatnonzero(self._trace.first_window < self.window)
+
+    def channel(self, types: np.ndarray | None = None) -> np.ndarray:
+        """Current channel of ``types`` (default: every known type); -1 = never assigned."""
+        known = self.known_types() if types is None else np.asarray(types, np.int64)
+        if known.size and (self._trace.first_window[known] >= self.window).any():
+            raise DSMDError("a decider asked for a type that has not been seen yet")
+        return self._channel[known].copy()
+
+    def history(self, types: np.ndarray, depth: int) -> np.ndarray:
+        """Rate estimates (bit/s) of ``types`` in the ``depth`` intervals before this one,
+        oldest first: ``[depth, len(types)]``; intervals before the trace's start are 0."""
+        types = np.asarray(types, np.int64)
+        if types.size and (self._trace.first_window[types] >= self.window).any():
+            raise DSMDError("a decider asked for the history of a type not seen yet")
+        out = np.zeros((depth, types.size), np.int64)
+        for j in range(depth):
+            w = self.window - depth + j
+            if w >= 0:
+                out[j] = self._trace.rates(w)[types]
+        return out
+
+    def destinations(self, t: int) -> np.ndarray:
+        if self._trace.first_window[t] >= self.window:
+            raise DSMDError(f"type {t} has not been seen yet")
+        return self._trace.parsed.catalog.destinations[int(t)]
+
+    def instance(self, types: np.ndarray, rates: np.ndarray, name: str = "") -> DSMDInstance:
+        """A DSMD instance over known ``types`` with the given (expected) rates."""
+        types = np.asarray(types, np.int64)
+        if types.size and (self._trace.first_window[types] >= self.window).any():
+            raise DSMDError("a decider built an instance with a type not seen yet")
+        return self._trace.instance(types, np.maximum(np.asarray(rates, np.int64), 1),
+                                    name or f"{self._trace.name}/plan{self.window}")
+
+    def realised(self) -> DSMDInstance:
+        """The realised instance of this interval (hindsight deciders only)."""
+        if not self._hindsight:
+            raise DSMDError("only a hindsight (oracle) run can see the realised rates")
+        return self._trace.realised(self.window)
+
+
+@dataclass(frozen=True)
+class NewType:
+    """A type whose first message of the interval just arrived and that the boundary plan did
+    not cover: a new type (never seen) or a returning one (seen before); what the
+    controller knows of it."""
+
+    type_id: int
+    destinations: np.ndarray  # node indices
+    size_bytes: int  # of the first message
+    rate_bps: int  # the estimate 8 size / T
+    vpc: int
+    config: int
+    previous_channel: int = UNASSIGNED  # a returning type's channel; -1 for a new type
+
+
+class Placement:
+    """What a decider may ask while it places one new type: the controller's expected load
+    (the plan at its expected rates plus the types placed so far), never the types still to
+    come (they are in the simulator's state, unassigned, and not reachable from here)."""
+
+    def __init__(self, state: CostState, row: int) -> None:
+        self.__state, self.__row = state, row
+
+    @property
+    def necessary_bps(self) -> int:
+        """Expected necessary node traffic of the planned and placed types."""
+        return int(self.__state.necessary)
+
+    def costs(self) -> tuple[np.ndarray, np.ndarray]:
+        """(added node traffic, new subscribers) per channel 0..K for the new type."""
+        return self.__state.channel_costs(self.__row)
+
+    def fits(self, c: int) -> bool:
+        """Whether channel ``c`` keeps every expected load within Eq. 1's capacities."""
+        return self.__state.fits(self.__row, int(c))
+
+    def violation_if(self, c: int) -> float:
+        """The expected normalised violation (:func:`envs.dsmd.cost.violation`) with the new
+        type on channel ``c``."""
+        st, row = self.__state, self.__row
+        st.move(row, int(c))
+        try:
+            return violation(st.inst, st.controller_bw, st.controller_cpu, st.node_traffic)
+        finally:
+            st.move(row, UNASSIGNED)
+
+
+class OnlineDecider(Protocol):
+    """What the simulator needs of a decider (an online policy)."""
+
+    name: str
+
+    def reset(self, seed: int | None = None) -> None: ...
+
+    def plan(self, view: OnlineView) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(types, channels, expected_rates_bps)`` for the types to (re)plan."""
+
+    def place(self, view: OnlineView, new: NewType, placement: Placement) -> int:
+        """The channel of a type whose first message just arrived."""
+
+
+# ---------------------------------------------------------------------- the simulator
+INTERVAL_FIELDS = ("window", "cost", "redundancy_ratio", "violation", "subscribe_infos",
+                   "moved_types", "new_types", "returning_types", "planned_types", "types",
+                   "total_node_traffic_bps", "necessary_traffic_bps",
+                   "controller_traffic_bps", "controller_sends", "max_node_ratio",
+                   "controller_bw_violation", "controller_cpu_violation", "node_violation",
+                   "nodes_over_capacity", "bw_violated", "cpu_violated", "node_violated",
+                   "feasible", "mq_types", "topics_used", "subscriptions")
+
+
+@dataclass(frozen=True, eq=False)
+class IntervalResult:
+    """Every term of one scored interval (``as_dict`` is the environment's ``info``) and the
+    channels in force (aligned with the rows of the interval's realised instance)."""
+
+    values: dict[str, float]
+    channel: np.ndarray
+
+    def __getitem__(self, k: str) -> float:
+        return self.values[k]
+
+    def as_dict(self) -> dict[str, float]:
+        return dict(self.values)
+
+
+class OnlineSimulator:
+    """Runs a decider over the intervals of one :class:`OnlineTrace` (module docstring)."""
+
+    def __init__(self, trace: OnlineTrace, cost: OnlineCost | None = None,
+                 hindsight: bool = False) -> None:
+        self.trace = trace
+        self.cost = cost or OnlineCost()
+        self.hindsight = hindsight
+        self.reset()
+
+    def reset(self, start: int = 0, channel: np.ndarray | None = None) -> None:
+        """Start before interval ``start`` with channel table ``channel`` (default: none
+        assigned; the first interval then pays no switching terms)."""
+        if not 0 <= start <= self.trace.num_windows:
+            raise DSMDError(f"start {start} out of range 0..{self.trace.num_windows}")
+        if start > 0 and channel is None:
+            raise DSMDError(f"a run that starts at interval {start} needs the channel table of "
+                            "the types seen before it (channel=...)")
+        m = self.trace.num_types
+        self.window = int(start)
+        self.channel = (np.full(m, UNASSIGNED, np.int64) if channel is None
+                        else np.asarray(channel, np.int64).copy())
+        self.last_used = self.channel.copy()
+        self._subs: np.ndarray | None = None
+        self._fresh = channel is None
+
+    @property
+    def done(self) -> bool:
+        return self.window >= self.trace.num_windows
+
+    def view(self) -> OnlineView:
+        return OnlineView(self.trace, self.window, self.channel, self.hindsight)
+
+    def step(self, decider: OnlineDecider) -> IntervalResult:
+        """Plan at the boundary, place new types during the interval, score it."""
+        if self.done:
+            raise DSMDError("the trace is over; reset() the simulator")
+        tr, w = self.trace, self.window
+        view = self.view()
+        types, chans, rates = decider.plan(view)
+        types = np.asarray(types, np.int64)
+        chans = np.asarray(chans, np.int64)
+        rates = np.asarray(rates, np.int64)
+        if not (types.shape == chans.shape == rates.shape):
+            raise DSMDError(f"{decider.name}: plan() must return types, channels and rates "
+                            "of one length")
+        if types.size:
+            if np.unique(types).size != types.size:
+                raise DSMDError(f"{decider.name}: plan() returned a type twice")
+            seen = tr.first_window[types] < w
+            if self.hindsight:
+                seen |= tr.first_window[types] == w
+            if not seen.all():
+                raise DSMDError(f"{decider.name}: planned type {int(types[~seen][0])} before "
+                                "it was seen")
+            bad = np.flatnonzero((chans < 0) | (chans > tr.spec.num_topics))
+            if bad.size:
+                raise DSMDError(f"{decider.name}: planned type {int(types[bad[0]])} on channel "
+                                f"{int(chans[bad[0]])} outside 0..{tr.spec.num_topics}")
+        self.channel[types] = chans
+        arrived, rows = tr.arrivals(w)
+        todo = ~np.isin(arrived, types)
+        if todo.any():
+            self._place(decider, view, types, chans, rates, arrived[todo], rows[todo])
+        returning = int(np.count_nonzero(todo & (tr.first_window[arrived] < w)))
+        result = self._score(w, types.size, int(todo.sum()) - returning, returning)
+        self.window += 1
+        return result
+
+    def _place(self, decider: OnlineDecider, view: OnlineView, types: np.ndarray,
+               chans: np.ndarray, rates: np.ndarray, todo: np.ndarray, rows: np.ndarray
+               ) -> None:
+        """Place the types the plan did not cover, each on its first message of the interval
+        (new ones have no channel yet; returning ones may keep theirs)."""
+        tr = self.trace
+        size = tr.sizes[rows]
+        est = np.maximum(np.rint(8.0 * size / tr.interval_s), 1).astype(np.int64)
+        inst = tr.instance(np.concatenate([types, todo]), np.concatenate([np.maximum(rates, 1),
+                                                                           est]))
+        start = np.concatenate([chans, np.full(todo.size, UNASSIGNED, np.int64)])
+        state = CostState(inst, start)
+        cat = tr.parsed.catalog
+        k = tr.spec.num_topics
+        for j, t in enumerate(todo.tolist()):
+            row = types.size + j
+            nt = NewType(t, cat.destinations[t], int(size[j]), int(est[j]), int(cat.vpc[t]),
+                         int(cat.config[t]), int(self.channel[t]))
+            c = int(decider.place(view, nt, Placement(state, row)))
+            if not 0 <= c <= k:
+                raise DSMDError(f"{decider.name}: placed type {t} on channel {c} outside 0..{k}")
+            state.move(row, c)
+            self.channel[t] = c
+
+    def _score(self, w: int, planned: int, placed: int, returning: int) -> IntervalResult:
+        tr, cfg = self.trace, self.cost
+        inst = tr.realised(w)
+        ids = inst.catalog_index
+        chan = self.channel[ids]
+        if (chan < 0).any():  # pragma: no cover - every realised type is planned or placed
+            raise DSMDError(f"interval {w}: type {int(ids[chan < 0][0])} has no channel")
+        if inst.num_types == 0:  # nothing sent: nothing decided, nothing paid, state kept
+            vals = dict.fromkeys(INTERVAL_FIELDS, 0)
+            vals.update(window=w, cost=0.0, redundancy_ratio=1.0, feasible=1,
+                        planned_types=planned, subscriptions=0 if self._subs is None
+                        else int(self._subs.sum()))
+            return IntervalResult(vals, chan)
+        state = CostState(inst, chan)
+        met = state.metrics()
+        subs = state.sub_count[1:] > 0
+        prev = self.last_used[ids]
+        if self._fresh and self._subs is None:
+            infos, moved = 0, 0
+        else:
+            old = self._subs if self._subs is not None else np.zeros_like(subs)
+            infos = int(np.count_nonzero(subs != old))
+            moved = int(np.count_nonzero((prev >= 0) & (prev != chan)))
+        self._subs = subs
+        self.last_used[ids] = chan
+        v = state.violation()
+        ratio = met.redundancy_ratio
+        cost = ratio + cfg.w_violation * v + cfg.w_subscribe * infos + cfg.w_move * moved
+        vals = {"window": w, "cost": cost, "redundancy_ratio": ratio, "violation": v,
+                "subscribe_infos": infos, "moved_types": moved, "new_types": placed,
+                "returning_types": returning,
+                "planned_types": planned, "types": inst.num_types,
+                "total_node_traffic_bps": met.total_node_traffic_bps,
+                "necessary_traffic_bps": met.necessary_traffic_bps,
+                "controller_traffic_bps": met.controller_traffic_bps,
+                "controller_sends": met.controller_sends,
+                "max_node_ratio": float((state.node_traffic / inst.node_capacity_bps).max()),
+                "controller_bw_violation": met.controller_bw_violation,
+                "controller_cpu_violation": met.controller_cpu_violation,
+                "node_violation": met.node_violation,
+                "nodes_over_capacity": met.nodes_over_capacity,
+                "bw_violated": int(met.controller_bw_violation > 0),
+                "cpu_violated": int(met.controller_cpu_violation > 0),
+                "node_violated": int(met.node_violation > 0),
+                "feasible": int(met.feasible), "mq_types": met.mq_types,
+                "topics_used": met.topics_used, "subscriptions": int(subs.sum())}
+        return IntervalResult(vals, chan)
+
+    def run(self, decider: OnlineDecider, windows: int | None = None,
+            progress: Any = None) -> list[IntervalResult]:
+        """Run ``decider`` from the current interval to the end (or ``windows`` intervals)."""
+        decider.reset()
+        out: list[IntervalResult] = []
+        end = self.trace.num_windows if windows is None else min(
+            self.trace.num_windows, self.window + int(windows))
+        while self.window < end:
+            out.append(self.step(decider))
+            if progress is not None:
+                progress.update(1)
+        return out
+
+
+def run_online(trace: OnlineTrace, decider: OnlineDecider, cost: OnlineCost | None = None,
+               hindsight: bool = False, windows: int | None = None) -> list[dict[str, float]]:
+    """Every interval of ``trace`` under ``decider``: a list of per-interval terms."""
+    sim = OnlineSimulator(trace, cost, hindsight)
+    return [r.as_dict() for r in sim.run(decider, windows)]
