@@ -158,6 +158,16 @@ def test_bursts_raise_the_load_as_fig10():
     peak = lambda ds: np.count_nonzero((_seconds(ds) >= s + 130) & (_seconds(ds) < s + 170))
     # the 0.95 phase against the 0.5 base load
     assert 1.5 < peak(burst) / peak(base) < 2.5
+
+    def requests(ds):  # Poisson counts (messages of one request are not independent)
+        sec = _seconds(ds)
+        inside = (sec >= s + 130) & (sec < s + 170)
+        return np.unique(ds.trace.request_id[inside]).size
+
+    a, b = requests(base), requests(burst)
+    ratio = b / a
+    sigma = ratio * np.sqrt(1 / a + 1 / b)
+    assert abs(ratio - 0.95 / 0.5) < 3 * sigma, (ratio, sigma)
     assert len(burst.trace) > len(base.trace)
 
 

@@ -171,13 +171,19 @@ def test_deciders_run_and_oracle_is_ahead(tiny_trace):
             OnlineGreedy(forecast="holt", memory=3, cost=cost, name="holt")]:
         r = run_online(tiny_trace, d, cost)
         assert len(r) == tiny_trace.num_windows
-        res[d.name] = np.mean([x["cost"] for x in r])
-    assert all(math.isfinite(v) for v in res.values())
-    rpc = run_online(tiny_trace, StaticReplan(IDCS(), cost), cost)
-    assert all(x["moved_types"] == 0 for x in rpc)  # IDCS's channel depends on the type only
+        assert all(math.isfinite(x["cost"]) for x in r)
+        res[d.name] = _static_part(r, cost)
+    idcs = run_online(tiny_trace, StaticReplan(IDCS(), cost), cost)
+    assert all(x["moved_types"] == 0 for x in idcs)  # IDCS's channel depends on the type only
+    # on the realised Eq. 1 terms (switching aside), planning on the realised instance is
+    # ahead of every decider that only knows the past
     oracle = run_online(tiny_trace, HindsightGreedy(cost=cost), cost, hindsight=True)
-    assert np.mean([x["redundancy_ratio"] + 10 * x["violation"] for x in oracle]) <= min(
-        res.values()) + 1e-9
+    assert _static_part(oracle, cost) <= min(res.values()) + 1e-9
+
+
+def _static_part(rows, cost):
+    """Mean over intervals of the redundancy ratio plus the weighted violation."""
+    return np.mean([x["redundancy_ratio"] + cost.w_violation * x["violation"] for x in rows])
 
 
 def test_same_decider_same_result(tiny_trace):
