@@ -266,11 +266,9 @@ class HindsightGreedy(OnlineGreedy):
 
 def _channels_or_unassigned(view: OnlineView, types: np.ndarray) -> np.ndarray:
     """Current channels of ``types`` where known (hindsight: new types are unassigned)."""
-    known = set(view.known_types().tolist())
+    known = np.isin(types, view.known_types())
     out = np.full(types.size, UNASSIGNED, np.int64)
-    idx = [i for i, t in enumerate(types.tolist()) if t in known]
-    if idx:
-        out[idx] = view.channel(types[idx])
+    out[known] = view.channel(types[known])
     return out
 
 

@@ -16,7 +16,7 @@ import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -96,21 +96,23 @@ def evaluate_online(dataset: TraceDataset, trace_ids: Sequence[str],
     Jobs are one trace each (every decider on it), spread over ``workers`` processes."""
     jobs = [(str(dataset.root), t, tuple(specs), cost, windows) for t in trace_ids]
     rows: list[dict[str, Any]] = []
-    bar = Progress(progress, len(jobs), desc)
-    if workers <= 1 or len(jobs) <= 1:
-        for j in jobs:
-            rows.extend(_run_job(j))
+    with Progress(progress, len(jobs), desc) as bar:
+        for j, out in zip(jobs, _map(_run_job, jobs, workers)):
+            rows.extend(out)
             bar.step(j[1])
-    else:
-        import multiprocessing as mp
-
-        with ProcessPoolExecutor(max_workers=min(workers, len(jobs)),
-                                 mp_context=mp.get_context("fork")) as ex:
-            for j, out in zip(jobs, ex.map(_run_job, jobs)):
-                rows.extend(out)
-                bar.step(j[1])
-    bar.close()
     return pd.DataFrame(rows)
+
+
+def _map(fn: Callable[[tuple], Any], jobs: list[tuple], workers: int) -> Iterator[Any]:
+    """``fn`` over ``jobs`` in order: in this process, or in ``workers`` forked processes."""
+    if workers <= 1 or len(jobs) <= 1:
+        yield from map(fn, jobs)
+        return
+    import multiprocessing as mp
+
+    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)),
+                             mp_context=mp.get_context("fork")) as ex:
+        yield from ex.map(fn, jobs)
 
 
 # ---------------------------------------------------------------------- tuning
@@ -302,10 +304,4 @@ def exact_bounds(dataset: TraceDataset, trace_ids: Sequence[str], cost: OnlineCo
     """:func:`exact_bound` of every trace (one row each)."""
     jobs = [(str(dataset.root), t, cost, horizon, time_limit_s, max_variables, windows)
             for t in trace_ids]
-    if workers <= 1 or len(jobs) <= 1:
-        return pd.DataFrame([_bound_job(j) for j in jobs])
-    import multiprocessing as mp
-
-    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)),
-                             mp_context=mp.get_context("fork")) as ex:
-        return pd.DataFrame(list(ex.map(_bound_job, jobs)))
+    return pd.DataFrame(list(_map(_bound_job, jobs, workers)))

@@ -82,8 +82,21 @@ class DSMDInstance:
                       controller_bw_bps: int, controller_cpu: int,
                       node_capacity_bps: np.ndarray | None = None, name: str = "") -> "DSMDInstance":
         """The instance of one interval: the types with traffic in it and their rates."""
-        types = estimate.types
-        rates = rates_bps(estimate.counter_bytes, estimate.interval_s)
+        return cls.from_catalog(catalog, estimate.types,
+                                rates_bps(estimate.counter_bytes, estimate.interval_s),
+                                num_topics, controller_bw_bps, controller_cpu, node_capacity_bps,
+                                messages=estimate.messages, interval_s=estimate.interval_s,
+                                name=name)
+
+    @classmethod
+    def from_catalog(cls, catalog: TypeCatalog, types: np.ndarray, rates: np.ndarray,
+                     num_topics: int, controller_bw_bps: int, controller_cpu: int,
+                     node_capacity_bps: np.ndarray | None = None,
+                     messages: np.ndarray | None = None, interval_s: float = 1.0,
+                     name: str = "") -> "DSMDInstance":
+        """The instance over catalogue ``types`` (destinations, VPC and configuration from the
+        catalogue) with the given rates (measured, estimated or forecast)."""
+        types = np.asarray(types, np.int64)
         lens = np.fromiter((catalog.destinations[t].size for t in types), np.int64, types.size)
         ptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
         idx = (np.concatenate([catalog.destinations[t] for t in types]) if types.size
@@ -91,12 +104,12 @@ class DSMDInstance:
         cap = (catalog.topology.bandwidth_bps if node_capacity_bps is None
                else np.asarray(node_capacity_bps, np.int64))
         return cls(catalog.topology.num_nodes, int(num_topics), cap.astype(np.int64),
-                   int(controller_bw_bps), int(controller_cpu), rates.astype(np.int64), ptr, idx,
-                   messages=estimate.messages.astype(np.int64),
+                   int(controller_bw_bps), int(controller_cpu),
+                   np.asarray(rates, np.int64), ptr, idx,
+                   messages=None if messages is None else np.asarray(messages, np.int64),
                    vpc=np.array([catalog.vpc[t] for t in types], dtype=np.int64),
                    config=np.array([catalog.config[t] for t in types], dtype=np.int8),
-                   catalog_index=types.astype(np.int64), interval_s=estimate.interval_s,
-                   name=name)
+                   catalog_index=types, interval_s=interval_s, name=name)
 
     def validate(self) -> None:
         m = self.rate_bps.size

@@ -55,7 +55,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .cost import CostState, violation
+from .cost import CostState
 from .errors import DSMDError
 from .instance import UNASSIGNED, DSMDInstance, rates_bps
 from .parser import BatchKey, ParsedTrace, parse_trace
@@ -123,14 +123,13 @@ def relabel_topics(need: np.ndarray, have: np.ndarray) -> np.ndarray:
 @dataclass(frozen=True, eq=False)
 class OnlineTrace:
     """One trace parsed once (Algorithm 1) over one type catalogue: the realised instance of
-    every interval, each type's first interval and first message, and each interval's new
-    types in the order of their first message."""
+    every interval, each type's first interval, and each interval's types in the order of
+    their first message in it."""
 
     name: str
     spec: ScenarioSpec
     parsed: ParsedTrace
     first_window: np.ndarray  # (M,) interval of each type's first message
-    first_row: np.ndarray  # (M,) trace row of that message (arrival order)
     sizes: np.ndarray  # (R,) bytes of every message of the trace
     node_capacity_bps: np.ndarray
     _cache: dict = field(default_factory=dict, repr=False)
@@ -144,25 +143,17 @@ class OnlineTrace:
                else int(start) + int(round(float(dur) * 1e9)))
         parsed = parse_trace(dataset.trace, dataset.topology, spec.interval_s, batch_key,
                              start_ns=start, end_ns=end)
-        m = parsed.num_types
-        types = parsed.message_type
-        first_row = np.full(m, np.iinfo(np.int64).max, np.int64)
-        np.minimum.at(first_row, types, np.arange(types.size, dtype=np.int64))
-        if m and first_row.max() == np.iinfo(np.int64).max:  # pragma: no cover - by construction
+        seen, first_row = np.unique(parsed.message_type, return_index=True)
+        if seen.size != parsed.num_types:  # pragma: no cover - the parse made the catalogue
             raise DSMDError("a catalogued type has no message")
         return cls(name or dataset.name, spec, parsed,
-                   parsed.message_window[first_row].astype(np.int64), first_row,
+                   parsed.message_window[first_row].astype(np.int64),
                    dataset.trace.size_bytes.astype(np.int64),
                    dataset.topology.bandwidth_bps.astype(np.int64))
 
     @property
     def num_windows(self) -> int:
         return self.parsed.num_windows
-
-    @property
-    def first_size(self) -> np.ndarray:
-        """Bytes of each type's first message."""
-        return self.sizes[self.first_row]
 
     @property
     def num_types(self) -> int:
@@ -208,27 +199,16 @@ class OnlineTrace:
 
     def new_types(self, w: int) -> np.ndarray:
         """Types first seen in interval ``w``, in the order of their first message."""
-        key = ("new", w)
-        if key not in self._cache:
-            t = np.flatnonzero(self.first_window == w)
-            self._cache[key] = t[np.argsort(self.first_row[t], kind="stable")]
-        return self._cache[key]
+        types = self.arrivals(w)[0]
+        return types[self.first_window[types] == w]
 
     def instance(self, types: np.ndarray, rates: np.ndarray, name: str = "") -> DSMDInstance:
         """An instance over catalogue ``types`` with the given rates (estimates, forecasts)."""
-        cat = self.parsed.catalog
-        types = np.asarray(types, np.int64)
-        lens = np.fromiter((cat.destinations[t].size for t in types), np.int64, types.size)
-        ptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-        idx = (np.concatenate([cat.destinations[t] for t in types]) if types.size
-               else np.zeros(0, np.int64)).astype(np.int64)
         s = self.spec
-        return DSMDInstance(self.parsed.catalog.topology.num_nodes, s.num_topics,
-                            self.node_capacity_bps, s.controller_bw_bps, s.controller_cpu,
-                            np.asarray(rates, np.int64), ptr, idx,
-                            vpc=np.array([cat.vpc[t] for t in types], np.int64),
-                            config=np.array([cat.config[t] for t in types], np.int8),
-                            catalog_index=types, interval_s=self.interval_s, name=name)
+        return DSMDInstance.from_catalog(self.parsed.catalog, types, rates, s.num_topics,
+                                         s.controller_bw_bps, s.controller_cpu,
+                                         self.node_capacity_bps, interval_s=self.interval_s,
+                                         name=name)
 
 
 # ---------------------------------------------------------------------- what deciders see
@@ -263,6 +243,10 @@ class OnlineView:
     def node_capacity_bps(self) -> np.ndarray:
         return self._trace.node_capacity_bps
 
+    def _require_seen(self, types: np.ndarray, what: str) -> None:
+        if types.size and (self._trace.first_window[types] >= self.window).any():
+            raise DSMDError(f"a decider {what} a type that has not been seen yet")
+
     def known_types(self) -> np.ndarray:
         """Every type seen before this interval (ascending ids)."""
         return np.flatnonzero(self._trace.first_window < self.window)
@@ -270,16 +254,14 @@ class OnlineView:
     def channel(self, types: np.ndarray | None = None) -> np.ndarray:
         """Current channel of ``types`` (default: every known type); -1 = never assigned."""
         known = self.known_types() if types is None else np.asarray(types, np.int64)
-        if known.size and (self._trace.first_window[known] >= self.window).any():
-            raise DSMDError("a decider asked for a type that has not been seen yet")
+        self._require_seen(known, "asked for the channel of")
         return self._channel[known].copy()
 
     def history(self, types: np.ndarray, depth: int) -> np.ndarray:
         """Rate estimates (bit/s) of ``types`` in the ``depth`` intervals before this one,
         oldest first: ``[depth, len(types)]``; intervals before the trace's start are 0."""
         types = np.asarray(types, np.int64)
-        if types.size and (self._trace.first_window[types] >= self.window).any():
-            raise DSMDError("a decider asked for the history of a type not seen yet")
+        self._require_seen(types, "asked for the history of")
         out = np.zeros((depth, types.size), np.int64)
         for j in range(depth):
             w = self.window - depth + j
@@ -288,15 +270,13 @@ class OnlineView:
         return out
 
     def destinations(self, t: int) -> np.ndarray:
-        if self._trace.first_window[t] >= self.window:
-            raise DSMDError(f"type {t} has not been seen yet")
+        self._require_seen(np.array([t], np.int64), "asked for the destinations of")
         return self._trace.parsed.catalog.destinations[int(t)]
 
     def instance(self, types: np.ndarray, rates: np.ndarray, name: str = "") -> DSMDInstance:
         """A DSMD instance over known ``types`` with the given (expected) rates."""
         types = np.asarray(types, np.int64)
-        if types.size and (self._trace.first_window[types] >= self.window).any():
-            raise DSMDError("a decider built an instance with a type not seen yet")
+        self._require_seen(types, "built an instance with")
         return self._trace.instance(types, np.maximum(np.asarray(rates, np.int64), 1),
                                     name or f"{self._trace.name}/plan{self.window}")
 
@@ -349,7 +329,7 @@ class Placement:
         st, row = self.__state, self.__row
         st.move(row, int(c))
         try:
-            return violation(st.inst, st.controller_bw, st.controller_cpu, st.node_traffic)
+            return st.violation()
         finally:
             st.move(row, UNASSIGNED)
 
@@ -522,7 +502,7 @@ class OnlineSimulator:
                 "necessary_traffic_bps": met.necessary_traffic_bps,
                 "controller_traffic_bps": met.controller_traffic_bps,
                 "controller_sends": met.controller_sends,
-                "max_node_ratio": float((state.node_traffic / inst.node_capacity_bps).max()),
+                "max_node_ratio": float(state.node_ratio().max()),
                 "controller_bw_violation": met.controller_bw_violation,
                 "controller_cpu_violation": met.controller_cpu_violation,
                 "node_violation": met.node_violation,
@@ -534,8 +514,7 @@ class OnlineSimulator:
                 "topics_used": met.topics_used, "subscriptions": int(subs.sum())}
         return IntervalResult(vals, chan)
 
-    def run(self, decider: OnlineDecider, windows: int | None = None,
-            progress: Any = None) -> list[IntervalResult]:
+    def run(self, decider: OnlineDecider, windows: int | None = None) -> list[IntervalResult]:
         """Run ``decider`` from the current interval to the end (or ``windows`` intervals)."""
         decider.reset()
         out: list[IntervalResult] = []
@@ -543,8 +522,6 @@ class OnlineSimulator:
             self.trace.num_windows, self.window + int(windows))
         while self.window < end:
             out.append(self.step(decider))
-            if progress is not None:
-                progress.update(1)
         return out
 
 

@@ -197,16 +197,11 @@ class DSMDOnlineEnv(gym.Env):
             o[7] = r["moved_types"] / 100.0
             o[10] = r["new_types"] / max(r["types"], 1)
         if w > 0:
-            rates = tr.rates(w - 1)
-            on = rates > 0
-            fan = np.fromiter((tr.parsed.catalog.destinations[t].size
-                               for t in np.flatnonzero(on)), np.int64, int(on.sum()))
-            s = tr.spec
-            o[8] = float(rates[on] @ fan) / s.controller_bw_bps / 4.0
-            o[9] = float(fan.sum()) / s.controller_cpu / 4.0
-            total = float(rates.sum())
+            last, s = tr.realised(w - 1), tr.spec  # the last estimate: Algorithm 1's rates
+            o[8] = last.necessary_bps / s.controller_bw_bps / 4.0  # all-RPC bandwidth
+            o[9] = float(last.fanout.sum()) / s.controller_cpu / 4.0  # all-RPC sends
             if w > 1:
-                prev = float(tr.rates(w - 2).sum())
-                o[11] = (total - prev) / max(prev, 1.0)
+                prev = float(tr.realised(w - 2).rate_bps.sum())
+                o[11] = (float(last.rate_bps.sum()) - prev) / max(prev, 1.0)
         return np.clip(o, -1.0, 1.0).astype(np.float32)
 
