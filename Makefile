@@ -5,7 +5,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed-$(shell cat requirements.lock pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: setup run test test-all bench sweep clean lock
+.PHONY: setup run test test-all bench sweep ablation clean lock
 
 $(STAMP): requirements.lock pyproject.toml
 	@command -v $(PY) >/dev/null || { echo "error: $(PY) not found; run make PY=/path/to/python3.11"; exit 1; }
@@ -18,7 +18,7 @@ $(STAMP): requirements.lock pyproject.toml
 
 setup: $(STAMP)
 
-run: setup                      ## main job: baselines (and, later, training) on the default scenario
+run: setup                      ## main job: train the online policy, evaluate it on held-out traces
 	$(VPY) train.py $(ARGS)
 
 test: setup                     ## fast tests (what CI runs)
@@ -29,6 +29,13 @@ test-all: setup                 ## fast and slow tests
 
 sweep: setup                    ## Figs. 5-8 reproduction at CERN scale
 	$(VPY) evaluate.py $(ARGS)
+
+STUDY    ?= online_ablation
+VARIANTS ?= base,no_per,no_td3,no_demos,last_outcome_only,load_only,switching_x10
+SEEDS    ?= 0,1,2,3,4
+ablation: setup                 ## online policy ablation: a Hydra multirun in MLflow, then its table
+	$(VPY) train.py -m +ablation=$(VARIANTS) seed=$(SEEDS) +tags.study=$(STUDY) progress=false $(ARGS)
+	$(VPY) ablation.py study=$(STUDY)
 
 bench: setup                    ## benchmarks (numbers in the README)
 	$(VPY) bench/run_all.py $(ARGS)

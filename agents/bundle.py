@@ -96,10 +96,12 @@ def export_onnx(module, obs_dim: int, path: Path, output_name: str = "scores",
     exporter, weights embedded), its optimiser's INFO logs silenced."""
     import torch
 
-    quiet = [logging.getLogger(n) for n in ("onnxscript", "onnx_ir")]
+    quiet = [logging.getLogger(n) for n in ("onnxscript", "onnx_ir",
+                                            "torch.onnx._internal.exporter._registration")]
     levels = [lg.level for lg in quiet]
-    for lg in quiet:  # the exporter's optimiser logs every pass at INFO
+    for lg in quiet[:2]:  # the exporter's optimiser logs every pass at INFO
         lg.setLevel(logging.WARNING)
+    quiet[2].setLevel(logging.ERROR)  # "torchvision is not installed" for each of its ops
     if inputs is not None:
         names, example, dynamic = list(inputs), tuple(torch.zeros(s) for s in inputs.values()), \
             None

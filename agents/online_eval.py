@@ -10,7 +10,9 @@ against the hindsight oracle. ``headroom`` = best tuned online heuristic minus o
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import math
 import os
 from concurrent.futures import ProcessPoolExecutor
@@ -38,7 +40,9 @@ class DeciderSpec:
     """A decider by kind and parameters (picklable, built inside worker processes).
 
     ``kind``: ``static`` (``params.policy`` re-planned every interval), ``online_greedy``
-    (:class:`agents.online.OnlineGreedy` knobs in ``params``) or ``oracle`` (hindsight)."""
+    (:class:`agents.online.OnlineGreedy` knobs in ``params``), ``oracle`` (hindsight) or
+    ``learned`` (``params.bundle``: an online policy bundle's directory,
+    :mod:`agents.online_bundle`)."""
 
     name: str
     kind: str
@@ -46,7 +50,7 @@ class DeciderSpec:
 
     @classmethod
     def make(cls, name: str, kind: str, **params: Any) -> "DeciderSpec":
-        if kind not in ("static", "online_greedy", "oracle"):
+        if kind not in ("static", "online_greedy", "oracle", "learned"):
             raise DSMDError(f"unknown decider kind {kind!r}")
         return cls(name, kind, tuple(sorted(params.items())))
 
@@ -61,6 +65,10 @@ class DeciderSpec:
             return make_static(pol, trace.spec, trace.parsed.catalog.topology, cost, p)
         if self.kind == "online_greedy":
             return OnlineGreedy(cost=cost, name=self.name, **p)
+        if self.kind == "learned":
+            from .online_bundle import load_online_bundle
+
+            return load_online_bundle(p["bundle"]).decider(self.name, cost)
         return HindsightGreedy(cost=cost, name=self.name, **p)
 
 
@@ -77,24 +85,67 @@ def _trace(root: str, trace_id: str) -> OnlineTrace:
     return _TRACES[key]
 
 
+#: the modules whose code decides a non-learned decider's rows (their source is in the key)
+_CACHE_SOURCES = ("agents/online.py", "agents/greedy.py", "agents/baselines.py",
+                  "agents/registry.py", "envs/dsmd/online.py", "envs/dsmd/cost.py",
+                  "envs/dsmd/instance.py", "envs/dsmd/kernels.py", "envs/dsmd/parser.py")
+_SOURCE_HASH: list[str] = []
+
+
+def _source_hash() -> str:
+    if not _SOURCE_HASH:
+        root = Path(__file__).resolve().parent.parent
+        h = hashlib.sha256()
+        for f in _CACHE_SOURCES:
+            h.update((root / f).read_bytes())
+        _SOURCE_HASH.append(h.hexdigest())
+    return _SOURCE_HASH[0]
+
+
+def _cache_path(cache: str, digest: Any, trace_id: str, spec: DeciderSpec, cost: OnlineCost,
+                windows: int | None) -> Path | None:
+    """Where the rows of a deterministic (non-learned) decider on one trace are cached: the
+    key is the trace files' sha256, the decider, the cost, the intervals and the code."""
+    if not cache or spec.kind == "learned":
+        return None
+    key = json.dumps([digest, trace_id, spec.name, spec.kind, repr(spec.params),
+                      repr(cost), windows, _source_hash()], sort_keys=True)
+    return Path(cache) / f"{trace_id}-{hashlib.sha256(key.encode()).hexdigest()[:24]}.pkl"
+
+
 def _run_job(args: tuple) -> list[dict[str, Any]]:
-    root, trace_id, specs, cost, windows = args
-    tr = _trace(root, trace_id)
+    root, trace_id, specs, cost, windows, cache = args
+    digest = open_dataset(Path(root)).entry(trace_id)["sha256"] if cache else None
     rows = []
     for spec in specs:
+        path = _cache_path(cache, digest, trace_id, spec, cost, windows)
+        if path is not None and path.is_file():
+            rows.extend(pd.read_pickle(path))
+            continue
+        tr = _trace(root, trace_id)
         sim = OnlineSimulator(tr, cost, hindsight=spec.kind == "oracle")
-        for r in sim.run(spec.build(tr, cost), windows):
-            rows.append({"policy": spec.name, "trace": trace_id, **r.as_dict()})
+        mine = [{"policy": spec.name, "trace": trace_id, **r.as_dict()}
+                for r in sim.run(spec.build(tr, cost), windows)]
+        if path is not None:  # atomic: a concurrent or interrupted writer leaves no half file
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            pd.to_pickle(mine, tmp)
+            os.replace(tmp, path)
+        rows.extend(mine)
     return rows
 
 
 def evaluate_online(dataset: TraceDataset, trace_ids: Sequence[str],
                     specs: Sequence[DeciderSpec], cost: OnlineCost, windows: int | None = None,
-                    workers: int = 1, progress: bool = True, desc: str = "online") -> pd.DataFrame:
+                    workers: int = 1, progress: bool = True, desc: str = "online",
+                    cache: str | Path | None = None) -> pd.DataFrame:
     """One row per (policy, trace, interval) with every term of the interval.
 
-    Jobs are one trace each (every decider on it), spread over ``workers`` processes."""
-    jobs = [(str(dataset.root), t, tuple(specs), cost, windows) for t in trace_ids]
+    Jobs are one trace each (every decider on it), spread over ``workers`` processes. With
+    ``cache`` (a directory), a non-learned decider's rows on a trace are reused when the
+    trace, the decider, the cost, the intervals and the deciding code are unchanged."""
+    jobs = [(str(dataset.root), t, tuple(specs), cost, windows, str(cache or ""))
+            for t in trace_ids]
     rows: list[dict[str, Any]] = []
     with Progress(progress, len(jobs), desc) as bar:
         for j, out in zip(jobs, _map(_run_job, jobs, workers)):

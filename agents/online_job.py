@@ -15,12 +15,14 @@ from __future__ import annotations
 import math
 import re
 import time
-from typing import Any
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
 
 import pandas as pd
 from omegaconf import DictConfig
 
-from envs.dsmd.dataset import build_dataset, load_dataset_spec
+from envs.dsmd.dataset import TraceDataset, build_dataset, load_dataset_spec
 from envs.dsmd.errors import DSMDError
 from envs.dsmd.online import OnlineCost
 from envs.seeding import seed_everything
@@ -32,7 +34,7 @@ from .online_eval import (DeciderSpec, ci95, compose_oracle, default_workers, ev
 from .plots import online_timeline_plot, pareto_plot
 from .tracking import tracked_run
 
-__all__ = ["run_online_main"]
+__all__ = ["run_online_main", "tune_online", "test_online", "open_online_dataset", "Tuning"]
 
 
 def _bound_text(bounds: pd.DataFrame, pt: pd.Series, best: str, horizon: int) -> str:
@@ -52,101 +54,171 @@ def _bound_text(bounds: pd.DataFrame, pt: pd.Series, best: str, horizon: int) ->
             f"{best} {on.mean():+.2f}% ± {ci95(on.values):.2f}% above it\n")
 
 
-def run_online_main(cfg: DictConfig) -> dict[str, Any]:
-    seed_everything(int(cfg.seed))
+@dataclass
+class Tuning:
+    """Step 2's outcome: what the test phase and a trainer need from the validation traces."""
+
+    dataset: TraceDataset
+    cost: OnlineCost
+    workers: int
+    val_ids: list[str]
+    test_ids: list[str]
+    statics: list[DeciderSpec]
+    families: dict[str, list[DeciderSpec]]
+    points: pd.DataFrame  # per policy: mean of the per-trace terms on validation
+    val_per_trace: pd.DataFrame  # per (policy, trace): the terms on validation
+    best: dict[str, str]  # family -> its best setting's name
+    best_online: str      # the best online method on validation (a family or a static name)
+
+    @property
+    def tuned(self) -> dict[str, DeciderSpec]:
+        return {fam: next(s for s in self.families[fam] if s.name == name)
+                for fam, name in self.best.items()}
+
+    def best_knobs(self) -> dict[str, Any]:
+        """The knobs of the best tuned ``online_greedy``-kind family (the teacher)."""
+        fams = sorted(self.tuned.items(), key=lambda kv: self.points.set_index("policy")
+                      .loc[kv[1].name, "cost"])
+        if not fams:
+            raise DSMDError("no tuned knob family (env.tune.grid is empty)")
+        return fams[0][1].kw
+
+
+def _cache_dir(cfg: DictConfig) -> Path | None:
+    """Where non-learned deciders' rows are reused across runs (``env.cache``; null: off)."""
+    c = cfg.env.get("cache")
+    return None if not c else Path(str(c))
+
+
+def open_online_dataset(cfg: DictConfig) -> TraceDataset:
     e = cfg.env
-    if cfg.agent.name != "baselines":
-        raise DSMDError(f"env=online runs the online yardstick (agent=baselines); agent="
-                        f"{cfg.agent.name} has no online trainer here")
-    out = output_dir(cfg)
-    progress = bool(cfg.progress)
     spec = load_dataset_spec(str(e.dataset), **(to_dict(e.get("dataset_overrides")) or {}))
-    ds = build_dataset(spec, cfg.paths.data_dir, progress=progress)
+    return build_dataset(spec, cfg.paths.data_dir, progress=bool(cfg.progress))
+
+
+def tune_online(cfg: DictConfig, ds: TraceDataset) -> Tuning:
+    """Steps 1-2: every static baseline and every knob setting on the validation traces."""
+    e = cfg.env
     cost = OnlineCost.from_dict(to_dict(e.cost))
     workers = int(e.workers or default_workers())
     val_ids = [r.id for r in ds.traces("validation")][:e.tune.traces or None]
     test_ids = [r.id for r in ds.traces("test")][:e.eval_traces or None]
     if not val_ids or not test_ids:
-        raise DSMDError(f"dataset '{spec.name}' needs validation and test traces "
+        raise DSMDError(f"dataset '{ds.spec.name}' needs validation and test traces "
                         f"(has {len(val_ids)} and {len(test_ids)})")
     statics = [DeciderSpec.make(n, "static", **(to_dict(e.static_params).get(n) or {}))
                for n in e.baselines]
     families = {fam: knob_grid(fam, to_dict(grid)) for fam, grid in to_dict(e.tune.grid).items()}
     sc = ds.scenario
-    print(f"[online] dataset {spec.name}: {len(ds.traces('all'))} traces of "
-          f"{spec.duration_s:g}s ({len(val_ids)} validation, {len(test_ids)} test used), "
+    print(f"[online] dataset {ds.spec.name}: {len(ds.traces('all'))} traces of "
+          f"{ds.spec.duration_s:g}s ({len(val_ids)} validation, {len(test_ids)} test used), "
           f"scenario {sc.name}: N={sc.num_nodes}, K={sc.num_topics}, T={sc.interval_s:g}s; "
-          f"{sum(len(v) for v in families.values())} knob settings; output: {out}", flush=True)
+          f"{sum(len(v) for v in families.values())} knob settings", flush=True)
+    val = evaluate_online(ds, val_ids, statics + [s for v in families.values() for s in v],
+                          cost, e.tune.windows, workers, bool(cfg.progress), "tune (validation)",
+                          _cache_dir(cfg))
+    vpt = per_trace(val)
+    points = vpt.groupby("policy", sort=False).mean(numeric_only=True).reset_index()
+    best = tune(val, families)
+    means = points.set_index("policy")["cost"]
+    candidates = [s.name for s in statics] + list(best.values())
+    best_online = str(means[candidates].idxmin())
+    fam_of = {name: fam for fam, name in best.items()}
+    for fam, name in best.items():
+        print(f"[online] tuned on validation: {name} (cost {means[name]:.4f})", flush=True)
+    return Tuning(ds, cost, workers, val_ids, test_ids, statics, families, points, vpt, best,
+                  fam_of.get(best_online, best_online))
+
+
+def test_online(cfg: DictConfig, tuning: Tuning, log: Any, out: Path,
+                learned: Sequence[DeciderSpec] = (),
+                learned_val: pd.DataFrame | None = None) -> dict[str, Any]:
+    """Steps 3-4 on the test traces, with the ``learned`` deciders beside the baselines
+    (``learned_val``: their points on the validation intervals, for the Pareto plot)."""
+    e, ds, cost, workers = cfg.env, tuning.dataset, tuning.cost, tuning.workers
+    test_ids, progress, name = tuning.test_ids, bool(cfg.progress), ds.spec.name
+    tuned = tuning.tuned
+    test_specs = tuning.statics + [DeciderSpec(fam, s.kind, s.params) for fam, s in tuned.items()]
+    test_specs += list(learned)
+    horizons = [*e.oracle.horizons, *(s.kw.get("horizon", math.inf) for s in tuned.values())]
+    test_specs += oracle_specs(horizons)
+    df = evaluate_online(ds, test_ids, test_specs, cost, e.eval_windows, workers, progress,
+                         "evaluate (test)", _cache_dir(cfg))
+    df = compose_oracle(df)
+    summary = summarize_online(df, "oracle")
+    best_test = tuning.best_online
+    pt = per_trace(df).set_index(["policy", "trace"])["cost"]
+    head = 100 * (pt.loc[best_test] / pt.loc["oracle"] - 1.0)
+    headroom = {"best_online": best_test, "headroom_pct": float(head.mean()),
+                "headroom_ci95": ci95(head.values), "traces": int(head.size)}
+    closed = {}
+    for s in learned:  # the share of the headroom each learned policy closes, trace by trace
+        gain = pt.loc[best_test] - pt.loc[s.name]
+        gap = pt.loc[best_test] - pt.loc["oracle"]
+        share = 100 * gain / gap.where(gap > 0)
+        closed[s.name] = {"closed_pct": float(100 * gain.sum() / max(gap.sum(), 1e-12)),
+                          "closed_pct_per_trace_ci95": ci95(share.dropna().values)}
+    ex = e.oracle.exact
+    bounds = exact_bounds(ds, test_ids, cost, int(ex.horizon), float(ex.time_limit_s),
+                          int(ex.max_variables), e.eval_windows, workers)
+    log.table(bounds, out / "bounds.csv")
+    table = format_online_table(summary)
+    text = (f"Online yardstick: dataset {name}, {len(test_ids)} test traces "
+            f"(mean over traces, 95% interval over traces; regret against the hindsight "
+            f"oracle)\n\n{table}\n\nheadroom (best online heuristic on validation: "
+            f"{best_test}) = {headroom['headroom_pct']:+.2f}% ± "
+            f"{headroom['headroom_ci95']:.2f}% over the oracle\n"
+            + "".join(f"{k} closes {v['closed_pct']:+.1f}% of it (of the summed gaps)\n"
+                      for k, v in closed.items())
+            + _bound_text(bounds, pt, best_test, int(ex.horizon)))
+    print("\n" + text, flush=True)
+    (out / "summary.txt").write_text(text)
+    log.text(text, "summary.txt")
+    log.table(summary, out / "summary.csv")
+    log.table(df, out / "per_interval.csv")
+    points = tuning.points
+    log.table(points, out / "tuning.csv")
+    knobs = points[points.policy.str.contains(r"\[")]
+    front = pareto_front(knobs, "redundancy_ratio", "subscribe_infos")
+    log.table(front, out / "pareto.csv")
+    others = points[~points.policy.str.contains(r"\[")]
+    if learned_val is not None and len(learned_val):
+        others = pd.concat([others, learned_val], ignore_index=True)
+    figs = [pareto_plot(knobs, front, out / "pareto.png",
+                        f"{name}: knob settings on validation", others),
+            online_timeline_plot(df[(df.trace == test_ids[0]) & (df.types > 0)
+                                    & ~df.policy.str.startswith("oracle_")],
+                                 out / "timeline.png", f"{name}: test trace {test_ids[0]}")]
+    for f in figs:
+        log.artifact(f, "plots")
+    for row in summary.itertuples(index=False):
+        key = re.sub(r"[^A-Za-z0-9_.\-/ ]", "_", str(row.policy))  # MLflow's charset
+        log.metrics({f"{key}/cost": row.cost, f"{key}/subscribe_infos": row.subscribe_infos,
+                     f"{key}/redundancy_ratio": row.redundancy_ratio,
+                     f"{key}/moved_types": row.moved_types,
+                     f"{key}/regret_pct": row.regret_pct,
+                     f"{key}/bw_violated_pct": row.bw_violated_pct,
+                     f"{key}/cpu_violated_pct": row.cpu_violated_pct,
+                     f"{key}/node_violated_pct": row.node_violated_pct})
+    log.metrics({"headroom_pct": headroom["headroom_pct"],
+                 **{f"{k}/closed_pct": v["closed_pct"] for k, v in closed.items()}})
+    return {"summary": summary, "per_interval": df, "tuning": points, "best": tuning.best,
+            "bounds": bounds, "headroom": headroom, "closed": closed, "dataset": ds}
+
+
+def run_online_main(cfg: DictConfig) -> dict[str, Any]:
+    """``train.py env=online agent=baselines``: the yardstick without a learned policy."""
+    seed_everything(int(cfg.seed))
+    out = output_dir(cfg)
     t0 = time.perf_counter()
-    run_name = cfg.get("run_name") or f"{spec.name}__online_baselines__{cfg.seed}"
-    tags = {"scenario": sc.name, "dataset": spec.name, "task": "online_baselines",
+    ds = open_online_dataset(cfg)
+    run_name = cfg.get("run_name") or f"{ds.spec.name}__online_baselines__{cfg.seed}"
+    tags = {"scenario": ds.scenario.name, "dataset": ds.spec.name, "task": "online_baselines",
             "seed": str(cfg.seed)}
     with tracked_run(cfg, run_name=run_name, tags=tags) as log:
-        # 1. validation: every static baseline and every knob setting
-        val = evaluate_online(ds, val_ids, statics + [s for v in families.values() for s in v],
-                              cost, e.tune.windows, workers, progress, "tune (validation)")
-        vpt = per_trace(val)
-        points = vpt.groupby("policy", sort=False).mean(numeric_only=True).reset_index()
-        best = tune(val, families)
-        online_means = points.set_index("policy")["cost"]
-        candidates = [s.name for s in statics] + list(best.values())
-        best_online = str(online_means[candidates].idxmin())
-        tuned = {fam: next(s for s in families[fam] if s.name == name)
-                 for fam, name in best.items()}
-        log.table(points, out / "tuning.csv")
-        for fam, name in best.items():
-            print(f"[online] tuned on validation: {name} (cost {online_means[name]:.4f})",
-                  flush=True)
-        # 2. test: baselines, tuned heuristics (renamed to their family), oracle variants
-        test_specs = statics + [DeciderSpec(fam, s.kind, s.params) for fam, s in tuned.items()]
-        horizons = [*e.oracle.horizons, *(s.kw.get("horizon", math.inf) for s in tuned.values())]
-        test_specs += oracle_specs(horizons)
-        df = evaluate_online(ds, test_ids, test_specs, cost, e.eval_windows, workers, progress,
-                             "evaluate (test)")
-        df = compose_oracle(df)
-        summary = summarize_online(df, "oracle")
-        fam_of = {name: fam for fam, name in best.items()}
-        best_test = fam_of.get(best_online, best_online)
-        pt = per_trace(df).set_index(["policy", "trace"])["cost"]
-        head = 100 * (pt.loc[best_test] / pt.loc["oracle"] - 1.0)
-        headroom = {"best_online": best_test, "headroom_pct": float(head.mean()),
-                    "headroom_ci95": ci95(head.values), "traces": int(head.size)}
-        ex = e.oracle.exact
-        bounds = exact_bounds(ds, test_ids, cost, int(ex.horizon), float(ex.time_limit_s),
-                              int(ex.max_variables), e.eval_windows, workers)
-        log.table(bounds, out / "bounds.csv")
-        # 3. report
-        table = format_online_table(summary)
-        text = (f"Online yardstick: dataset {spec.name}, {len(test_ids)} test traces "
-                f"(mean over traces, 95% interval over traces; regret against the hindsight "
-                f"oracle)\n\n{table}\n\nheadroom (best online heuristic on validation: "
-                f"{best_test}) = {headroom['headroom_pct']:+.2f}% ± "
-                f"{headroom['headroom_ci95']:.2f}% over the oracle\n"
-                + _bound_text(bounds, pt, best_test, int(ex.horizon)))
-        print("\n" + text, flush=True)
-        (out / "summary.txt").write_text(text)
-        log.text(text, "summary.txt")
-        log.table(summary, out / "summary.csv")
-        log.table(df, out / "per_interval.csv")
-        front = pareto_front(points[points.policy.str.contains(r"\[")], "redundancy_ratio",
-                             "subscribe_infos")
-        log.table(front, out / "pareto.csv")
-        figs = [pareto_plot(points[points.policy.str.contains(r"\[")], front,
-                            out / "pareto.png", f"{spec.name}: knob settings on validation",
-                            points[~points.policy.str.contains(r"\[")]),
-                online_timeline_plot(df[(df.trace == test_ids[0]) & (df.types > 0)
-                                        & ~df.policy.str.startswith("oracle_")],
-                                     out / "timeline.png", f"{spec.name}: test trace {test_ids[0]}")]
-        for f in figs:
-            log.artifact(f, "plots")
-        for row in summary.itertuples(index=False):
-            key = re.sub(r"[^A-Za-z0-9_.\-/ ]", "_", str(row.policy))  # MLflow's charset
-            log.metrics({f"{key}/cost": row.cost, f"{key}/subscribe_infos": row.subscribe_infos,
-                         f"{key}/redundancy_ratio": row.redundancy_ratio})
-        log.metrics({"headroom_pct": headroom["headroom_pct"]})
+        tuning = tune_online(cfg, ds)
+        res = test_online(cfg, tuning, log, out)
     print(f"[online] done in {time.perf_counter() - t0:.0f}s; wrote {out}/summary.csv, "
-          "summary.txt, per_interval.csv, tuning.csv, pareto.csv, bounds.csv, pareto.png, timeline.png"
-          + (f"; MLflow run {log.run_id}" if log.run_id else ""), flush=True)
-    return {"summary": summary, "per_interval": df, "tuning": points, "best": best,
-            "bounds": bounds,
-            "headroom": headroom, "output_dir": out, "run_id": log.run_id, "dataset": ds}
+          "summary.txt, per_interval.csv, tuning.csv, pareto.csv, bounds.csv, pareto.png, "
+          "timeline.png" + (f"; MLflow run {log.run_id}" if log.run_id else ""), flush=True)
+    return {**res, "output_dir": out, "run_id": log.run_id}

@@ -11,7 +11,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 __all__ = ["comparison_plot", "sweep_plots", "learning_curve_plot", "online_timeline_plot",
-           "pareto_plot", "SWEEP_FIGURES"]
+           "pareto_plot", "SWEEP_FIGURES", "DSMD_CURVE_PANELS"]
 
 _STYLE = {"rpc": ("tab:red", "o"), "vita": ("tab:blue", "s"), "idcs": ("tab:green", "^"),
           "alcor": ("tab:purple", "v"), "greedy": ("tab:orange", "D"), "exact": ("black", "*"),
@@ -92,29 +92,40 @@ def sweep_plots(summary: pd.DataFrame, outdir: Path, scenario: str) -> list[Path
     return paths
 
 
-def learning_curve_plot(curve: pd.DataFrame, path: Path, title: str) -> Path:
-    """Training curves against environment steps: training return, validation node
-    traffic relative to greedy, validation feasibility and violations, and the Eq. 2 terms
-    of the training episodes."""
-    panels = [
-        ("Training episode return", ["train/episode_return_mean"]),
-        ("Validation node traffic vs greedy (%)", ["val/gap_to_greedy_pct"]),
-        ("Validation: feasible fraction / violations",
-         ["val/feasible_frac", "val/bw_violation", "val/cpu_violation", "val/node_violation"]),
-        ("Training episodes: Eq. 2 terms",
-         ["train/dsmd/reward_objective", "train/dsmd/reward_controller_bw_penalty",
-          "train/dsmd/reward_controller_cpu_penalty", "train/dsmd/reward_node_penalty"]),
-    ]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.4))
-    for ax, (label, cols) in zip(axes, panels):
+#: the static DSMD trainer's learning-curve panels: (title, columns)
+DSMD_CURVE_PANELS: list[tuple[str, list[str]]] = [
+    ("Training episode return", ["train/episode_return_mean"]),
+    ("Validation node traffic vs greedy (%)", ["val/gap_to_greedy_pct"]),
+    ("Validation: feasible fraction / violations",
+     ["val/feasible_frac", "val/bw_violation", "val/cpu_violation", "val/node_violation"]),
+    ("Training episodes: Eq. 2 terms",
+     ["train/dsmd/reward_objective", "train/dsmd/reward_controller_bw_penalty",
+      "train/dsmd/reward_controller_cpu_penalty", "train/dsmd/reward_node_penalty"]),
+]
+
+
+def learning_curve_plot(curve: pd.DataFrame, path: Path, title: str,
+                        panels: list[tuple[str, list[str]]] | None = None,
+                        references: dict[str, dict[str, float]] | None = None) -> Path:
+    """Training curves against environment steps, a panel per ``(title, columns)`` of
+    ``panels`` (default: the static DSMD trainer's :data:`DSMD_CURVE_PANELS`); a panel with
+    no data is left out. ``references[column]`` draws labelled horizontal lines (a
+    baseline's validation value) in the panel of ``column``."""
+    panels = [(label, [c for c in cols if c in curve and curve[c].notna().any()])
+              for label, cols in (panels or DSMD_CURVE_PANELS)]
+    panels = [p for p in panels if p[1]] or [("(no curve recorded)", [])]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.4), squeeze=False)
+    for ax, (label, cols) in zip(axes[0], panels):
         for c in cols:
-            if c in curve and curve[c].notna().any():
-                ax.plot(curve["steps"], curve[c], marker=".", label=c.split("/")[-1])
+            ax.plot(curve["steps"], curve[c], marker=".", label=c.split("/")[-1])
+            for name, v in ((references or {}).get(c) or {}).items():
+                ax.axhline(v, color="gray", ls="--", lw=1)
+                ax.text(curve["steps"].iloc[0], v, name, fontsize=7, va="bottom")
         if label.startswith("Validation node"):
             ax.axhline(0.0, color="gray", ls="--", lw=1)
         ax.set_title(label, fontsize=10)
         ax.set_xlabel("environment steps")
-        if len(cols) > 1 and ax.lines:
+        if len(cols) > 1:
             ax.legend(fontsize=7)
     return _save(fig, path, title)
 

@@ -1,11 +1,26 @@
-"""``python train.py``: train an agent (DDPG + PER with TD3 flags by default; RLlib's SAC, PPO
-or DQN with ``agent=sac|ppo|dqn``, :mod:`agents.algorithms`) offline on the scenario's
-training windows, validate periodically, then evaluate the learned policy against every
-baseline on the held-out test windows (MLflow: config, curves, tables, plots, the bundle).
+"""``python train.py``: the one trainer. An agent (DDPG + PER with TD3 flags by default;
+RLlib's SAC, PPO or DQN with ``agent=sac|ppo|dqn``, :mod:`agents.algorithms`) is trained
+offline through RLlib on a task's training data, validated periodically (the weights with
+the best validation score are kept), then evaluated on held-out data and exported
+(MLflow: config, curves, tables, plots, the policy).
 
-Offline on traces: every episode is a training window of the scenario's trace
-(``smart/DSMD-v0`` with ``split="train"``); validation and test windows are never seen by
-the learner. Progress is printed every ``agent.log_every_s`` seconds with rates.
+What differs between problems is a :class:`TrainingTask` (the environment, validation,
+demonstrations, the held-out evaluation and the export), chosen from ``env``:
+
+============================  ==============================================================
+``env=online`` (default)      :class:`agents.task_online.OnlineTask`: the online problem
+                              (``smart/DSMDOnline-v0``), training traces; the yardstick on
+                              the test traces (:mod:`agents.online_job`) with the learned
+                              policy in it; the online policy bundle
+``env=dsmd``                  :class:`agents.task_dsmd.DSMDTask`: the static problem
+                              (``smart/DSMD-v0``), training windows of the scenario's trace;
+                              every baseline on the test windows; the policy bundle
+``env=multicast|shaping``     :class:`agents.task_episodes.EpisodeTask`: a sub-problem
+                              environment, seeded episodes; its baselines; ``actor.onnx``
+============================  ==============================================================
+
+The learner never sees a validation or test trace, window or episode. Progress is printed
+every ``agent.log_every_s`` seconds with rates.
 """
 
 from __future__ import annotations
@@ -13,40 +28,75 @@ from __future__ import annotations
 import copy
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import pandas as pd
 from omegaconf import DictConfig
 
 from envs.dsmd.errors import DSMDError
-from envs.dsmd.observation import ObservationLayout
-from envs.dsmd.problems import build_problems
-from envs.dsmd.scenarios import ScenarioSpec
 from envs.seeding import seed_everything
 
-from .config import output_dir, scenario_spec, to_dict
-from .evaluation import evaluate_policies, summarize
-from .demonstrations import demonstrations
-from .learned import ActorPolicy
+from .config import output_dir, to_dict
 from .plots import learning_curve_plot
-from .registry import make_policies
-from .reporting import report
 from .tracking import tracked_run
 
-__all__ = ["run_training", "make_dsmd_env", "RLLIB_ENV_NAME"]
+__all__ = ["run_training", "train_with_selection", "TrainingTask", "make_task", "ablation_tags",
+           "make_dsmd_env", "RLLIB_ENV_NAME"]
+
+
+class TrainingTask(Protocol):
+    """What the trainer needs from a problem (module docstring)."""
+
+    rllib_env: str        # the name the env creator is registered under
+    env_config: dict      # passed to the creator by every env runner
+    act_dim: int          # the action's width (the score module's output)
+    run_name: str
+    tags: dict[str, str]
+    curve_panels: list[tuple[str, list[str]]] | None
+
+    def env_creator(self) -> Callable[[Any], Any]: ...
+
+    def header(self, agent: str, total: int) -> str: ...
+
+    def policy(self, scores: Any) -> Any: ...
+
+    def demonstrations(self, teacher: str) -> dict[str, np.ndarray]: ...
+
+    def validate(self, policy: Any) -> tuple[dict[str, float], Any]: ...
+
+    def progress(self, last: dict[str, float]) -> str: ...
+
+    def selected(self, key: Any) -> tuple[dict[str, float], str]: ...
+
+    def curve_references(self) -> dict[str, dict[str, float]]: ...
+
+    def finish(self, log: Any, scores: Any, policy: Any, *, steps: int, best: tuple | None,
+               updates: int | None) -> dict[str, Any]: ...
+
+
+def make_task(cfg: DictConfig, out: Path) -> TrainingTask:
+    """The task of ``cfg.env`` (module docstring)."""
+    if cfg.env.get("name") == "online":
+        from .task_online import OnlineTask
+
+        return OnlineTask(cfg, out)
+    if cfg.env.get("suite"):
+        from .task_episodes import EpisodeTask
+
+        return EpisodeTask(cfg, out)
+    from .task_dsmd import DSMDTask
+
+    return DSMDTask(cfg, out)
+
+
+def make_dsmd_env(env_ctx: Any):  # kept here: tests and benchmarks register it by this name
+    from .task_dsmd import make_dsmd_env as make
+
+    return make(env_ctx)
+
 
 RLLIB_ENV_NAME = "smart-dsmd"
-
-
-def make_dsmd_env(env_ctx: Any):
-    """RLlib env creator (module-level, so remote env runners can unpickle it)."""
-    from envs.dsmd.env import DSMDEnv
-
-    kw = dict(env_ctx)
-    kw.pop("num_envs", None)
-    spec = ScenarioSpec.from_dict(kw.pop("scenario_spec"))
-    return DSMDEnv(spec, **kw)
 
 
 def ablation_tags(agent: DictConfig) -> dict[str, str]:
@@ -56,12 +106,13 @@ def ablation_tags(agent: DictConfig) -> dict[str, str]:
     if agent.name == "ddpg":
         tags.update(td3=str(bool(agent.get("td3"))),
                     per=str(bool(t.get("prioritized_replay", True))),
-                    noise=str(t.get("noise_type", "gaussian")))
+                    noise=str(t.get("noise_type", "gaussian")),
+                    demonstrations=str(agent.get("demonstrations")))
     return tags
 
 
 def _train_metrics(res: dict, algo: Any) -> dict[str, float]:
-    """Every scalar learner metric and the per-episode DSMD metrics, as ``train/*``."""
+    """Every scalar learner metric and the per-episode task metrics, as ``train/*``."""
     runners = res.get("env_runners", {})
     out = {"train/episode_return_mean": runners.get("episode_return_mean", np.nan)}
     for group in ("dsmd", "episode"):  # DSMD's Eq. 2 terms; a sub-problem's episode_metrics
@@ -80,27 +131,38 @@ def train_with_selection(algo: Any, scores: Any, log: Any, total: int, eval_ever
                          validate: Callable[[], tuple[dict[str, float], Any]],
                          progress: Callable[[int, float, dict], None]
                          ) -> tuple[list[dict], tuple | None, int]:
-    """The training loop of both trainers (the DSMD one here and ``agents.env_training``):
-    one ``algo.train()`` step at a time until ``total`` env steps; every ``eval_every`` steps
-    and at the end, ``validate()`` gives the validation metrics and a selection key (lower is
-    better) and the weights with the best key so far are kept; every step's metrics go to
-    MLflow; ``progress(steps, elapsed, last validation row)`` prints a line every
-    ``log_every_s`` seconds and at the end. Returns ``(history, best, steps)``, ``best`` =
-    ``(key, steps, state_dict)`` or None."""
+    """The training loop: one ``algo.train()`` step at a time until ``total`` env steps;
+    before the first step (the start: the cloned actor when there are demonstrations), every
+    ``eval_every`` steps and at the end, ``validate()`` gives the validation metrics and a
+    selection key (lower is better) and the weights with the best key so far are kept; every
+    step's metrics go to MLflow; ``progress(steps, elapsed, last validation row)`` prints a
+    line every ``log_every_s`` seconds and at the end. Returns ``(history, best, steps)``,
+    ``best`` = ``(key, steps, state_dict)`` or None."""
     history: list[dict] = []
     best: tuple | None = None
-    steps, next_eval, next_log = 0, 0, t0 + log_every_s
+    steps, next_log = 0, t0 + log_every_s
+
+    def check(metrics: dict) -> None:
+        nonlocal best
+        val, key = validate()
+        metrics.update(val)
+        history.append({"steps": steps, **metrics})
+        if best is None or key < best[0]:
+            best = (key, steps, copy.deepcopy(scores.state_dict()))
+
+    if eval_every > 0:
+        start: dict[str, float] = {}
+        check(start)
+        log.metrics(start, step=0)
+        progress(0, max(time.perf_counter() - t0, 1e-9), history[-1])
+    next_eval = eval_every
     while steps < total:
         res = algo.train()
         steps = int(res["env_runners"]["num_env_steps_sampled_lifetime"])
         metrics = _train_metrics(res, algo)
-        if steps >= next_eval or steps >= total:
+        if (eval_every > 0 and steps >= next_eval) or steps >= total:
             next_eval += eval_every
-            val, key = validate()
-            metrics.update(val)
-            history.append({"steps": steps, **metrics})
-            if best is None or key < best[0]:
-                best = (key, steps, copy.deepcopy(scores.state_dict()))
+            check(metrics)
         log.metrics(metrics, step=steps)
         if time.perf_counter() >= next_log or steps >= total:
             next_log = time.perf_counter() + log_every_s
@@ -108,128 +170,87 @@ def train_with_selection(algo: Any, scores: Any, log: Any, total: int, eval_ever
     return history, best, steps
 
 
-def _progress(steps: int, total: int, elapsed: float, algo: Any, last: dict) -> None:
+def _rate_text(steps: int, elapsed: float, algo: Any) -> str:
     upd = getattr(algo, "updates_done", None)
     rate = f"{upd / elapsed:6.0f} updates/s  " if upd is not None else ""
-    print(f"[train] {steps:>8,}/{total:,} steps  {steps / elapsed:6.0f} steps/s  {rate}"
-          f"validation: {last.get('val/total_node_mbps', float('nan')):.2f} Mbps, "
-          f"feasible {last.get('val/feasible_frac', float('nan')):.2f}, "
-          f"vs greedy {last.get('val/gap_to_greedy_pct', float('nan')):+.1f}%", flush=True)
+    return f"{steps / elapsed:6.1f} steps/s  {rate}"
 
 
 def run_training(cfg: DictConfig) -> dict[str, Any]:
     import ray
     from ray.rllib.core import DEFAULT_MODULE_ID
+    from ray.tune.registry import register_env
 
-    from .algorithms import action_mode, algorithm_config, score_module, torch_scorer
+    from .algorithms import algorithm_config, score_module
 
-    seed_everything(int(cfg.seed))
-    spec = scenario_spec(cfg)
+    seed = int(cfg.seed)
+    seed_everything(seed)
     out = output_dir(cfg)
     a = cfg.agent
     name = str(a.name)
-    mode = action_mode(name)
-    # a discrete action is applied as chosen; evaluate it the same way (argmax of its scores)
-    decoding = str(cfg.env.decoding) if mode == "box" else "argmax"
-    ps = build_problems(spec, cache_dir=cfg.paths.data_dir, batch_key=cfg.env.batch_key)
-    env_kwargs = {"observation": str(cfg.env.observation), "action": mode,
-                  "reward": to_dict(cfg.env.reward), "order": str(cfg.env.order),
-                  "decoding": str(cfg.env.decoding),
-                  "initial": str(cfg.env.initial), "batch_key": str(cfg.env.batch_key),
-                  "cache_dir": str(cfg.paths.data_dir), "split": "train"}
-    layout = ObservationLayout(str(cfg.env.observation), ps.catalog_size, ps.num_nodes,
-                               spec.num_topics)
+    task = make_task(cfg, out)
     ray_cfg = cfg.get("ray") or {}
     ray.init(address=ray_cfg.get("address"), num_cpus=ray_cfg.get("num_cpus"),
              include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
-    from ray.tune.registry import register_env
-
-    register_env(RLLIB_ENV_NAME, make_dsmd_env)  # Ray's registry reaches remote runners too
-    algo = algorithm_config(to_dict(a), RLLIB_ENV_NAME,
-                            {"scenario_spec": spec.to_dict(), **env_kwargs},
-                            int(cfg.seed)).build_algo()
-    module = algo.learner_group._learner.module[DEFAULT_MODULE_ID]
-    scores = score_module(name, module, spec.num_topics + 1)
-    actor = ActorPolicy(torch_scorer(scores), layout, name=name, order=str(cfg.env.order),
-                        decoding=decoding, seed=int(cfg.seed))
-    demo = a.get("demonstrations")
-    if demo:
-        if name != "ddpg":
-            raise DSMDError(f"agent.demonstrations is DDPG's (DDPGfD); {name} does not use it")
-        d = demonstrations(make_policies([str(demo)], ps)[0], ps, env_kwargs)
-        algo.add_demonstrations(**d)
-        print(f"[train] {len(d['obs']):,} demonstration transitions from {demo} on the "
-              f"training windows (behaviour cloning weight "
-              f"{a.training.get('bc_weight', 0.0)})", flush=True)
-        if algo.config.bc_pretrain_steps:
-            t = time.perf_counter()
-            loss = algo.pretrain_actor()
-            print(f"[train] behaviour-cloning pre-training: {algo.config.bc_pretrain_steps:,} "
-                  f"steps in {time.perf_counter() - t:.0f} s, loss {loss:.3f}", flush=True)
-    val = ps.instances("validation") or ps.instances("train")[-1:]
-    greedy_val = evaluate_policies(make_policies(["greedy"], ps), val, progress=False)
-    greedy_total = float(greedy_val["total_node_traffic_bps"].mean())
-    run_name = cfg.get("run_name") or f"{spec.name}__{name}__{cfg.seed}"
-    tags = {"scenario": spec.name, "task": "train", "agent": name, "seed": str(cfg.seed),
-            "observation": str(cfg.env.observation), "decoding": decoding,
-            "reward_form": str(cfg.env.reward.form), **ablation_tags(a)}
-    total_steps, t0 = int(a.total_steps), time.perf_counter()
-    print(f"[train] {name.upper()} on {spec.name}: {len(ps.windows['train'])} training windows, "
-          f"observation {layout.variant} ({layout.size} values), {spec.num_topics + 1} "
-          f"channels, {total_steps:,} env steps; output: {out}", flush=True)
-    history: list[dict] = []
+    register_env(task.rllib_env, task.env_creator())  # Ray's registry reaches remote runners
+    algo = algorithm_config(to_dict(a), task.rllib_env, task.env_config, seed).build_algo()
+    stopped = False
     try:
-        with tracked_run(cfg, run_name=run_name, tags=tags) as log:
-            def validate() -> tuple[dict[str, float], tuple[float, float]]:
-                v = summarize(evaluate_policies([actor], val, progress=False)).iloc[0]
-                # model selection on validation windows: feasibility first, then traffic
-                return ({"val/total_node_mbps": v.total_node_mbps,
-                         "val/feasible_frac": v.feasible_frac,
-                         "val/bw_violation": v.bw_violation,
-                         "val/cpu_violation": v.cpu_violation,
-                         "val/node_violation": v.node_violation,
-                         "val/gap_to_greedy_pct":
-                             100 * (v.total_node_mbps * 1e6 / greedy_total - 1)},
-                        (-float(v.feasible_frac), float(v.total_node_mbps)))
+        module = algo.learner_group._learner.module[DEFAULT_MODULE_ID]
+        scores = score_module(name, module, task.act_dim)
+        policy = task.policy(scores)
+        demo = a.get("demonstrations")
+        if demo:
+            if name != "ddpg":
+                raise DSMDError(f"agent.demonstrations is DDPG's (DDPGfD); {name} does not "
+                                "use it")
+            d = task.demonstrations(str(demo))
+            algo.add_demonstrations(**d)
+            print(f"[train] {len(d['obs']):,} demonstration transitions from {demo} "
+                  f"(behaviour cloning weight {a.training.get('bc_weight', 0.0)})", flush=True)
+            if algo.config.bc_pretrain_steps:
+                t = time.perf_counter()
+                loss = algo.pretrain_actor()
+                print(f"[train] behaviour-cloning pre-training: "
+                      f"{algo.config.bc_pretrain_steps:,} steps in "
+                      f"{time.perf_counter() - t:.0f} s, loss {loss:.4f}", flush=True)
+        total, t0 = int(a.total_steps), time.perf_counter()
+        print(task.header(name, total) + f"; output: {out}", flush=True)
+        with tracked_run(cfg, run_name=task.run_name,
+                         tags={**task.tags, "agent": name, "seed": str(seed),
+                               **ablation_tags(a)}) as log:
+            def progress(st: int, el: float, last: dict) -> None:
+                print(f"[train] {st:>8,}/{total:,} steps  {_rate_text(st, el, algo)}"
+                      + task.progress(last), flush=True)
 
             history, best, steps = train_with_selection(
-                algo, scores, log, total_steps, int(a.eval_every), float(a.log_every_s), t0,
-                validate, lambda st, el, last: _progress(st, total_steps, el, algo, last))
+                algo, scores, log, total, int(a.eval_every), float(a.log_every_s), t0,
+                lambda: task.validate(policy), progress)
+            if history:  # the start (the cloned actor with demonstrations) and the end
+                log.metrics({f"{k.replace('val/', 'val/start/', 1)}": v
+                             for k, v in history[0].items() if k.startswith("val/")})
+                log.metrics({f"{k.replace('val/', 'val/final/', 1)}": v
+                             for k, v in history[-1].items() if k.startswith("val/")})
             # a resumable checkpoint of the final training state (with DDPG's replay buffer)
             algo.save_to_path(str(out / "rllib_checkpoint"))
+            updates = getattr(algo, "updates_done", None)
             if best is not None and a.get("keep_best", True):
                 scores.load_state_dict(best[2])  # evaluate and export the selected weights
-                log.metrics({"val/best_at_steps": best[1],
-                             "val/best_total_node_mbps": best[0][1],
-                             "val/best_feasible_frac": -best[0][0]})
-                print(f"[train] selected the weights of step {best[1]:,} (best validation: "
-                      f"feasible {-best[0][0]:.2f}, {best[0][1]:.2f} Mbps)", flush=True)
-            test = ps.instances(str(cfg.eval_split))
-            pols = [*make_policies(list(cfg.baseline.policies), ps,
-                                   to_dict(cfg.baseline.params)), actor]
-            per_window = evaluate_policies(pols, test, progress=bool(cfg.progress))
-            summary = report(log, per_window, out, spec, str(cfg.eval_split),
-                             f"{name.upper()} vs baselines")
+                metrics, text = task.selected(best[0])
+                log.metrics({"val/best_at_steps": best[1], **metrics})
+                print(f"[train] selected the weights of step {best[1]:,} ({text})", flush=True)
             curve = pd.DataFrame(history)
             log.table(curve, out / "learning_curve.csv")
             if len(curve):
                 log.artifact(learning_curve_plot(curve, out / "learning_curve.png",
-                                                 f"{name.upper()} on {spec.name}"), "plots")
-            # the exported policy (ONNX + metadata) for serving
-            from .bundle import BUNDLE_FILES, export_bundle
-
-            bundle_dir = Path(str(cfg.paths.checkpoint_dir)) / run_name
-            export_bundle(scores, layout, ps.signature(), bundle_dir, overwrite=True,
-                          order=str(cfg.env.order), decoding=decoding,
-                          extra={"run_id": log.run_id, "algorithm": name, "env_steps": steps,
-                                 "selected_at_steps": None if best is None else best[1],
-                                 "gradient_updates": getattr(algo, "updates_done", None),
-                                 "reward": to_dict(cfg.env.reward), "seed": int(cfg.seed)})
-            for f in BUNDLE_FILES:
-                log.artifact(bundle_dir / f, "policy_bundle")
-            print(f"[train] exported the policy bundle to {bundle_dir}", flush=True)
+                                                 f"{name.upper()}: {task.run_name}",
+                                                 task.curve_panels, task.curve_references()),
+                             "plots")
+            algo.stop()  # the held-out evaluation needs no Ray
+            stopped = True
+            result = task.finish(log, scores, policy, steps=steps, best=best, updates=updates)
     finally:
-        algo.stop()
-    return {"summary": summary, "per_window": per_window, "history": history,
-            "run_id": log.run_id, "output_dir": out, "algo_steps": steps,
-            "bundle_dir": bundle_dir, "layout": layout, "problems": ps}
+        if not stopped:
+            algo.stop()
+    return {"history": history, "run_id": log.run_id, "output_dir": out, "algo_steps": steps,
+            **result}

@@ -22,7 +22,10 @@ def _cfg(name: str, tmp_path: Path, overrides: list[str]):
         f"logger.tracking_uri=sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}",
         f"logger.artifact_location={tmp_path / 'mlruns' / 'artifacts'}"]
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return compose(config_name=name, overrides=[
+        # these tests are the static problem's: env=dsmd (the main job's default is online)
+        env = ["env=dsmd"] if name == "train" and not any(o.startswith("env=")
+                                                            for o in overrides) else []
+        return compose(config_name=name, overrides=[*env,
             f"paths.output_dir={tmp_path / 'out'}", f"paths.data_dir={tmp_path / 'data'}",
             "progress=false", *tracking, *overrides])
 
@@ -191,7 +194,7 @@ def test_multirun_sweep_is_one_query(tmp_path):
     from agents.config import PROJECT_ROOT
 
     uri = f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}"
-    cmd = [sys.executable, "train.py", "-m", "scenario=tiny", "agent=baselines",
+    cmd = [sys.executable, "train.py", "-m", "env=dsmd", "scenario=tiny", "agent=baselines",
            "baseline.policies=[rpc,greedy]", "seed=0,1", "progress=false",
            f"logger.tracking_uri={uri}", f"logger.artifact_location={tmp_path / 'art'}",
            f"paths.data_dir={tmp_path / 'data'}",

@@ -350,3 +350,26 @@ def test_online_greedy_can_keep_returning_types(tiny_trace):
     assert sum(r["returning_types"] for r in keep) > 0
     with pytest.raises(DSMDError, match="memory"):
         OnlineGreedy(memory=0)
+
+
+def test_evaluation_cache_reuses_only_unchanged_rows(tmp_path):
+    """Cached rows of a deterministic decider equal a fresh run; a learned decider, another
+    cost or other intervals are never served from the cache."""
+    from agents.online_eval import DeciderSpec, evaluate_online
+    from envs.dsmd.dataset import build_dataset, load_dataset_spec
+
+    ds = build_dataset(load_dataset_spec("tiny_online"), tmp_path / "ds")
+    ids = [r.id for r in ds.traces("validation")]
+    specs = [DeciderSpec.make("idcs", "static"),
+             DeciderSpec.make("og", "online_greedy", headroom=0.1, horizon=1.0)]
+    cost, cache = OnlineCost(), tmp_path / "cache"
+    fresh = evaluate_online(ds, ids, specs, cost, 12, progress=False)
+    first = evaluate_online(ds, ids, specs, cost, 12, progress=False, cache=cache)
+    files = sorted(cache.iterdir())
+    assert len(files) == len(ids) * len(specs)
+    again = evaluate_online(ds, ids, specs, cost, 12, progress=False, cache=cache)
+    assert fresh.equals(first) and first.equals(again)
+    assert sorted(cache.iterdir()) == files  # nothing recomputed
+    evaluate_online(ds, ids, specs, OnlineCost(w_move=0.5), 12, progress=False, cache=cache)
+    evaluate_online(ds, ids, specs, cost, 6, progress=False, cache=cache)
+    assert len(list(cache.iterdir())) == 3 * len(files)

@@ -8,6 +8,7 @@ from pathlib import Path
 import mlflow
 import pytest
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 from mlflow import MlflowClient
 
 from agents.config import CONFIG_DIR
@@ -25,7 +26,8 @@ def _cfg(tmp_path: Path, overrides: list[str]):
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         return compose(config_name="train", overrides=[
             f"paths.output_dir={tmp_path / 'out'}", f"paths.data_dir={tmp_path / 'data'}",
-            "progress=false", "env=online", "agent=baselines", "env.dataset=tiny_online",
+            "progress=false", "env=online", "env.dataset=tiny_online",
+            *([] if any(o.startswith("agent=") for o in overrides) else ["agent=baselines"]),
             "env.workers=1", "env.tune.windows=null", *tracking, *overrides])
 
 
@@ -58,6 +60,94 @@ def test_online_yardstick_same_seed_same_table(tmp_path):
     assert a.equals(b)
 
 
-def test_online_yardstick_refuses_a_learning_agent(tmp_path):
-    with pytest.raises(DSMDError, match="agent=ddpg"):
-        run_online_main(_cfg(tmp_path, ["agent=ddpg", "logger=none"]))
+ONLINE_AGENT = ["agent.total_steps=60", "agent.eval_every=30",
+                "agent.training.bc_pretrain_steps=100", "agent.training.critic_warmup_updates=20",
+                "agent.training.num_steps_sampled_before_learning_starts=20",
+                "agent.training.train_batch_size_per_learner=32", "ray.num_cpus=1"]
+
+
+def _train(tmp_path: Path, overrides: list[str]) -> dict:
+    import ray
+
+    from agents.training import run_training
+
+    cfg = _cfg(tmp_path, [*GRID, "agent=ddpg", f"paths.checkpoint_dir={tmp_path / 'ckpt'}",
+                          *ONLINE_AGENT, *overrides])
+    try:
+        return {**run_training(cfg), "cfg": cfg}
+    finally:
+        ray.shutdown()
+
+
+def test_train_online_end_to_end(tmp_path, capsys):
+    """The main job's path on tiny_online: tuning on validation, the tuned teacher's
+    demonstrations, DDPG on the training traces with validation from the cloned start, the
+    exported online bundle, and the yardstick on the test traces with the learned policy."""
+    from envs.dsmd.online import OnlineSimulator
+    from envs.dsmd.online_env import DSMDOnlineEnv, load_online_traces
+
+    from agents.online_bundle import load_online_bundle
+
+    res = _train(tmp_path, ["run_name=test-online-train"])
+    s = res["summary"].set_index("policy")
+    assert {"ddpg", "online_greedy", "oracle", "idcs"} <= set(s.index)
+    hist = res["history"]
+    assert hist[0]["steps"] == 0 and "val/cost" in hist[0]  # the cloned start
+    assert len(hist) >= 3 and res["algo_steps"] >= 60
+    out = capsys.readouterr().out
+    assert "Online yardstick" in out and "ddpg closes" in out
+    for f in ("learning_curve.png", "learning_curve.csv", "pareto.png", "timeline.png"):
+        assert (tmp_path / "out" / f).stat().st_size > 0, f
+    client = MlflowClient(tracking_uri=str(res["cfg"].logger.tracking_uri))
+    run = client.get_run(res["run_id"])
+    m = run.data.metrics
+    assert run.data.tags["task"] == "train_online" and run.data.tags["agent"] == "ddpg"
+    for k in ("ddpg/cost", "ddpg/regret_pct", "ddpg/closed_pct", "val/start/cost",
+              "val/best_cost", "val/final/cost", "online_greedy/cost", "oracle/cost"):
+        assert k in m, k
+    # the bundle decides as the environment, interval by interval, on every test trace
+    b = load_online_bundle(res["bundle_dir"])
+    traces = load_online_traces(res["dataset"], "test", tmp_path / "data")
+    pi = res["per_interval"]
+    for i, tr in enumerate(traces):
+        rows = pi[(pi.policy == "ddpg") & (pi.trace == tr.name)]
+        sim = [r.as_dict() for r in OnlineSimulator(tr, b.cost).run(b.decider("ddpg"))]
+        env = DSMDOnlineEnv(traces=traces, cost=b.cost, features=b.knob_map.features,
+                            max_headroom=b.knob_map.max_headroom,
+                            max_horizon=b.knob_map.max_horizon)
+        obs, _ = env.reset(options={"trace": i})
+        costs, done = [], False
+        while not done:
+            obs, r, term, trunc, _ = env.step((b.act(obs) + 1.0) / 2.0)
+            costs.append(-r)
+            done = term or trunc
+        assert costs == [x["cost"] for x in sim] == rows["cost"].tolist()
+    mlflow.set_tracking_uri("")
+
+
+@pytest.mark.slow
+def test_ablation_table_from_mlflow(tmp_path, capsys):
+    """Two variants x two seeds tagged as one study; the table job finds them by tags."""
+    from agents.ablation import run_ablation_table
+
+    runs = []
+    for variant in ("base", "no_per"):
+        for seed in (0, 1):
+            runs.append(_train(tmp_path, [f"+ablation={variant}", f"seed={seed}",
+                                          "+tags.study=t", "progress=false"]))
+    uri = str(runs[0]["cfg"].logger.tracking_uri)
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose(config_name="ablation_table", overrides=[
+            "study=t", f"logger.tracking_uri={uri}",
+            f"logger.artifact_location={tmp_path / 'mlruns' / 'artifacts'}",
+            f"paths.output_dir={tmp_path / 'table'}"])
+    res = run_ablation_table(cfg)
+    t = res["table"].set_index("variant")
+    assert list(t.index) == ["base", "no_per"] and (t.seeds == 2).all()
+    base = res["runs"][res["runs"].variant == "base"]
+    assert t.loc["base", "test_cost"] == pytest.approx(base.test_cost.mean())
+    assert (tmp_path / "table" / "ablation.png").stat().st_size > 0
+    assert "| base | 2 |" in capsys.readouterr().out
+    with pytest.raises(DSMDError, match="no finished online training run"):
+        run_ablation_table(OmegaConf.merge(cfg, {"study": "nope"}))
+    mlflow.set_tracking_uri("")

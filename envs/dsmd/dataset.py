@@ -242,6 +242,12 @@ class TraceDataset:
         self._cache: OrderedDict[str, Dataset] = OrderedDict()
         self._cache_size = cache_size
 
+    def entry(self, trace_id: str) -> dict[str, Any]:
+        """The manifest's record of a trace (seed, split, counts, files' sha256)."""
+        if trace_id not in self._entries:
+            raise DatasetError(self.manifest_path, "no such trace", trace=trace_id)
+        return dict(self._entries[trace_id])
+
     def _path(self, entry: dict[str, Any]) -> Path:
         return Path(os.path.normpath(self.root / entry["path"]))
 

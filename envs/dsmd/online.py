@@ -219,9 +219,11 @@ class OnlineView:
     """
 
     def __init__(self, trace: OnlineTrace, window: int, channel: np.ndarray,
-                 hindsight: bool = False) -> None:
+                 hindsight: bool = False, last: dict[str, float] | None = None) -> None:
         self._trace, self.window, self._hindsight = trace, int(window), hindsight
         self._channel = channel
+        #: the realised terms of the interval that just ended (``None`` before the first)
+        self.last = last
 
     @property
     def spec(self) -> ScenarioSpec:
@@ -279,6 +281,12 @@ class OnlineView:
         self._require_seen(types, "built an instance with")
         return self._trace.instance(types, np.maximum(np.asarray(rates, np.int64), 1),
                                     name or f"{self._trace.name}/plan{self.window}")
+
+    def estimate(self, w: int) -> DSMDInstance:
+        """Algorithm 1's estimate of past interval ``w`` (``w < window``): its instance."""
+        if not 0 <= w < self.window:
+            raise DSMDError(f"interval {w} is not in the past of interval {self.window}")
+        return self._trace.realised(w)
 
     def realised(self) -> DSMDInstance:
         """The realised instance of this interval (hindsight deciders only)."""
@@ -398,13 +406,29 @@ class OnlineSimulator:
         self.last_used = self.channel.copy()
         self._subs: np.ndarray | None = None
         self._fresh = channel is None
+        self.last: dict[str, float] | None = None  # the last interval's terms
+
+    def extend(self, trace: OnlineTrace) -> None:
+        """Go on over ``trace``: the current trace grown by later messages (a live session's
+        trace, re-built as its intervals close: the same catalogue and intervals, more of
+        them). The state is kept; the types first seen since have no channel yet."""
+        old = self.trace
+        m = old.num_types
+        if (trace.num_types < m or trace.num_windows < old.num_windows
+                or trace.parsed.catalog.keys[:m] != old.parsed.catalog.keys[:m]):
+            raise DSMDError(f"trace {trace.name!r} does not extend {old.name!r} (its types and "
+                            "intervals must start with the current ones)")
+        pad = np.full(trace.num_types - m, UNASSIGNED, np.int64)
+        self.channel = np.concatenate([self.channel, pad])
+        self.last_used = np.concatenate([self.last_used, pad])
+        self.trace = trace
 
     @property
     def done(self) -> bool:
         return self.window >= self.trace.num_windows
 
     def view(self) -> OnlineView:
-        return OnlineView(self.trace, self.window, self.channel, self.hindsight)
+        return OnlineView(self.trace, self.window, self.channel, self.hindsight, self.last)
 
     def step(self, decider: OnlineDecider) -> IntervalResult:
         """Plan at the boundary, place new types during the interval, score it."""
@@ -439,6 +463,7 @@ class OnlineSimulator:
             self._place(decider, view, types, chans, rates, arrived[todo], rows[todo])
         returning = int(np.count_nonzero(todo & (tr.first_window[arrived] < w)))
         result = self._score(w, types.size, int(todo.sum()) - returning, returning)
+        self.last = result.as_dict()
         self.window += 1
         return result
 

@@ -1,4 +1,4 @@
-"""The generic sub-problem trainer (:mod:`agents.env_training`) end to end on a toy
+"""The generic sub-problem trainer (:class:`agents.task_episodes.EpisodeTask` through :func:`agents.training.run_training`) end to end on a toy
 environment defined here (this module is also its suite): real RLlib DDPG with
 demonstrations, a real local MLflow store, and the exported ONNX actor run by ONNX Runtime."""
 
@@ -16,7 +16,7 @@ from mlflow import MlflowClient
 from omegaconf import OmegaConf
 
 from agents.config import CONFIG_DIR
-from agents.env_training import run_env_training
+from agents.training import run_training
 from agents.episodes import SuiteError, load_suite, run_episodes, summarize_episodes
 
 TOY_ID = "smart-test/Target-v0"
@@ -88,6 +88,7 @@ AGENT = ["agent.total_steps=400", "agent.eval_every=200", "agent.demonstrations=
 def _cfg(tmp_path: Path, overrides: list[str]):
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose(config_name="train", overrides=[
+            "env=dsmd",  # replaced below by the toy environment
             f"paths.output_dir={tmp_path / 'out'}", f"paths.data_dir={tmp_path / 'data'}",
             f"logger.tracking_uri=sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}",
             f"logger.artifact_location={tmp_path / 'mlruns' / 'artifacts'}",
@@ -124,7 +125,7 @@ def test_train_on_toy_env_end_to_end(tmp_path):
     import onnxruntime as ort
 
     cfg = _cfg(tmp_path, ["run_name=toy"])
-    res = run_env_training(cfg)
+    res = run_training(cfg)
     s = res["summary"].set_index("policy")
     assert list(s.index) == ["oracle", "zero", "learned"]
     # cloned from the oracle (then DDPG): far better than doing nothing
@@ -146,7 +147,7 @@ def test_train_on_toy_env_end_to_end(tmp_path):
 
 
 def test_baselines_only(tmp_path):
-    from agents.env_training import evaluate_env_baselines
+    from agents.task_episodes import evaluate_env_baselines
 
     cfg = _cfg(tmp_path, ["agent=baselines"])
     res = evaluate_env_baselines(cfg)

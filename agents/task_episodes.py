@@ -1,0 +1,202 @@
+"""A sub-problem environment as a training task (``python train.py env=multicast|shaping``,
+:mod:`agents.training`): the same DDPG (RLlib, :mod:`agents.ddpg`) on a sub-problem
+environment, then the learned actor against the sub-problem's baselines over whole
+held-out episodes (MLflow: config, curves, tables, plots, the exported actor).
+
+The environment and its baselines come from ``configs/env/<name>.yaml`` (``env.id``,
+``env.kwargs``, ``env.suite``, ``env.baselines``; :mod:`agents.episodes` holds the contract).
+Episodes are seeded from ``seed`` through disjoint streams (training episodes by RLlib from
+``seed``, validation and test episodes by :func:`agents.episodes.episode_seeds`), so the
+learner never sees an evaluation episode. Model selection: the actor with the best mean
+validation return is evaluated and exported. ``agent.demonstrations`` names a baseline whose
+episodes become DDPGfD demonstrations (behaviour-cloning pre-training and demonstration rows in
+every batch, as on DSMD).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Mapping
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from envs.seeding import seed_everything  # noqa: E402
+
+from .config import output_dir, to_dict  # noqa: E402
+from .episodes import (ActorEnvPolicy, EnvPolicy, SuiteError, episode_seeds,  # noqa: E402
+                       load_suite, play_episode, run_episodes, summarize_episodes)
+from .tracking import tracked_run  # noqa: E402
+
+__all__ = ["EpisodeTask", "evaluate_env_baselines", "make_subproblem_env",
+           "episode_demonstrations"]
+
+
+def make_subproblem_env(env_ctx: Any):
+    """RLlib env creator (module-level, so remote env runners can unpickle it)."""
+    import gymnasium as gym
+
+    import envs  # noqa: F401  (registers the smart/* ids in this process)
+
+    kw = dict(env_ctx)
+    kw.pop("num_envs", None)
+    return gym.make(kw.pop("env_id"), **kw)
+
+
+def episode_demonstrations(policy: EnvPolicy, env_id: str, env_kwargs: Mapping[str, Any],
+                           seeds: list[int]) -> dict[str, np.ndarray]:
+    """Transitions (obs, actions, rewards, next_obs, terminateds) of ``policy``'s episodes."""
+    env = make_subproblem_env({"env_id": env_id, **env_kwargs})
+    cols: dict[str, list] = {k: [] for k in ("obs", "actions", "rewards", "next_obs",
+                                            "terminateds")}
+    for s in seeds:
+        for obs, a, r, nxt, term, _, _ in play_episode(policy, env, s):
+            for k, v in zip(cols, (obs, np.asarray(a, np.float32), r, nxt, float(term))):
+                cols[k].append(v)
+    env.close()
+    return {k: np.asarray(v, dtype=np.float32) for k, v in cols.items()}
+
+
+def _comparison_plot(summary: pd.DataFrame, path: Path, title: str) -> Path:
+    cols = [c for c in summary.columns if c not in ("policy", "episodes", "return_std",
+                                                    "steps", "time_s")]
+    fig, axes = plt.subplots(1, len(cols), figsize=(3.6 * len(cols), 3.4), squeeze=False)
+    for ax, c in zip(axes[0], cols):
+        err = summary["return_std"] if c == "return" else None
+        ax.bar(summary["policy"], summary[c], yerr=err, capsize=3,
+               color=["tab:brown" if p == "learned" else "tab:blue" for p in summary["policy"]])
+        ax.set_title(c, fontsize=10)
+        ax.tick_params(axis="x", rotation=30)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _export_actor(scores, obs_dim: int, out: Path) -> Path:
+    """The actor as ONNX (``obs [B, obs_dim] -> action [B, d]``) for use outside RLlib."""
+    from .bundle import export_onnx
+
+    return export_onnx(copy.deepcopy(scores).cpu().eval(), obs_dim, out / "actor.onnx",
+                       output_name="action")
+
+
+def _report(log, per_ep: pd.DataFrame, out: Path, title: str) -> pd.DataFrame:
+    """Tables (per episode, summary), test metrics and the comparison plot of an evaluation."""
+    summary = summarize_episodes(per_ep)
+    log.table(per_ep, out / "per_episode.csv")
+    log.table(summary, out / "summary.csv")
+    for row in summary.to_dict("records"):
+        log.metrics({f"test/{row['policy']}/{k}": v for k, v in row.items()
+                     if k not in ("policy", "episodes")})
+    log.artifact(_comparison_plot(summary, out / "comparison.png", title), "plots")
+    print(summary.to_string(index=False, float_format=lambda x: f"{x:.4g}"), flush=True)
+    return summary
+
+
+def evaluate_env_baselines(cfg: DictConfig) -> dict[str, Any]:
+    """``train.py env=<sub-problem> agent=baselines``: the baselines alone on the test
+    episodes (no training)."""
+    seed, e = int(cfg.seed), cfg.env
+    seed_everything(seed)
+    out = output_dir(cfg)
+    env_kwargs = dict(to_dict(e.get("kwargs")) or {})
+    baselines = load_suite(str(e.suite)).baseline_policies(list(e.baselines), env_kwargs)
+    test_seeds = episode_seeds(seed, "test", int(e.get("eval_episodes", 10)))
+    run_name = cfg.get("run_name") or f"{str(e.id).split('/')[-1]}__baselines__{seed}"
+    with tracked_run(cfg, run_name=run_name, tags={"env": str(e.id), "task": "baselines",
+                                                    "seed": str(seed)}) as log:
+        per_ep = run_episodes(baselines, str(e.id), env_kwargs, test_seeds,
+                              progress=bool(cfg.progress), desc="evaluate")
+        summary = _report(log, per_ep, out, f"Baselines on {e.id} ({len(test_seeds)} test "
+                          "episodes)")
+    return {"summary": summary, "per_episode": per_ep, "run_id": log.run_id,
+            "output_dir": out}
+
+
+class EpisodeTask:
+    """A sub-problem environment as a training task (module docstring)."""
+
+    curve_panels = [("Episode return", ["train/episode_return_mean", "val/return"])]
+
+    def __init__(self, cfg: DictConfig, out: Path) -> None:
+        from .algorithms import action_mode
+
+        self.cfg, self.out = cfg, out
+        self.seed = seed = int(cfg.seed)
+        a, e = cfg.agent, cfg.env
+        self.name = name = str(a.name)
+        if action_mode(name) != "box":
+            raise SuiteError(f"agent={name} needs a discrete action; {e.id} has a Box action "
+                             "(use agent=ddpg, sac or ppo)")
+        self.env_id, self.env_kwargs = str(e.id), dict(to_dict(e.get("kwargs")) or {})
+        self.suite = load_suite(str(e.suite))
+        self.baselines = self.suite.baseline_policies(list(e.baselines), self.env_kwargs)
+        self.val_seeds = episode_seeds(seed, "validation", int(e.get("val_episodes", 3)))
+        self.test_seeds = episode_seeds(seed, "test", int(e.get("eval_episodes", 10)))
+        probe = make_subproblem_env({"env_id": self.env_id, **self.env_kwargs})
+        self.obs_dim = int(probe.observation_space.shape[0])
+        self.act_dim = int(probe.action_space.shape[0])
+        probe.close()
+        self.rllib_env = f"smart-{self.env_id.split('/')[-1]}"
+        self.env_config = {"env_id": self.env_id, **self.env_kwargs}
+        base_val = summarize_episodes(run_episodes(self.baselines, self.env_id, self.env_kwargs,
+                                                   self.val_seeds))
+        self.base_ret = dict(zip(base_val["policy"], base_val["return"]))
+        self.run_name = cfg.get("run_name") or f"{self.env_id.split('/')[-1]}__{name}__{seed}"
+        self.tags = {"env": self.env_id, "task": "train"}
+
+    def env_creator(self):
+        return make_subproblem_env
+
+    def header(self, agent: str, total: int) -> str:
+        return (f"[train] {agent.upper()} on {self.env_id}: observation {self.obs_dim}, action "
+                f"{self.act_dim}, {total:,} env steps; validation returns of the baselines: "
+                + ", ".join(f"{k} {v:.3f}" for k, v in self.base_ret.items()))
+
+    def policy(self, scores: Any) -> ActorEnvPolicy:
+        from .algorithms import torch_scorer
+
+        return ActorEnvPolicy(torch_scorer(scores), name="learned")
+
+    def demonstrations(self, teacher: str) -> dict[str, np.ndarray]:
+        pol = self.suite.baseline_policies([teacher], self.env_kwargs)[0]
+        return episode_demonstrations(pol, self.env_id, self.env_kwargs,
+                                      episode_seeds(self.seed, "demo",
+                                                    int(self.cfg.env.get("demo_episodes", 20))))
+
+    def validate(self, policy: Any) -> tuple[dict[str, float], float]:
+        v = summarize_episodes(run_episodes([policy], self.env_id, self.env_kwargs,
+                                            self.val_seeds)).iloc[0]
+        val = {f"val/{k}": float(v[k]) for k in v.index
+               if k not in ("policy", "episodes", "time_s", "steps")}
+        val.update({f"val/baseline/{k}": r for k, r in self.base_ret.items()})
+        return val, -float(v["return"])  # the highest return
+
+    def progress(self, last: dict[str, float]) -> str:
+        return f"validation return {last.get('val/return', float('nan')):.3f}"
+
+    def selected(self, key: Any) -> tuple[dict[str, float], str]:
+        return {"val/best_return": -key}, f"validation return {-key:.3f}"
+
+    def curve_references(self) -> dict[str, dict[str, float]]:
+        return {"val/return": dict(self.base_ret)}
+
+    def finish(self, log: Any, scores: Any, policy: Any, *, steps: int, best: tuple | None,
+               updates: int | None) -> dict[str, Any]:
+        out = self.out
+        per_ep = run_episodes([*self.baselines, policy], self.env_id, self.env_kwargs,
+                              self.test_seeds, progress=bool(self.cfg.progress), desc="evaluate")
+        summary = _report(log, per_ep, out, f"{self.name.upper()} vs baselines on "
+                          f"{self.env_id} ({len(self.test_seeds)} test episodes)")
+        log.artifact(_export_actor(scores, self.obs_dim, out), "policy")
+        print(f"[train] wrote {out}/summary.csv, comparison.png, actor.onnx"
+              + (f"; MLflow run {log.run_id}" if log.run_id else ""), flush=True)
+        return {"summary": summary, "per_episode": per_ep}

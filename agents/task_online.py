@@ -1,0 +1,206 @@
+"""The online DSMD problem as a training task (``train.py``, ``env=online``,
+:mod:`agents.training`).
+
+DDPG sets the knobs of the feasible-by-construction executor at every interval boundary
+(:mod:`envs.dsmd.online_control`; ``docs/online.md``, "The learned online policy"):
+
+1. The yardstick's tuning step (:func:`agents.online_job.tune_online`) runs first, on the
+   validation traces only: every static baseline and every knob setting of the grid. Its
+   best knob setting is the *teacher*: its decisions on training traces are the DDPGfD
+   demonstrations (behaviour-cloning pre-training, demonstration rows in every batch), so
+   the reinforcement phase starts from the best tuned heuristic.
+2. RLlib trains on ``smart/DSMDOnline-v0`` over the training traces (one step per interval,
+   reward ``-cost``).
+3. Model selection on the tuning traces and intervals: the cloned start is validated before
+   the first step, then every ``agent.eval_every`` steps; the weights with the least mean
+   interval cost are kept. The teacher's cost on the same intervals is the reference line.
+4. The actor is exported as an online policy bundle (:mod:`agents.online_bundle`), and the
+   yardstick's test step (:func:`agents.online_job.test_online`) runs it beside every
+   baseline, the tuned heuristics and the oracle on the test traces.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pandas as pd
+from omegaconf import DictConfig
+
+from envs.dsmd.online import OnlineSimulator
+from envs.dsmd.online_control import KnobMap, KnobPolicy
+
+from .config import to_dict
+from .online_eval import DeciderSpec, per_trace
+from .online_job import Tuning, open_online_dataset, test_online, tune_online
+
+__all__ = ["OnlineTask", "make_online_env"]
+
+
+def make_online_env(env_ctx: Any):
+    """RLlib env creator (module-level, so remote env runners can unpickle it)."""
+    from envs.dsmd.online_env import DSMDOnlineEnv
+
+    kw = dict(env_ctx)
+    kw.pop("num_envs", None)
+    return DSMDOnlineEnv(**kw)
+
+
+class OnlineTask:
+    rllib_env = "smart-dsmd-online"
+    act_dim = 3
+    curve_panels = [
+        ("Training episode return", ["train/episode_return_mean"]),
+        ("Validation: mean interval cost", ["val/cost"]),
+        ("Validation: node traffic / necessary", ["val/redundancy_ratio"]),
+        ("Validation: switching per interval", ["val/subscribe_infos_k", "val/moved_types_c"]),
+        ("Validation: violated intervals", ["val/any_violated"]),
+        ("Validation: knobs chosen", ["val/knob_headroom", "val/knob_horizon_q",
+                                     "val/knob_alpha"]),
+    ]
+
+    def __init__(self, cfg: DictConfig, out: Path) -> None:
+        self.cfg, self.out = cfg, out
+        e = cfg.env
+        self.name = str(cfg.agent.name)
+        self.ds = open_online_dataset(cfg)
+        self.tuning: Tuning = tune_online(cfg, self.ds)
+        c = e.control
+        feats = c.get("features")
+        self.knob_map = KnobMap(float(c.max_headroom), float(c.max_horizon), str(c.executor),
+                                None if feats is None else tuple(feats))
+        self.cost = self.tuning.cost
+        self.teacher = self.tuning.best_knobs()
+        t = e.train
+        # the training reward's cost (an ablation may weigh switching differently); every
+        # evaluation uses env.cost
+        train_cost = {**to_dict(e.cost), **(to_dict(t.get("reward_cost")) or {})}
+        self.env_config = {"dataset": str(self.ds.root), "split": "train",
+                           "cost": train_cost, "max_intervals": t.max_intervals,
+                           "warmup": int(t.warmup), "executor": str(c.executor),
+                           "max_headroom": float(c.max_headroom),
+                           "max_horizon": float(c.max_horizon),
+                           "features": None if feats is None else list(feats),
+                           "cache_dir": str(cfg.paths.data_dir)}
+        from envs.dsmd.online_env import load_online_traces
+
+        ids = self.tuning.val_ids[:int(t.val_traces)]  # the first validation traces
+        self.val_traces = load_online_traces(self.ds, "validation", limit=len(ids))
+        self.val_windows = e.tune.windows  # the tuning's intervals: the teacher's cost is known
+        v = self.tuning.val_per_trace
+        ref = v[(v.policy == self._teacher_name()) & v.trace.isin(ids)]
+        self.reference = {"teacher": float(ref.cost.mean())}
+        self.run_name = cfg.get("run_name") or f"{self.ds.spec.name}__{self.name}__{cfg.seed}"
+        self.tags = {"scenario": self.ds.scenario.name, "dataset": self.ds.spec.name,
+                     "task": "train_online",
+                     "features": "all" if feats is None else ",".join(feats),
+                     "reward_cost": ",".join(f"{k}={v:g}" for k, v in train_cost.items()),
+                     "action": "knobs"}
+
+    def _teacher_name(self) -> str:
+        tuned = self.tuning.tuned
+        return next(s.name for s in tuned.values() if s.kw == self.teacher)
+
+    def env_creator(self) -> Callable[[Any], Any]:
+        return make_online_env
+
+    def header(self, agent: str, total: int) -> str:
+        return (f"[train] {agent.upper()} on {self.ds.spec.name}: "
+                f"{len(self.ds.traces('train'))} training traces, one step per interval, "
+                f"action = the knobs of {self.knob_map.executor}, {total:,} env steps; "
+                f"teacher {self._teacher_name()} (validation cost "
+                f"{self.reference['teacher']:.4f})")
+
+    def policy(self, scores: Any) -> KnobPolicy:
+        from .algorithms import torch_scorer
+
+        return KnobPolicy(torch_scorer(scores), self.knob_map, self.cost, name=self.name)
+
+    def demonstrations(self, teacher: str) -> dict[str, np.ndarray]:
+        """The teacher's transitions on the first ``env.train.demo_traces`` training traces
+        (``teacher``: ``tuned``, the best tuned knob setting on validation)."""
+        if teacher != "tuned":
+            from envs.dsmd.errors import DSMDError
+
+            raise DSMDError(f"agent.demonstrations for env=online must be 'tuned' (the best "
+                            f"knob setting on validation), got {teacher!r}")
+        env = make_online_env(self.env_config)
+        a01 = self.knob_map.action(**{k: self.teacher[k] for k in ("headroom", "horizon")},
+                                   alpha=1.0 if self.teacher.get("forecast", "last") == "last"
+                                   else float(self.teacher.get("alpha", 0.5)))
+        cols: dict[str, list] = {k: [] for k in ("obs", "actions", "rewards", "next_obs",
+                                                 "terminateds")}
+        for i in range(min(int(self.cfg.env.train.demo_traces), len(env.traces))):
+            obs, _ = env.reset(options={"trace": i})
+            done = False
+            while not done:
+                nxt, r, term, trunc, _ = env.step(a01)
+                for k, v in zip(cols, (obs, 2.0 * a01 - 1.0, r, nxt, float(term))):
+                    cols[k].append(v)
+                obs, done = nxt, term or trunc
+        return {k: np.asarray(v, np.float32) for k, v in cols.items()}
+
+    def _run(self, decider: Any) -> pd.DataFrame:
+        rows = []
+        for tr in self.val_traces:
+            sim = OnlineSimulator(tr, self.cost)
+            for r in sim.run(decider, self.val_windows):
+                rows.append({"policy": decider.name, "trace": tr.name, **r.as_dict()})
+        return pd.DataFrame(rows)
+
+    def validate(self, policy: KnobPolicy) -> tuple[dict[str, float], float]:
+        df = self._run(policy)
+        v = per_trace(df).mean(numeric_only=True)
+        k = pd.DataFrame(policy.knobs_used)
+        horizon_q = (k.horizon.clip(upper=self.knob_map.max_horizon)
+                     / self.knob_map.max_horizon)
+        return ({"val/cost": float(v.cost), "val/redundancy_ratio": float(v.redundancy_ratio),
+                 "val/subscribe_infos_k": float(v.subscribe_infos) / 1000.0,
+                 "val/moved_types_c": float(v.moved_types) / 100.0,
+                 "val/any_violated": float(v.any_violated),
+                 "val/gap_to_teacher_pct": 100 * (float(v.cost) / self.reference["teacher"] - 1),
+                 "val/knob_headroom": float(k.headroom.mean()),
+                 "val/knob_horizon_q": float(horizon_q.mean()),
+                 "val/knob_alpha": float(k.alpha.mean())},
+                float(v.cost))
+
+    def progress(self, last: dict[str, float]) -> str:
+        return (f"validation cost {last.get('val/cost', float('nan')):.4f} "
+                f"({last.get('val/gap_to_teacher_pct', float('nan')):+.2f}% vs the teacher), "
+                f"knobs: headroom {last.get('val/knob_headroom', float('nan')):.2f}, "
+                f"horizon {last.get('val/knob_horizon_q', float('nan')):.2f}, "
+                f"alpha {last.get('val/knob_alpha', float('nan')):.2f}")
+
+    def selected(self, key: Any) -> tuple[dict[str, float], str]:
+        return {"val/best_cost": float(key)}, f"validation cost {key:.4f}"
+
+    def curve_references(self) -> dict[str, dict[str, float]]:
+        return {"val/cost": dict(self.reference)}
+
+    def finish(self, log: Any, scores: Any, policy: Any, *, steps: int, best: tuple | None,
+               updates: int | None) -> dict[str, Any]:
+        import ray
+
+        from .online_bundle import export_online_bundle
+
+        cfg = self.cfg
+        if ray.is_initialized() and not (cfg.get("ray") or {}).get("address"):
+            ray.shutdown()  # the evaluation forks worker processes
+        bundle_dir = Path(str(cfg.paths.checkpoint_dir)) / self.run_name
+        export_online_bundle(
+            scores, self.knob_map, self.cost, bundle_dir, overwrite=True,
+            dataset={"name": self.ds.spec.name, "scenario": self.ds.scenario.name},
+            extra={"run_id": log.run_id, "algorithm": self.name, "env_steps": steps,
+                   "selected_at_steps": None if best is None else best[1],
+                   "gradient_updates": updates, "seed": int(cfg.seed),
+                   "teacher": {k: str(v) for k, v in self.teacher.items()}})
+        for f in ("metadata.json", "actor.onnx"):
+            log.artifact(bundle_dir / f, "policy_bundle")
+        print(f"[train] exported the online policy bundle to {bundle_dir}", flush=True)
+        val = self._run(policy)  # the selected weights' validation point, for the Pareto plot
+        vpt = per_trace(val).mean(numeric_only=True).to_frame().T.assign(policy=self.name)
+        spec = DeciderSpec.make(self.name, "learned", bundle=str(bundle_dir))
+        res = test_online(cfg, self.tuning, log, self.out, [spec], vpt)
+        return {**res, "bundle_dir": bundle_dir}
+
