@@ -15,7 +15,8 @@ def settings_from(cfg: DictConfig):
         items = v.split(",") if isinstance(v, str) else list(v)
         return [str(k).strip() for k in items if str(k).strip()]
 
-    return ServerSettings(bundle=cfg.bundle, api_keys=keys(cfg.api_keys),
+    return ServerSettings(bundle=cfg.bundle, online_bundle=cfg.get("online_bundle"),
+                          api_keys=keys(cfg.api_keys),
                           admin_keys=keys(cfg.admin_keys), auth=bool(cfg.auth),
                           fallback=cfg.fallback, max_body_bytes=int(cfg.max_body_bytes),
                           max_batch=int(cfg.max_batch), max_sessions=int(cfg.max_sessions),

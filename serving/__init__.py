@@ -6,4 +6,9 @@ Both decide with one engine (:mod:`serving.session`): the simulator's cost model
 (:class:`envs.dsmd.cost.CostState`), observation builder and decoder, and the exported
 policy bundle run by ONNX Runtime (:mod:`agents.bundle`). Nothing here imports RLlib or
 torch.
+
+The online policy (a plan at every interval boundary from the session's own history) is
+served the same way: the endpoints of :mod:`serving.online_api` and the adapter of
+:mod:`serving.online_adapter` share one engine, :mod:`serving.online_session`, which scores
+every interval with the simulator itself (``docs/serving-online.md``).
 """

@@ -63,6 +63,22 @@ class _Unavailable(Exception):
     pass
 
 
+def get_bytes(client: Any, path: str, timeout_s: float) -> bytes:
+    """``GET path`` on the adapter's HTTP client: the body, ``AdapterError`` on a non-200
+    answer, ``_Unavailable`` when there is no client or the server cannot be reached."""
+    import httpx
+
+    if client is None:
+        raise _Unavailable("no server configured")
+    try:
+        r = client.get(path, timeout=max(timeout_s, 5.0))
+    except httpx.HTTPError as e:
+        raise _Unavailable(type(e).__name__) from None
+    if r.status_code != 200:
+        raise AdapterError(f"GET {path}: HTTP {r.status_code}")
+    return r.content
+
+
 class CircuitBreaker:
     """closed -> (``failures`` consecutive failures) -> open -> (``reset_s``) -> half-open ->
     one trial: success closes it, failure opens it again."""
@@ -330,17 +346,7 @@ class ControllerAdapter:
         return self._cached[0]
 
     def _get_bytes(self, path: str) -> bytes:
-        import httpx
-
-        if self._client is None:
-            raise _Unavailable("no server configured")
-        try:
-            r = self._client.get(path, timeout=max(self.timeout_s, 5.0))
-        except httpx.HTTPError as e:
-            raise _Unavailable(type(e).__name__) from None
-        if r.status_code != 200:
-            raise AdapterError(f"GET {path}: HTTP {r.status_code}")
-        return r.content
+        return get_bytes(self._client, path, self.timeout_s)
 
     # ------------------------------------------------------------------ logs
     def _write_log(self, ds: list[AdapterDecision], seconds: float) -> None:

@@ -12,6 +12,9 @@ a bundle refused on swap; the message names the type, field or session), 413 (bo
 than ``max_body_bytes`` or a batch over ``max_batch``), 422 (validation: ``detail`` lists each
 field's location and problem), 429 (``max_sessions`` reached). No failed request changes
 any state.
+
+The online policy (a knob-setting policy planning every interval boundary from a session's
+history) has its own endpoints under ``/v1/online`` (:mod:`serving.online_api`).
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ from envs.dsmd import kernels
 from envs.dsmd.errors import DSMDError
 
 from .metrics import MetricsMiddleware, ServerMetrics
+from .online_api import add_online_routes
+from .online_policy import OnlinePolicyStore
 from .policy_store import BundleError, BundleWatcher, LoadedPolicy, PolicyStore
 from .schemas import (DecideBatchRequest, DecideRequest, DecisionBatchOut,
                       DecisionSingleOut, ErrorOut, HealthOut, PolicyOut, PolicySwap,
@@ -55,6 +60,9 @@ class ServerSettings:
     """Everything the server is configured with (``configs/serve.yaml``)."""
 
     bundle: str | None = None  # policy bundle directory loaded at start (None: heuristic)
+    #: online policy bundle (agents.online_bundle) loaded at start; None: none until a
+    #: PUT /v1/online/policy (serving/online_api.py)
+    online_bundle: str | None = None
     api_keys: list[str] = field(default_factory=list)  # controllers' keys
     admin_keys: list[str] = field(default_factory=list)  # may swap the policy over the API
     auth: bool = True  # False only for local experiments
@@ -155,6 +163,7 @@ def create_app(settings: ServerSettings | None = None, *,
     """The app; its lifespan loads ``settings.bundle`` (if any) and starts the watcher."""
     cfg = settings or ServerSettings(auth=False)
     store = store or PolicyStore(batch_threads=cfg.batch_threads)
+    online_store = OnlinePolicyStore()
     metrics = ServerMetrics()
     sessions: dict[str, Session] = {}
 
@@ -185,6 +194,11 @@ def create_app(settings: ServerSettings | None = None, *,
                 log.error("no policy loaded: %s", e)
             if cfg.watch:
                 watcher = BundleWatcher(store, cfg.bundle, cfg.watch_period_s, check).start()
+        if cfg.online_bundle:
+            try:
+                await asyncio.to_thread(online_store.load, cfg.online_bundle)
+            except BundleError as e:  # start anyway: online plans refused until a swap
+                log.error("no online policy loaded: %s", e)
         app.state.watcher = watcher
         if cfg.freeze_gc:
             gc.collect()  # garbage first: only what is alive is frozen
@@ -405,6 +419,8 @@ def create_app(settings: ServerSettings | None = None, *,
                 "policy_hash": p.hash if p is not None else None,
                 "session_version": s.version}
 
+    add_online_routes(app, store=online_store, controller=controller, admin=admin,
+                      max_sessions=cfg.max_sessions, max_batch=cfg.max_batch)
     app.add_middleware(BodyLimit, limit=cfg.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app

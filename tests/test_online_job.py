@@ -151,3 +151,22 @@ def test_ablation_table_from_mlflow(tmp_path, capsys):
     with pytest.raises(DSMDError, match="no finished online training run"):
         run_ablation_table(OmegaConf.merge(cfg, {"study": "nope"}))
     mlflow.set_tracking_uri("")
+
+
+def test_online_study_and_ablation_configs_compose(tmp_path):
+    """The full protocol and every ablation variant compose and change what they say."""
+    from pathlib import Path as P
+
+    from agents.config import CONFIG_DIR as C
+
+    full = _cfg(tmp_path, ["experiment=online_study", "agent=ddpg"])
+    assert full.env.eval_traces is None and full.env.tune.traces is None
+    assert len(full.env.tune.grid.online_greedy.headroom) == 3
+    variants = sorted(p.stem for p in (P(C) / "ablation").glob("*.yaml"))
+    assert "base" in variants and len(variants) >= 7
+    for v in variants:
+        cfg = _cfg(tmp_path, [f"+ablation={v}", "agent=ddpg"])
+        assert cfg.tags.variant == v
+    assert _cfg(tmp_path, ["+ablation=no_per", "agent=ddpg"]
+                ).agent.training.prioritized_replay is False
+    assert _cfg(tmp_path, ["+ablation=no_demos", "agent=ddpg"]).agent.demonstrations is None

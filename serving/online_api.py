@@ -1,0 +1,310 @@
+"""The online endpoints of the policy server (``/v1/online``): the online policy served at
+every interval boundary from each session's own history (``docs/serving-online.md``).
+
+A controller opens an online session (its nodes and a scenario: K, C_b, C_p, T), then for
+each interval ``w`` in turn: ``GET .../intervals/{w}/plan`` (the boundary plan and the
+policy's knobs), ``POST .../intervals/{w}/messages`` (its messages in time order; the
+response places every type the plan does not cover, on its first message, and gives each
+message's channel), ``POST .../intervals/{w}/close`` (the interval's realised terms). The
+engine is :class:`serving.online_session.OnlineSession`, the same as the online adapter's.
+
+Failures: 401 / 403 (keys, as for the static endpoints), 404 (unknown session), 409 (a
+request out of order with the session: an interval that is not the open one, a message of
+another interval or out of time order, no online policy loaded when one must plan, a plan
+already made, a bundle refused on swap), 413 (more than ``max_batch`` messages in one
+request), 422 (a body that can never be valid: a field, an unknown destination node, a
+message id sent before, a placement for a type the batch does not place), 429
+(``max_sessions`` online sessions open). Every message names what is wrong; a failed
+request changes nothing but, at most, the open interval's plan (due at its boundary anyway:
+the same plan whenever it is made).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import numpy as np
+from fastapi import Depends, FastAPI, HTTPException, Request, Response
+from fastapi.responses import JSONResponse
+
+from envs.dsmd.dataset import load_dataset_spec
+from envs.dsmd.errors import DSMDError
+from envs.dsmd.online import OnlineCost
+from envs.dsmd.online_control import FEATURES
+from envs.dsmd.scenarios import ScenarioSpec
+from envs.dsmd.topology import Topology
+
+from .online_policy import BundleError, LoadedOnlinePolicy, OnlinePolicyStore, bundle_zip
+from .online_schemas import (IntervalOut, MessagesIn, MessagesOut, OnlinePolicyOut,
+                             OnlineSessionCreate, OnlineSessionCreated, OnlineSessionOut,
+                             PlanIn, PlanOut)
+from .online_session import (MessageRejected, OnlineSession, Plan, StateConflict,
+                             signature_scenario)
+from .schemas import ErrorOut, PolicySwap
+
+__all__ = ["add_online_routes", "OnlineEntry"]
+
+
+@dataclass
+class OnlineEntry:
+    """A server-side online session, its lock (one request at a time) and the version of
+    the policy that decides in it."""
+
+    session: OnlineSession
+    lock: threading.Lock
+    policy_version: int = 0
+
+
+_E = {c: {"model": ErrorOut} for c in (401, 403, 404, 409, 413, 422, 429)}
+
+
+def _errors(*codes: int) -> dict:
+    return {c: _E[c] for c in codes}
+
+
+def _scenario(body: OnlineSessionCreate) -> ScenarioSpec:
+    """The session's scenario (422 naming the field that is missing or disagrees)."""
+    if body.scenario is not None and body.dataset is not None:
+        raise MessageRejected("give a scenario or a dataset, not both")
+    if body.scenario is not None:
+        spec = ScenarioSpec.from_dict(body.scenario)
+    elif body.dataset is not None:
+        spec = load_dataset_spec(body.dataset).scenario_spec()
+    else:
+        missing = [k for k in ("controller", "num_topics", "interval_s")
+                   if getattr(body, k) is None]
+        if missing:
+            raise MessageRejected(f"without a scenario or dataset, {', '.join(missing)} "
+                                  "must be given")
+        assert body.controller is not None and body.num_topics is not None
+        return signature_scenario(len(body.nodes), max(n.capacity_bps for n in body.nodes),
+                                  body.num_topics, body.controller.bandwidth_bps,
+                                  body.controller.cpu, float(body.interval_s or 0))
+    for field_, mine, theirs in (
+            ("num_topics", body.num_topics, spec.num_topics),
+            ("interval_s", body.interval_s, spec.interval_s),
+            ("controller.bandwidth_bps", body.controller and body.controller.bandwidth_bps,
+             spec.controller_bw_bps),
+            ("controller.cpu", body.controller and body.controller.cpu, spec.controller_cpu)):
+        if mine is not None and mine != theirs:
+            raise MessageRejected(f"{field_} {mine} disagrees with the scenario's {theirs}")
+    return spec
+
+
+def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Callable,
+                      admin: Callable, max_sessions: int, max_batch: int) -> None:
+    """Register the online endpoints on ``app`` (module docstring)."""
+    sessions: dict[str, OnlineEntry] = {}
+    app.state.online_sessions, app.state.online_store = sessions, store
+
+    @app.exception_handler(StateConflict)
+    async def _conflict(request: Request, exc: StateConflict):
+        return JSONResponse({"detail": str(exc)}, 409)
+
+    @app.exception_handler(MessageRejected)
+    async def _rejected(request: Request, exc: MessageRejected):
+        return JSONResponse({"detail": str(exc)}, 422)
+
+    def entry(session_id: str) -> OnlineEntry:
+        e = sessions.get(session_id)
+        if e is None:
+            raise HTTPException(404, f"unknown online session {session_id!r}")
+        return e
+
+    def at_boundary(e: OnlineEntry) -> None:
+        """Before a boundary: decide with the policy loaded now (a swap takes effect here)."""
+        s = e.session
+        if s.planned:
+            return
+        p = store.current()
+        if p is None:
+            if s.decider is not None:
+                s.set_decider(None)
+            e.policy_version = 0
+        elif p.version != e.policy_version or s.decider is None:
+            s.set_decider(p.decider())
+            e.policy_version = p.version
+
+    async def locked(e: OnlineEntry, fn: Callable[[], Any]) -> Any:
+        def run():
+            with e.lock:
+                return fn()
+        return await asyncio.to_thread(run)
+
+    def policy_out(p: LoadedOnlinePolicy | None) -> OnlinePolicyOut:
+        if p is None:
+            return OnlinePolicyOut(loaded=False, version=0, hash=None)
+        m = p.bundle.metadata
+        return OnlinePolicyOut(loaded=True, version=p.version, hash=p.hash, path=str(p.path),
+                               loaded_at=p.loaded_at, features=list(m.get("features", [])),
+                               knob_map=m.get("knob_map"), cost=m.get("cost"),
+                               dataset=m.get("dataset"))
+
+    def plan_out(e: OnlineEntry, p: Plan) -> PlanOut:
+        return PlanOut(window=p.window, plan=[{"type": t, "channel": c, "expected_rate_bps": r}
+                                              for t, c, r in zip(p.types.tolist(),
+                                                                 p.channels.tolist(),
+                                                                 p.rates.tolist())],
+                       source=p.source, knobs=None if p.knobs is None
+                       else {k: None if math.isinf(v) else v for k, v in p.knobs.items()},
+                       observation=None if p.observation is None
+                       else np.asarray(p.observation, np.float64).tolist(),
+                       features=None if p.observation is None else list(FEATURES),
+                       policy_version=e.policy_version if p.source == "policy" else 0)
+
+    # ------------------------------------------------------------------ policy
+    @app.get("/v1/online/policy", response_model=OnlinePolicyOut, tags=["online"],
+             dependencies=[Depends(controller)], responses=_errors(401))
+    async def get_online_policy() -> OnlinePolicyOut:
+        return policy_out(store.current())
+
+    @app.get("/v1/online/policy/bundle", tags=["online"], dependencies=[Depends(controller)],
+             response_class=Response,
+             responses={200: {"content": {"application/zip": {}},
+                              "description": "actor.onnx and metadata.json (zip)"},
+                        404: {"model": ErrorOut, "description": "No online policy loaded"},
+                        401: _E[401]})
+    async def get_online_bundle() -> Response:
+        p = store.current()
+        if p is None:
+            raise HTTPException(404, "no online policy is loaded")
+        raw = await asyncio.to_thread(bundle_zip, p.path)
+        return Response(raw, media_type="application/zip",
+                        headers={"X-Policy-Version": str(p.version), "X-Policy-Hash": p.hash})
+
+    @app.put("/v1/online/policy", response_model=OnlinePolicyOut, tags=["online"],
+             dependencies=[Depends(admin)], responses=_errors(401, 403, 409, 422))
+    async def swap_online_policy(body: PolicySwap) -> OnlinePolicyOut:
+        try:
+            p = await asyncio.to_thread(store.load, body.path)
+        except BundleError as e:
+            raise HTTPException(409, str(e)) from None
+        return policy_out(p)
+
+    # ------------------------------------------------------------------ sessions
+    @app.post("/v1/online/sessions", response_model=OnlineSessionCreated, status_code=201,
+              tags=["online"], dependencies=[Depends(controller)],
+              responses=_errors(401, 422, 429))
+    async def create_online_session(body: OnlineSessionCreate) -> OnlineSessionCreated:
+        if len(sessions) >= max_sessions:
+            raise HTTPException(429, f"online session limit ({max_sessions}) reached")
+        p = store.current()
+        try:
+            spec = _scenario(body)
+            ids = np.array([n.id for n in body.nodes], np.int64)
+            if np.unique(ids).size != ids.size or ids.max() > 2**32 - 1:
+                raise MessageRejected("nodes: node ids must be unique and at most 2**32 - 1")
+            topo = Topology.from_arrays(ids, [n.capacity_bps for n in body.nodes], [], [], [])
+            cost = (OnlineCost.from_dict(body.cost) if body.cost is not None
+                    else p.bundle.cost if p is not None else OnlineCost())
+            s = OnlineSession(spec, topo, cost=cost, batch_key=body.batch_key,
+                              start_ns=body.start_ns, name=body.name)
+        except MessageRejected:
+            raise
+        except DSMDError as e:
+            raise HTTPException(422, str(e)) from None
+        sid = uuid.uuid4().hex
+        sessions[sid] = OnlineEntry(s, threading.Lock())
+        return OnlineSessionCreated(session_id=sid, window=s.window, start_ns=s.live.t0,
+                                    scenario=spec.to_dict(), cost=asdict(cost),
+                                    policy_version=0 if p is None else p.version)
+
+    @app.get("/v1/online/sessions/{session_id}", response_model=OnlineSessionOut,
+             tags=["online"], dependencies=[Depends(controller)], responses=_errors(401, 404))
+    async def read_online_session(session_id: str) -> OnlineSessionOut:
+        e = entry(session_id)
+        s = e.session
+        cur = store.current()
+        return OnlineSessionOut(session_id=session_id, window=s.window, planned=s.planned,
+                                start_ns=s.live.t0, num_types=len(s.live.catalog),
+                                last=s.last, scenario=s.spec.to_dict(), cost=asdict(s.cost),
+                                batch_key=s.live.catalog.batch_key,
+                                policy_version=e.policy_version if s.planned
+                                else (cur.version if cur is not None else 0))
+
+    @app.delete("/v1/online/sessions/{session_id}", status_code=204, tags=["online"],
+                dependencies=[Depends(controller)], responses=_errors(401, 404))
+    async def delete_online_session(session_id: str) -> Response:
+        entry(session_id)
+        sessions.pop(session_id, None)
+        return Response(status_code=204)
+
+    # ------------------------------------------------------------------ intervals
+    @app.get("/v1/online/sessions/{session_id}/intervals/{window}/plan",
+             response_model=PlanOut, tags=["online"], dependencies=[Depends(controller)],
+             responses=_errors(401, 404, 409))
+    async def get_plan(session_id: str, window: int) -> PlanOut:
+        e = entry(session_id)
+
+        def run() -> Plan:
+            s = e.session
+            s.check_window(window)
+            if s.plan is not None:  # planned once; the same answer afterwards
+                return s.plan
+            at_boundary(e)
+            return s.begin()
+        return plan_out(e, await locked(e, run))
+
+    @app.put("/v1/online/sessions/{session_id}/intervals/{window}/plan",
+             response_model=PlanOut, tags=["online"], dependencies=[Depends(controller)],
+             responses=_errors(401, 404, 409, 422))
+    async def put_plan(session_id: str, window: int, body: PlanIn) -> PlanOut:
+        e = entry(session_id)
+
+        def run() -> Plan:
+            s = e.session
+            s.check_window(window)
+            p = body.plan
+            return s.begin(given=([x.type for x in p], [x.channel for x in p],
+                                  [x.expected_rate_bps for x in p]))
+        return plan_out(e, await locked(e, run))
+
+    @app.post("/v1/online/sessions/{session_id}/intervals/{window}/messages",
+              response_model=MessagesOut, tags=["online"], dependencies=[Depends(controller)],
+              responses=_errors(401, 404, 409, 413, 422))
+    async def post_messages(session_id: str, window: int, body: MessagesIn) -> MessagesOut:
+        e = entry(session_id)
+        if len(body.messages) > max_batch:
+            raise HTTPException(413, f"messages: {len(body.messages)} > max_batch {max_batch}")
+        given: dict[int, int] = {}
+        for i, pl in enumerate(body.placements):
+            if pl.type in given:
+                raise MessageRejected(f"placements[{i}]: type {pl.type} is listed twice")
+            given[pl.type] = pl.channel
+        msgs = [m.to_message() for m in body.messages]
+
+        def run() -> MessagesOut:
+            s = e.session
+            s.check_window(window)
+            at_boundary(e)
+            r = s.submit(msgs, given=given)
+            return MessagesOut(window=window, types=r.types.tolist(),
+                               channels=r.channels.tolist(),
+                               placed=[{"type": p.type_id, "channel": p.channel,
+                                        "message_id": p.message_id,
+                                        "previous_channel": p.previous_channel,
+                                        "rate_bps": p.rate_bps, "source": p.source}
+                                       for p in r.placed],
+                               policy_version=e.policy_version)
+        return await locked(e, run)
+
+    @app.post("/v1/online/sessions/{session_id}/intervals/{window}/close",
+              response_model=IntervalOut, tags=["online"], dependencies=[Depends(controller)],
+              responses=_errors(401, 404, 409))
+    async def close_interval(session_id: str, window: int) -> IntervalOut:
+        e = entry(session_id)
+
+        def run() -> IntervalOut:
+            s = e.session
+            s.check_window(window)
+            at_boundary(e)
+            c = s.close()
+            return IntervalOut(window=c.window, types=c.types.tolist(),
+                               channels=c.channels.tolist(), terms=c.terms,
+                               next_window=s.window)
+        return await locked(e, run)

@@ -1,0 +1,95 @@
+"""The server's current online policy (an :mod:`agents.online_bundle` bundle), swapped
+atomically as :class:`serving.policy_store.PolicyStore` swaps the static one.
+
+A request reads :meth:`OnlinePolicyStore.current` once. An online session takes the policy
+current at each interval boundary (its plan and that interval's placements come from one
+version), so a swap takes effect at every session's next boundary and never inside an
+interval. A bundle that fails :func:`agents.online_bundle.load_online_bundle`'s checks is
+refused (:class:`agents.bundle.BundleError`) and the old one stays.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import threading
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from agents.bundle import BundleError
+from agents.online_bundle import OnlineBundle, load_online_bundle
+from envs.dsmd.online_control import KnobPolicy
+
+__all__ = ["LoadedOnlinePolicy", "OnlinePolicyStore", "ONLINE_BUNDLE_FILES", "BundleError",
+           "bundle_zip", "unzip_bundle"]
+
+log = logging.getLogger(__name__)
+ONLINE_BUNDLE_FILES = ("actor.onnx", "metadata.json")
+
+
+@dataclass(frozen=True, eq=False)
+class LoadedOnlinePolicy:
+    """A verified online bundle with the server's version number."""
+
+    bundle: OnlineBundle
+    version: int
+    loaded_at: float
+
+    @property
+    def hash(self) -> str:
+        """SHA-256 of the actor (recorded in, and checked against, ``metadata.json``)."""
+        return str(self.bundle.metadata["actor_sha256"])
+
+    @property
+    def path(self) -> Path:
+        return self.bundle.directory
+
+    def decider(self) -> KnobPolicy:
+        """A fresh decider over this bundle's actor, knob map and cost."""
+        return self.bundle.decider(f"online-v{self.version}")
+
+
+def bundle_zip(directory: str | Path) -> bytes:
+    """The bundle's files as a zip (what ``GET /v1/online/policy/bundle`` returns)."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+        for name in ONLINE_BUNDLE_FILES:
+            z.write(Path(directory) / name, name)
+    return buf.getvalue()
+
+
+class OnlinePolicyStore:
+    """The server's current online policy (module docstring)."""
+
+    def __init__(self) -> None:
+        self._current: LoadedOnlinePolicy | None = None
+        self._lock = threading.Lock()  # serialises loads, not reads
+        self._version = 0
+
+    def current(self) -> LoadedOnlinePolicy | None:
+        return self._current
+
+    def load(self, path: str | Path) -> LoadedOnlinePolicy:
+        """Load, verify and install the online bundle at ``path`` (``BundleError`` if
+        refused; the current one stays)."""
+        with self._lock:
+            bundle = load_online_bundle(path)
+            cand = LoadedOnlinePolicy(bundle, self._version + 1, time.time())
+            self._version = cand.version
+            self._current = cand  # one reference assignment: atomic for readers
+            log.info("online policy v%d loaded from %s (actor %s...)", cand.version, path,
+                     cand.hash[:12])
+            return cand
+
+
+def unzip_bundle(raw: bytes, directory: str | Path) -> Path:
+    """Write a downloaded bundle zip's files into ``directory`` (the adapter's cache)."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(io.BytesIO(raw)) as z:
+        for name in set(z.namelist()) & set(ONLINE_BUNDLE_FILES):
+            (d / name).write_bytes(z.read(name))
+    return d
+

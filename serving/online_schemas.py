@@ -1,0 +1,190 @@
+"""Request and response bodies of the online endpoints (``/v1/online``, see
+:mod:`serving.online_api`): a message is Table I (:class:`envs.dsmd.message.Message`)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from envs.dsmd.message import Message, table1_problem
+
+from .schemas import ControllerIn, NodeIn
+
+__all__ = ["MessageIn", "OnlineSessionCreate", "OnlineSessionCreated", "OnlineSessionOut",
+           "PlannedIn", "PlannedOut", "PlanIn", "PlanOut", "PlacementIn", "MessagesIn",
+           "PlacedOut", "MessagesOut", "IntervalOut", "OnlinePolicyOut"]
+
+_INT64 = 2**63 - 1
+_UINT32 = 2**32 - 1
+_STRICT = ConfigDict(extra="forbid")
+
+
+class MessageIn(BaseModel):
+    """One southbound message (Table I), as the adapter's trace log keeps it."""
+
+    model_config = _STRICT
+    message_id: int = Field(ge=0, le=_UINT32, description="Unique in the session.")
+    request_id: int = Field(ge=0, le=_UINT32)
+    vpc_id: int = Field(ge=0, le=_UINT32)
+    configuration_type: str = Field(max_length=64)
+    operation_type: str = Field(max_length=64)
+    resource_id: int = Field(ge=0, le=2**64 - 1)
+    size_bytes: int = Field(gt=0, le=_INT64)
+    hosts: list[int] = Field(min_length=1, description="D(m): destination node ids.")
+    timestamp_ns: int = Field(ge=0, le=_INT64, description="Send time, ns since the epoch; "
+                              "not earlier than the previous message's.")
+
+    @model_validator(mode="after")
+    def _table1(self) -> "MessageIn":
+        problem = table1_problem(self.configuration_type, self.operation_type, self.hosts)
+        if problem is not None:
+            raise ValueError(problem)
+        return self
+
+    def to_message(self) -> Message:
+        return Message(self.message_id, self.request_id, self.vpc_id, self.configuration_type,
+                       self.operation_type, self.resource_id, self.size_bytes,
+                       tuple(self.hosts), self.timestamp_ns)
+
+    @classmethod
+    def of(cls, m: Message) -> dict[str, Any]:
+        """A message as a request body item."""
+        return {"message_id": m.message_id, "request_id": m.request_id, "vpc_id": m.vpc_id,
+                "configuration_type": m.configuration_type,
+                "operation_type": m.operation_type, "resource_id": m.resource_id,
+                "size_bytes": m.size_bytes, "hosts": list(m.hosts),
+                "timestamp_ns": m.timestamp_ns}
+
+
+class OnlineSessionCreate(BaseModel):
+    """The controller's nodes, and its K, C_b, C_p and T: from a scenario (a dataset's
+    ``scenario``, or a dataset config's name) or given one by one."""
+
+    model_config = _STRICT
+    nodes: list[NodeIn] = Field(min_length=1, description="Every compute node and its s(n).")
+    scenario: dict[str, Any] | None = Field(default=None, description="A ScenarioSpec "
+                                            "(e.g. a trace dataset's manifest 'scenario').")
+    dataset: str | None = Field(default=None, max_length=200, description="Or a dataset "
+                                "config's name (configs/dataset/<name>.yaml): its scenario.")
+    controller: ControllerIn | None = Field(default=None, description="C_b and C_p (without "
+                                            "a scenario; with one they must agree).")
+    num_topics: int | None = Field(default=None, ge=1, le=4096, description="K.")
+    interval_s: float | None = Field(default=None, gt=0, le=86400, description="T, seconds.")
+    start_ns: int | None = Field(default=None, ge=0, le=_INT64, description="Start of "
+                                 "interval 0 (default: the first message's time).")
+    batch_key: Literal["hosts", "hosts+vpc", "hosts+vpc+config"] = "hosts"
+    cost: dict[str, float] | None = Field(default=None, description="OnlineCost weights "
+                                          "the intervals are scored with (default: the "
+                                          "loaded online policy's).")
+    name: str = Field(default="live", min_length=1, max_length=100,
+                      pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+class OnlineSessionCreated(BaseModel):
+    session_id: str
+    window: int = Field(description="The interval to plan first (0).")
+    start_ns: int | None
+    scenario: dict
+    cost: dict
+    policy_version: int = Field(description="The online policy loaded now (0: none).")
+
+
+class OnlineSessionOut(BaseModel):
+    session_id: str
+    window: int = Field(description="The open interval (or the next to open).")
+    planned: bool = Field(description="Whether that interval has its plan.")
+    start_ns: int | None
+    num_types: int = Field(description="Types seen so far.")
+    last: dict | None = Field(description="The realised terms of the last closed interval.")
+    scenario: dict
+    cost: dict
+    batch_key: str
+    policy_version: int = Field(description="The version that planned the open interval, "
+                                "else the one loaded now (0: none).")
+
+
+class PlannedIn(BaseModel):
+    model_config = _STRICT
+    type: int = Field(ge=0, le=_INT64)
+    channel: int = Field(ge=0, le=4096, description="0 = RPC, t = MQ topic t.")
+    expected_rate_bps: int = Field(ge=0, le=_INT64)
+
+
+class PlannedOut(BaseModel):
+    type: int
+    channel: int
+    expected_rate_bps: int
+
+
+class PlanIn(BaseModel):
+    """A plan decided elsewhere (restoring a session's history)."""
+
+    model_config = _STRICT
+    plan: list[PlannedIn]
+
+
+class PlanOut(BaseModel):
+    window: int
+    plan: list[PlannedOut] = Field(description="The types (re)planned at the boundary; every "
+                                   "other type keeps its channel.")
+    source: Literal["policy", "fallback", "given"]
+    knobs: dict[str, float | None] | None = Field(description="The executor's knobs the "
+                                                  "policy set (a horizon of null: infinite, "
+                                                  "every type re-planned).")
+    observation: list[float] | None = Field(description="The policy's observation "
+                                            "(features, in order).")
+    features: list[str] | None
+    policy_version: int
+
+
+class PlacementIn(BaseModel):
+    model_config = _STRICT
+    type: int = Field(ge=0, le=_INT64)
+    channel: int = Field(ge=0, le=4096)
+
+
+class MessagesIn(BaseModel):
+    model_config = _STRICT
+    messages: list[MessageIn] = Field(min_length=1, description="In time order.")
+    placements: list[PlacementIn] = Field(default_factory=list, description="Channels "
+                                          "decided elsewhere for types these messages "
+                                          "place (restoring a session's history).")
+
+
+class PlacedOut(BaseModel):
+    type: int
+    channel: int
+    message_id: int = Field(description="The type's first message of the interval.")
+    previous_channel: int = Field(description="-1: a new type; else a returning one.")
+    rate_bps: int = Field(description="The estimate 8 size / T it was placed with.")
+    source: Literal["policy", "fallback", "given"]
+
+
+class MessagesOut(BaseModel):
+    window: int
+    types: list[int] = Field(description="Each message's type id.")
+    channels: list[int] = Field(description="Each message's channel (0 = RPC, t = topic).")
+    placed: list[PlacedOut]
+    policy_version: int
+
+
+class IntervalOut(BaseModel):
+    window: int
+    types: list[int] = Field(description="The types that sent in the interval.")
+    channels: list[int] = Field(description="Their channels.")
+    terms: dict[str, int | float] = Field(description="The interval's realised terms (cost, "
+                                    "redundancy_ratio, violation, subscribe_infos, ...).")
+    next_window: int
+
+
+class OnlinePolicyOut(BaseModel):
+    loaded: bool
+    version: int = Field(description="Increases with every load (0: none).")
+    hash: str | None = Field(description="SHA-256 of actor.onnx.")
+    path: str | None = None
+    loaded_at: float | None = None
+    features: list[str] | None = None
+    knob_map: dict | None = None
+    cost: dict | None = None
+    dataset: dict | None = None
