@@ -29,8 +29,8 @@ from envs.seeding import seed_everything
 
 from .config import output_dir, to_dict
 from .online_eval import (DeciderSpec, ci95, compose_oracle, default_workers, evaluate_online,
-                          exact_bounds, format_online_table, knob_grid, oracle_specs,
-                          pareto_front, per_trace, summarize_online, tune)
+                          exact_bounds, format_online_table, knob_grid, knob_oracle,
+                          oracle_specs, pareto_front, per_trace, summarize_online, tune)
 from .plots import online_timeline_plot, pareto_plot
 from .tracking import tracked_run
 
@@ -69,6 +69,7 @@ class Tuning:
     val_per_trace: pd.DataFrame  # per (policy, trace): the terms on validation
     best: dict[str, str]  # family -> its best setting's name
     best_online: str      # the best online method on validation (a family or a static name)
+    knob_ceiling: pd.DataFrame | None = None  # per trace: the knob oracle on validation
 
     @property
     def tuned(self) -> dict[str, DeciderSpec]:
@@ -126,8 +127,17 @@ def tune_online(cfg: DictConfig, ds: TraceDataset) -> Tuning:
     fam_of = {name: fam for fam, name in best.items()}
     for fam, name in best.items():
         print(f"[online] tuned on validation: {name} (cost {means[name]:.4f})", flush=True)
+    ceiling = None
+    settings = [s for v in families.values() for s in v]
+    if e.tune.get("knob_oracle", True) and settings:
+        ceiling = per_trace(knob_oracle(ds, val_ids, settings, cost, e.tune.windows, workers))
+        top = float(means[list(best.values())].min())
+        print(f"[online] knob-setting ceiling on validation (the best of the {len(settings)} "
+              f"settings chosen per interval in hindsight): cost {ceiling.cost.mean():.4f}, "
+              f"{100 * (ceiling.cost.mean() / top - 1):+.2f}% against the best fixed setting",
+              flush=True)
     return Tuning(ds, cost, workers, val_ids, test_ids, statics, families, points, vpt, best,
-                  fam_of.get(best_online, best_online))
+                  fam_of.get(best_online, best_online), ceiling)
 
 
 def test_online(cfg: DictConfig, tuning: Tuning, log: Any, out: Path,
@@ -178,6 +188,9 @@ def test_online(cfg: DictConfig, tuning: Tuning, log: Any, out: Path,
     log.table(df, out / "per_interval.csv")
     points = tuning.points
     log.table(points, out / "tuning.csv")
+    if tuning.knob_ceiling is not None:
+        log.table(tuning.knob_ceiling, out / "knob_ceiling.csv")
+        log.metrics({"val/knob_oracle_cost": float(tuning.knob_ceiling.cost.mean())})
     knobs = points[points.policy.str.contains(r"\[")]
     front = pareto_front(knobs, "redundancy_ratio", "subscribe_infos")
     log.table(front, out / "pareto.csv")

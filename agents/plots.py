@@ -117,7 +117,8 @@ def learning_curve_plot(curve: pd.DataFrame, path: Path, title: str,
     fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.4), squeeze=False)
     for ax, (label, cols) in zip(axes[0], panels):
         for c in cols:
-            ax.plot(curve["steps"], curve[c], marker=".", label=c.split("/")[-1])
+            pts = curve[["steps", c]].dropna()
+            ax.plot(pts["steps"], pts[c], marker=".", label=c.split("/")[-1])
             for name, v in ((references or {}).get(c) or {}).items():
                 ax.axhline(v, color="gray", ls="--", lw=1)
                 ax.text(curve["steps"].iloc[0], v, name, fontsize=7, va="bottom")

@@ -91,6 +91,9 @@ class OnlineTask:
         v = self.tuning.val_per_trace
         ref = v[(v.policy == self._teacher_name()) & v.trace.isin(ids)]
         self.reference = {"teacher": float(ref.cost.mean())}
+        kc = self.tuning.knob_ceiling
+        if kc is not None:  # what a knob policy could reach with hindsight, same intervals
+            self.reference["knob oracle"] = float(kc[kc.trace.isin(ids)].cost.mean())
         self.run_name = cfg.get("run_name") or f"{self.ds.spec.name}__{self.name}__{cfg.seed}"
         self.tags = {"scenario": self.ds.scenario.name, "dataset": self.ds.spec.name,
                      "task": "train_online",
@@ -110,7 +113,9 @@ class OnlineTask:
                 f"{len(self.ds.traces('train'))} training traces, one step per interval, "
                 f"action = the knobs of {self.knob_map.executor}, {total:,} env steps; "
                 f"teacher {self._teacher_name()} (validation cost "
-                f"{self.reference['teacher']:.4f})")
+                f"{self.reference['teacher']:.4f}"
+                + (f"; knob oracle {self.reference['knob oracle']:.4f}"
+                   if "knob oracle" in self.reference else "") + ")")
 
     def policy(self, scores: Any) -> KnobPolicy:
         from .algorithms import torch_scorer

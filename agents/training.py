@@ -138,7 +138,7 @@ def train_with_selection(algo: Any, scores: Any, log: Any, total: int, eval_ever
     step's metrics go to MLflow; ``progress(steps, elapsed, last validation row)`` prints a
     line every ``log_every_s`` seconds and at the end. Returns ``(history, best, steps)``,
     ``best`` = ``(key, steps, state_dict)`` or None."""
-    history: list[dict] = []
+    history: list[dict] = []  # validation points, and training points between them
     best: tuple | None = None
     steps, next_log = 0, t0 + log_every_s
 
@@ -163,10 +163,14 @@ def train_with_selection(algo: Any, scores: Any, log: Any, total: int, eval_ever
         if (eval_every > 0 and steps >= next_eval) or steps >= total:
             next_eval += eval_every
             check(metrics)
+        elif np.isfinite(metrics.get("train/episode_return_mean", np.nan)):
+            history.append({"steps": steps, **metrics})  # the training curve between checks
         log.metrics(metrics, step=steps)
         if time.perf_counter() >= next_log or steps >= total:
             next_log = time.perf_counter() + log_every_s
-            progress(steps, time.perf_counter() - t0, history[-1] if history else {})
+            last = next((h for h in reversed(history) if any(k.startswith("val/") for k in h)),
+                        {})
+            progress(steps, time.perf_counter() - t0, last)
     return history, best, steps
 
 
@@ -226,11 +230,12 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
             history, best, steps = train_with_selection(
                 algo, scores, log, total, int(a.eval_every), float(a.log_every_s), t0,
                 lambda: task.validate(policy), progress)
-            if history:  # the start (the cloned actor with demonstrations) and the end
+            checks = [h for h in history if any(k.startswith("val/") for k in h)]
+            if checks:  # the start (the cloned actor with demonstrations) and the end
                 log.metrics({f"{k.replace('val/', 'val/start/', 1)}": v
-                             for k, v in history[0].items() if k.startswith("val/")})
+                             for k, v in checks[0].items() if k.startswith("val/")})
                 log.metrics({f"{k.replace('val/', 'val/final/', 1)}": v
-                             for k, v in history[-1].items() if k.startswith("val/")})
+                             for k, v in checks[-1].items() if k.startswith("val/")})
             # a resumable checkpoint of the final training state (with DDPG's replay buffer)
             algo.save_to_path(str(out / "rllib_checkpoint"))
             updates = getattr(algo, "updates_done", None)

@@ -373,3 +373,27 @@ def test_evaluation_cache_reuses_only_unchanged_rows(tmp_path):
     evaluate_online(ds, ids, specs, OnlineCost(w_move=0.5), 12, progress=False, cache=cache)
     evaluate_online(ds, ids, specs, cost, 6, progress=False, cache=cache)
     assert len(list(cache.iterdir())) == 3 * len(files)
+
+
+def test_clone_is_independent_and_knob_oracle_takes_the_cheapest(tmp_path):
+    from agents.online import OnlineGreedy
+    from agents.online_eval import knob_grid, knob_oracle
+    from envs.dsmd.dataset import build_dataset, load_dataset_spec
+
+    ds = build_dataset(load_dataset_spec("tiny_online"), tmp_path / "ds")
+    rec = ds.traces("validation")[0]
+    tr = OnlineTrace.from_dataset(ds.load(rec.id), ds.scenario, rec.id)
+    sim = OnlineSimulator(tr, OnlineCost())
+    sim.step(OnlineGreedy())
+    before = (sim.window, sim.channel.copy(), dict(sim.last))
+    c = sim.clone()
+    c.step(OnlineGreedy(horizon=0.0))
+    assert c.window == sim.window + 1
+    assert sim.window == before[0] and np.array_equal(sim.channel, before[1])
+    assert sim.last == before[2]
+    grid = knob_grid("og", {"headroom": [0.0, 0.2], "horizon": ["inf", 1.0]})
+    rows = knob_oracle(ds, [rec.id], grid, OnlineCost(), 8)
+    assert len(rows) == 8 and set(rows.knob_setting) <= {s.name for s in grid}
+    first = [OnlineSimulator(tr, OnlineCost()).step(s.build(tr, OnlineCost()))["cost"]
+             for s in grid]
+    assert rows.cost.iloc[0] == min(first)

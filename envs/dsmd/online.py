@@ -50,6 +50,8 @@ Nothing here imports gymnasium; :mod:`envs.dsmd.online_env` is the thin wrapper.
 
 from __future__ import annotations
 
+import copy
+
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -426,6 +428,15 @@ class OnlineSimulator:
     @property
     def done(self) -> bool:
         return self.window >= self.trace.num_windows
+
+    def clone(self) -> "OnlineSimulator":
+        """An independent copy of the run so far (the trace is shared): to try a decision
+        and keep or drop its outcome (:func:`agents.online_eval.knob_oracle`)."""
+        c = copy.copy(self)
+        c.channel, c.last_used = self.channel.copy(), self.last_used.copy()
+        c._subs = None if self._subs is None else self._subs.copy()
+        c.last = None if self.last is None else dict(self.last)
+        return c
 
     def view(self) -> OnlineView:
         return OnlineView(self.trace, self.window, self.channel, self.hindsight, self.last)
