@@ -65,7 +65,7 @@ def ablation_runs(tracking_uri: str, experiment: str, study: str) -> pd.DataFram
         p = t.get("agent", "ddpg")
         row = {"run_id": r.info.run_id, "variant": t.get("variant", "base"),
                "seed": int(t.get("seed", -1))}
-        row.update({k: m.get(v.format(p), math.nan) for k, v in METRICS.items()})
+        row.update({k: m.get(v.format(p=p), math.nan) for k, v in METRICS.items()})
         rows.append(row)
     return pd.DataFrame(rows).sort_values(["variant", "seed"]).reset_index(drop=True)
 
