@@ -63,6 +63,38 @@ class _Unavailable(Exception):
     pass
 
 
+def send(client: Any, breaker: "CircuitBreaker", retries: int, method: str, path: str,
+         body: Any) -> Any:
+    """One request with ``retries`` retries through the circuit ``breaker``: the first
+    answer below 500 (the breaker counts it a success), else ``_Unavailable`` (no client,
+    open circuit, timeouts, refused connections, 5xx)."""
+    import httpx
+
+    if client is None:
+        raise _Unavailable("no server configured")
+    if not breaker.allow():
+        raise _Unavailable("circuit open")
+    err = "?"
+    for _ in range(1 + retries):
+        try:
+            r = client.request(method, path, json=body)
+        except httpx.HTTPError as e:  # timeouts, refused connections, broken streams
+            err = f"{type(e).__name__}"
+            breaker.failure()
+            if not breaker.allow():
+                break
+            continue
+        if r.status_code >= 500:
+            err = f"HTTP {r.status_code}"
+            breaker.failure()
+            if not breaker.allow():
+                break
+            continue
+        breaker.success()
+        return r
+    raise _Unavailable(err)
+
+
 def get_bytes(client: Any, path: str, timeout_s: float) -> bytes:
     """``GET path`` on the adapter's HTTP client: the body, ``AdapterError`` on a non-200
     answer, ``_Unavailable`` when there is no client or the server cannot be reached."""
@@ -266,38 +298,15 @@ class ControllerAdapter:
                 pass
 
     def _request(self, method: str, path: str, body: Any, expect_json: bool = True) -> Any:
-        import httpx
-
-        if self._client is None:
-            raise _Unavailable("no server configured")
-        if not self.breaker.allow():
-            raise _Unavailable("circuit open")
-        err = "?"
-        for _ in range(1 + self.retries):
-            try:
-                r = self._client.request(method, path, json=body)
-            except httpx.HTTPError as e:  # timeouts, refused connections, broken streams
-                err = f"{type(e).__name__}"
-                self.breaker.failure()
-                if not self.breaker.allow():
-                    break
-                continue
-            if r.status_code >= 500:
-                err = f"HTTP {r.status_code}"
-                self.breaker.failure()
-                if not self.breaker.allow():
-                    break
-                continue
-            self.breaker.success()
-            if r.status_code == 404 and "/sessions/" in path and method != "DELETE":
-                self._synced = False  # the server lost the session (restart): re-create it
-                self._ensure_session()
-                return self._request(method, path.replace(path.split("/")[3],
-                                                          self.session_id), body, expect_json)
-            if r.status_code >= 400:
-                raise AdapterError(f"{method} {path}: HTTP {r.status_code}: {r.text[:500]}")
-            return r.json() if expect_json else None
-        raise _Unavailable(err)
+        r = send(self._client, self.breaker, self.retries, method, path, body)
+        if r.status_code == 404 and "/sessions/" in path and method != "DELETE":
+            self._synced = False  # the server lost the session (restart): re-create it
+            self._ensure_session()
+            return self._request(method, path.replace(path.split("/")[3],
+                                                      self.session_id), body, expect_json)
+        if r.status_code >= 400:
+            raise AdapterError(f"{method} {path}: HTTP {r.status_code}: {r.text[:500]}")
+        return r.json() if expect_json else None
 
     # ------------------------------------------------------------------ cached mode
     def _refresh_in_background(self) -> None:

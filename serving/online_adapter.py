@@ -53,7 +53,7 @@ from envs.dsmd.scenarios import ScenarioSpec
 from envs.dsmd.topology import Topology
 from envs.dsmd.traces import Dataset, write_dataset
 
-from .adapter import MODES, AdapterError, CircuitBreaker, _Unavailable, get_bytes
+from .adapter import MODES, AdapterError, CircuitBreaker, _Unavailable, get_bytes, send
 from .online_policy import unzip_bundle
 from .online_schemas import MessageIn
 from .online_session import Closed, OnlineSession, Plan, fallback_decider
@@ -303,35 +303,12 @@ class OnlineAdapter:
         """One request with retries and the circuit breaker: ``_Unavailable`` (timeouts,
         5xx, open breaker), ``_Lost`` (404: the server lost the session),
         :class:`AdapterError` (another 4xx: the request is wrong)."""
-        import httpx
-
-        if self._client is None:
-            raise _Unavailable("no server configured")
-        if not self.breaker.allow():
-            raise _Unavailable("circuit open")
-        err = "?"
-        for _ in range(1 + self.retries):
-            try:
-                r = self._client.request(method, path, json=body)
-            except httpx.HTTPError as e:
-                err = type(e).__name__
-                self.breaker.failure()
-                if not self.breaker.allow():
-                    break
-                continue
-            if r.status_code >= 500:
-                err = f"HTTP {r.status_code}"
-                self.breaker.failure()
-                if not self.breaker.allow():
-                    break
-                continue
-            self.breaker.success()
-            if r.status_code == 404 and "/sessions/" in path:
-                raise _Lost(f"{method} {path}: the server does not know the session")
-            if r.status_code >= 400:
-                raise AdapterError(f"{method} {path}: HTTP {r.status_code}: {r.text[:500]}")
-            return r.json() if expect_json else None
-        raise _Unavailable(err)
+        r = send(self._client, self.breaker, self.retries, method, path, body)
+        if r.status_code == 404 and "/sessions/" in path:
+            raise _Lost(f"{method} {path}: the server does not know the session")
+        if r.status_code >= 400:
+            raise AdapterError(f"{method} {path}: HTTP {r.status_code}: {r.text[:500]}")
+        return r.json() if expect_json else None
 
     # ------------------------------------------------------------------ cached mode
     def _install(self) -> None:
