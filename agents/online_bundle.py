@@ -93,8 +93,13 @@ def load_online_bundle(directory: str | Path) -> OnlineBundle:
     d = Path(directory)
     meta_path, onnx_path = d / "metadata.json", d / "actor.onnx"
     for p in (meta_path, onnx_path):
-        if not p.is_file():
-            raise BundleError(f"online policy bundle {d}: {p.name} is missing")
+        try:
+            present = p.is_file()
+        except OSError as e:  # a name too long, a path through a file, no permission
+            raise BundleError(f"online policy bundle {str(d)[:200]}: cannot be read "
+                              f"({e.strerror})") from None
+        if not present:
+            raise BundleError(f"online policy bundle {str(d)[:200]}: {p.name} is missing")
     try:
         meta = json.loads(meta_path.read_text())
     except (OSError, ValueError) as e:

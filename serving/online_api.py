@@ -60,7 +60,7 @@ class OnlineEntry:
     policy_version: int = 0
 
 
-_E = {c: {"model": ErrorOut} for c in (401, 403, 404, 409, 413, 422, 429)}
+_E = {c: {"model": ErrorOut} for c in (400, 401, 403, 404, 409, 413, 422, 429)}
 
 
 def _errors(*codes: int) -> dict:
@@ -178,7 +178,7 @@ def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Cal
                         headers={"X-Policy-Version": str(p.version), "X-Policy-Hash": p.hash})
 
     @app.put("/v1/online/policy", response_model=OnlinePolicyOut, tags=["online"],
-             dependencies=[Depends(admin)], responses=_errors(401, 403, 409, 422))
+             dependencies=[Depends(admin)], responses=_errors(400, 401, 403, 409, 422))
     async def swap_online_policy(body: PolicySwap) -> OnlinePolicyOut:
         try:
             p = await asyncio.to_thread(store.load, body.path)
@@ -189,7 +189,7 @@ def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Cal
     # ------------------------------------------------------------------ sessions
     @app.post("/v1/online/sessions", response_model=OnlineSessionCreated, status_code=201,
               tags=["online"], dependencies=[Depends(controller)],
-              responses=_errors(401, 422, 429))
+              responses=_errors(400, 401, 413, 422, 429))
     async def create_online_session(body: OnlineSessionCreate) -> OnlineSessionCreated:
         if len(sessions) >= max_sessions:
             raise HTTPException(429, f"online session limit ({max_sessions}) reached")
@@ -252,7 +252,7 @@ def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Cal
 
     @app.put("/v1/online/sessions/{session_id}/intervals/{window}/plan",
              response_model=PlanOut, tags=["online"], dependencies=[Depends(controller)],
-             responses=_errors(401, 404, 409, 422))
+             responses=_errors(400, 401, 404, 409, 413, 422))
     async def put_plan(session_id: str, window: int, body: PlanIn) -> PlanOut:
         e = entry(session_id)
 
@@ -266,7 +266,7 @@ def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Cal
 
     @app.post("/v1/online/sessions/{session_id}/intervals/{window}/messages",
               response_model=MessagesOut, tags=["online"], dependencies=[Depends(controller)],
-              responses=_errors(401, 404, 409, 413, 422))
+              responses=_errors(400, 401, 404, 409, 413, 422))
     async def post_messages(session_id: str, window: int, body: MessagesIn) -> MessagesOut:
         e = entry(session_id)
         if len(body.messages) > max_batch:
