@@ -19,7 +19,6 @@ hash, or whose features differ from this version's :data:`FEATURES`. Writing is 
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,17 +30,13 @@ from envs.dsmd.online import OnlineCost
 from envs.dsmd.online_control import FEATURES, OBS_SIZE, KnobMap, KnobPolicy
 from envs.fsutil import atomic_directory
 
-from .bundle import BundleError
+from .bundle import BundleError, _sha256
 
 __all__ = ["ONLINE_BUNDLE_FORMAT", "OnlineBundle", "export_online_bundle",
            "load_online_bundle"]
 
 ONLINE_BUNDLE_FORMAT = "smart-dsmd-online-policy"
 ONLINE_BUNDLE_VERSION = 1
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def export_online_bundle(actor: Any, knob_map: KnobMap, cost: OnlineCost, directory: str | Path,

@@ -37,7 +37,7 @@ def make_dsmd_env(env_ctx: Any):
 
 
 class DSMDTask:
-    rllib_env = "smart-dsmd"
+    rllib_env = "smart-dsmd"  # agents.training.RLLIB_ENV_NAME
     curve_panels = None  # the static trainer's panels (agents.plots.DSMD_CURVE_PANELS)
 
     def __init__(self, cfg: DictConfig, out: Path) -> None:
