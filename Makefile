@@ -5,7 +5,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed-$(shell cat requirements.lock pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: setup run test test-all bench sweep ablation clean lock
+.PHONY: setup run test test-all bench sweep ablation clean lock docs report lint typecheck
 
 $(STAMP): requirements.lock pyproject.toml
 	@command -v $(PY) >/dev/null || { echo "error: $(PY) not found; run make PY=/path/to/python3.11"; exit 1; }
@@ -28,7 +28,7 @@ test-all: setup                 ## fast and slow tests
 	$(VPY) -m pytest -q -m "slow or not slow" $(ARGS)
 
 sweep: setup                    ## Figs. 5-8 reproduction at CERN scale
-	$(VPY) evaluate.py $(ARGS)
+	$(VPY) sweep.py $(ARGS)
 
 STUDY    ?= online_ablation
 VARIANTS ?= base,no_per,no_td3,no_demos,last_outcome_only,load_only,switching_x10
@@ -37,11 +37,23 @@ ablation: setup                 ## online policy ablation: a Hydra multirun in M
 	$(VPY) train.py -m +ablation=$(VARIANTS) seed=$(SEEDS) +tags.study=$(STUDY) progress=false $(ARGS)
 	$(VPY) ablation.py study=$(STUDY)
 
-bench: setup                    ## benchmarks (numbers in the README)
+bench: setup                    ## benchmarks (results: bench/results/, docs/benchmarks.md)
 	$(VPY) bench/run_all.py $(ARGS)
 
 lock:                           ## re-resolve requirements.lock from pyproject.toml
-	$(VPY) -m uv pip compile -q pyproject.toml --extra test --python-version 3.11 -o requirements.lock
+	$(VPY) -m uv pip compile -q pyproject.toml --all-extras --python-version 3.11 -o requirements.lock
+
+docs: setup                     ## the documentation site (site/index.html), warnings are errors
+	NO_MKDOCS_2_WARNING=1 $(VPY) -m mkdocs build --strict
+
+report: setup                   ## reproduction report and benchmarks page from result files
+	$(VPY) report.py $(ARGS)
+
+lint: setup                     ## ruff
+	$(VENV)/bin/ruff check .
+
+typecheck: setup                ## mypy on envs/ and serving/
+	$(VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) outputs .pytest_cache .hypothesis
+	rm -rf $(VENV) outputs site .pytest_cache .hypothesis

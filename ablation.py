@@ -5,6 +5,9 @@ from omegaconf import DictConfig
 
 import agents.config  # noqa: F401  (registers the ${project_root:} resolver)
 from agents.ablation import run_ablation_table
+from envs.quiet import quiet
+
+quiet()  # known third-party log noise off, before Ray and torch load (envs/quiet.py)
 
 
 @hydra.main(config_path="configs", config_name="ablation_table", version_base="1.3")

@@ -4,6 +4,9 @@ import hydra
 from omegaconf import DictConfig
 
 import agents.config  # noqa: F401  (registers the ${project_root:} resolver)
+from envs.quiet import quiet
+
+quiet()  # known third-party log noise off, before Ray and torch load (envs/quiet.py)
 
 
 def settings_from(cfg: DictConfig):

@@ -6,6 +6,9 @@ from omegaconf import DictConfig
 
 import agents.config  # noqa: F401  (registers the ${project_root:} resolver)
 from agents.shaping.experiment import run_shaping
+from envs.quiet import quiet
+
+quiet()  # known third-party log noise off, before Ray and torch load (envs/quiet.py)
 
 
 @hydra.main(config_path="configs", config_name="shaping", version_base="1.3")

@@ -4,6 +4,9 @@ import hydra
 from omegaconf import DictConfig
 
 import agents.config  # noqa: F401  (registers the ${project_root:} resolver)
+from envs.quiet import quiet
+
+quiet()  # known third-party log noise off, before Ray and torch load (envs/quiet.py)
 
 
 @hydra.main(config_path="configs", config_name="train", version_base="1.3")
@@ -13,7 +16,7 @@ def main(cfg: DictConfig) -> None:
             from agents.online_job import run_online_main
 
             run_online_main(cfg)
-        elif cfg.env.get("suite"):  # a sub-problem env (env=multicast|shaping)
+        elif cfg.env.get("suite"):  # a sub-problem env (env=trees|shaping)
             from agents.task_episodes import evaluate_env_baselines
 
             evaluate_env_baselines(cfg)

@@ -1,2 +1,4 @@
-"""Policies (baselines, exact optimum, and -- from the training issue -- RLlib DDPG),
-evaluation, experiments and tracking. Imports ``envs``; never ``serving`` or ``delivery``."""
+"""Policies (baselines, exact optimum and RLlib DDPG),
+evaluation, experiments and tracking. Imports ``envs`` and the bundle runtime
+(``serving.bundle``, ``serving.online_bundle``: the format its exporter writes); never the
+rest of ``serving``, nor ``delivery``."""

@@ -21,18 +21,18 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+from omegaconf import DictConfig
 
-from envs.dsmd.errors import DSMDError  # noqa: E402
+from envs.dsmd.errors import DSMDError
 
-from .config import output_dir  # noqa: E402
-from .online_eval import ci95  # noqa: E402
-from .tracking import tracked_run  # noqa: E402
+from .config import output_dir
+from .online_eval import ci95
+from .tracking import tracked_run
 
-__all__ = ["ablation_runs", "ablation_table", "run_ablation_table", "METRICS"]
+__all__ = ["METRICS", "ablation_runs", "ablation_table", "run_ablation_table"]
 
 #: table column -> MLflow metric (``{p}``: the learned policy's name, the run's agent)
 METRICS = {"test_cost": "{p}/cost", "regret_pct": "{p}/regret_pct",

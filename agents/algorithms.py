@@ -25,12 +25,19 @@ from ray.rllib.algorithms.dqn.dqn_learner import QF_PREDS
 from ray.rllib.callbacks.callbacks import RLlibCallback
 from ray.rllib.core.columns import Columns
 from ray.rllib.core.models.base import ACTOR, ENCODER_OUT
+from ray.rllib.utils.annotations import override
 from torch import nn
 
 from envs.dsmd.errors import DSMDError
 
-__all__ = ["ALGORITHMS", "algorithm_config", "score_module", "torch_scorer", "action_mode",
-           "DSMDEpisodeMetrics"]
+__all__ = [
+    "ALGORITHMS",
+    "DSMDEpisodeMetrics",
+    "action_mode",
+    "algorithm_config",
+    "score_module",
+    "torch_scorer",
+]
 
 ALGORITHMS: dict[str, str] = {"ddpg": "box", "sac": "box", "ppo": "box", "dqn": "discrete"}
 
@@ -52,6 +59,7 @@ class DSMDEpisodeMetrics(RLlibCallback):
             "reward/node_penalty", "controller_bw_violation", "controller_cpu_violation",
             "node_violation", "feasible", "total_node_traffic_bps")
 
+    @override(RLlibCallback)
     def on_episode_end(self, *, episode, metrics_logger=None, **kw) -> None:
         if metrics_logger is None:
             return

@@ -1,4 +1,5 @@
-"""Rule baselines of Section VII-B plus the Alcor AUTO rule (``alcor.md``).
+"""Rule baselines of Section VII-B plus the Alcor AUTO rule (the public Alcor
+controller, futurewei-cloud/alcor).
 
 * :class:`RPCOnly` -- every type over RPC (no redundancy, highest controller load).
 * :class:`VITA` -- everything over MQ, the topic chosen by VPC id (Zhao et al. [34]):
@@ -23,7 +24,7 @@ from envs.dsmd.traces import CONFIG_NAMES
 
 from .policy import Policy, PolicyError
 
-__all__ = ["RPCOnly", "VITA", "IDCS", "AlcorAuto", "vpc_topic"]
+__all__ = ["IDCS", "VITA", "AlcorAuto", "RPCOnly", "vpc_topic"]
 
 
 def vpc_topic(vpc: np.ndarray, num_topics: int) -> np.ndarray:

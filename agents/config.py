@@ -1,4 +1,4 @@
-"""Configuration helpers shared by the Hydra entry points (``train.py``, ``evaluate.py``)."""
+"""Configuration helpers shared by the Hydra entry points (``train.py``, ``sweep.py``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from envs.dsmd.scenarios import ScenarioSpec
 
-__all__ = ["PROJECT_ROOT", "CONFIG_DIR", "scenario_spec", "output_dir", "to_dict"]
+__all__ = ["CONFIG_DIR", "PROJECT_ROOT", "output_dir", "scenario_spec", "to_dict"]
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = PROJECT_ROOT / "configs"

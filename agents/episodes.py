@@ -1,4 +1,4 @@
-"""Whole-episode evaluation on the sub-problem environments (``smart/Multicast-v0``,
+"""Whole-episode evaluation on the sub-problem environments (``smart/MulticastTree-v0``,
 ``smart/Shaping-v0``): the policy interface their baselines and the learned actor share, and
 the per-episode table every comparison is built from.
 
@@ -15,19 +15,27 @@ from __future__ import annotations
 
 import importlib
 import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import ModuleType
-from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import gymnasium as gym
 import numpy as np
 import pandas as pd
-from tqdm.auto import tqdm
 
+from envs.progress import Progress
 from envs.seeding import derive_seed
 
-__all__ = ["EnvPolicy", "ActorEnvPolicy", "load_suite", "episode_seeds", "play_episode",
-           "run_episodes",
-           "summarize_episodes", "SuiteError"]
+__all__ = [
+    "ActorEnvPolicy",
+    "EnvPolicy",
+    "SuiteError",
+    "episode_seeds",
+    "load_suite",
+    "play_episode",
+    "run_episodes",
+    "summarize_episodes",
+]
 
 
 class SuiteError(ValueError):
@@ -98,8 +106,7 @@ def run_episodes(policies: Sequence[EnvPolicy], env_id: str, env_kwargs: Mapping
                  ) -> pd.DataFrame:
     """One row per (policy, seed): return, steps, wall time and ``episode_metrics``."""
     rows = []
-    bar = tqdm(total=len(policies) * len(seeds), desc=desc, disable=not progress,
-               unit="ep", dynamic_ncols=True)
+    bar = Progress(progress, len(policies) * len(seeds), desc, unit="episode")
     env = gym.make(env_id, **dict(env_kwargs))
     try:
         for pol in policies:
@@ -116,7 +123,7 @@ def run_episodes(policies: Sequence[EnvPolicy], env_id: str, env_kwargs: Mapping
                        "time_s": time.perf_counter() - t0}
                 row.update({k: float(v) for k, v in info.get("episode_metrics", {}).items()})
                 rows.append(row)
-                bar.update(1)
+                bar.step(pol.name)
     finally:
         env.close()
         bar.close()

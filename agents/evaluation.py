@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import time
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import pandas as pd
-from tqdm.auto import tqdm
 
 from envs.dsmd.cost import CostState, Metrics
 from envs.dsmd.instance import DSMDInstance
+from envs.progress import Progress
 
 from .exact import InstanceTooLarge
 from .policy import Policy, PolicyError
 
-__all__ = ["evaluate_policies", "summarize", "format_table", "METRIC_COLUMNS"]
+__all__ = ["METRIC_COLUMNS", "evaluate_policies", "format_table", "summarize"]
 
 METRIC_COLUMNS = list(Metrics.__dataclass_fields__)
 
@@ -28,8 +28,7 @@ def evaluate_policies(policies: Sequence[Policy], instances: Sequence[DSMDInstan
     solver, or infeasible for it) gets a row with its status and NaN metrics.
     """
     rows = []
-    bar = tqdm(total=len(policies) * len(instances), desc=desc, disable=not progress,
-               unit="inst", dynamic_ncols=True)
+    bar = Progress(progress, len(policies) * len(instances), desc, unit="instance")
     for pol in policies:
         pol.reset()
         for inst in instances:
@@ -46,8 +45,7 @@ def evaluate_policies(policies: Sequence[Policy], instances: Sequence[DSMDInstan
                 row.update(time_s=time.perf_counter() - t0,
                            status=pol.info().get("status", "failed"), error=str(e))
             rows.append(row)
-            bar.update(1)
-            bar.set_postfix_str(pol.name)
+            bar.step(pol.name)
     bar.close()
     df = pd.DataFrame(rows)
     for c in METRIC_COLUMNS:
@@ -94,7 +92,7 @@ def summarize(df: pd.DataFrame, by: Iterable[str] = ("policy",)) -> pd.DataFrame
 
 
 def format_table(summary: pd.DataFrame) -> str:
-    """A fixed-width table for the terminal and the README."""
+    """A fixed-width table for the terminal and the logs."""
     fmt = {"feasible_frac": "{:.2f}", "ctrl_traffic_mbps": "{:.2f}", "sent_msgs_per_s": "{:.1f}",
            "ctrl_sends": "{:.0f}", "total_node_mbps": "{:.2f}", "max_node_mbps": "{:.2f}",
            "redundancy_mbps": "{:.2f}", "bw_violation": "{:.3f}", "cpu_violation": "{:.3f}",

@@ -56,16 +56,23 @@ bound in ``dual_bound``.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
 from envs.dsmd.cost import CostState, evaluate
 from envs.dsmd.instance import DSMDInstance
 
-from .exact import (InstanceTooLarge, IntervalBlock, SparseMILP, add_interval, bound_slack,
-                    milp_size, symmetry_mask)
+from .exact import (
+    InstanceTooLarge,
+    IntervalBlock,
+    SparseMILP,
+    add_interval,
+    bound_slack,
+    milp_size,
+    symmetry_mask,
+)
 from .greedy import violation
 from .policy import PolicyError
 

@@ -28,23 +28,31 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
 from envs.dsmd.cost import CostState
 from envs.dsmd.errors import DSMDError
 from envs.dsmd.instance import RPC, UNASSIGNED, DSMDInstance
+from envs.dsmd.online import NewType, OnlineCost, OnlineView, Placement, relabel_topics
 from envs.dsmd.scenarios import ScenarioSpec
 from envs.dsmd.topology import Topology
-from envs.dsmd.online import NewType, OnlineCost, OnlineView, Placement, relabel_topics
 
 from .greedy import GreedyLocalSearch
 from .policy import Policy
 from .registry import make_policy_for
 
-__all__ = ["StaticReplan", "OnlineGreedy", "HindsightGreedy", "place_least_cost", "forecast",
-           "make_static", "FORECASTS"]
+__all__ = [
+    "FORECASTS",
+    "HindsightGreedy",
+    "OnlineGreedy",
+    "StaticReplan",
+    "forecast",
+    "make_static",
+    "place_least_cost",
+]
 
 FORECASTS = ("last", "ewma", "holt")
 

@@ -15,10 +15,11 @@ import itertools
 import json
 import math
 import os
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -30,9 +31,23 @@ from envs.progress import Progress
 
 from .online import HindsightGreedy, OnlineGreedy, make_static
 
-__all__ = ["DeciderSpec", "evaluate_online", "tune", "pareto_front", "summarize_online",
-           "format_online_table", "knob_grid", "oracle_specs", "per_trace", "exact_bound",
-           "exact_bounds", "as_horizon", "compose_oracle", "ci95", "knob_oracle"]
+__all__ = [
+    "DeciderSpec",
+    "as_horizon",
+    "ci95",
+    "compose_oracle",
+    "evaluate_online",
+    "exact_bound",
+    "exact_bounds",
+    "format_online_table",
+    "knob_grid",
+    "knob_oracle",
+    "oracle_specs",
+    "pareto_front",
+    "per_trace",
+    "summarize_online",
+    "tune",
+]
 
 
 @dataclass(frozen=True)
@@ -42,14 +57,14 @@ class DeciderSpec:
     ``kind``: ``static`` (``params.policy`` re-planned every interval), ``online_greedy``
     (:class:`agents.online.OnlineGreedy` knobs in ``params``), ``oracle`` (hindsight) or
     ``learned`` (``params.bundle``: an online policy bundle's directory,
-    :mod:`agents.online_bundle`)."""
+    :mod:`serving.online_bundle`)."""
 
     name: str
     kind: str
     params: tuple[tuple[str, Any], ...] = ()
 
     @classmethod
-    def make(cls, name: str, kind: str, **params: Any) -> "DeciderSpec":
+    def make(cls, name: str, kind: str, **params: Any) -> DeciderSpec:
         if kind not in ("static", "online_greedy", "oracle", "learned"):
             raise DSMDError(f"unknown decider kind {kind!r}")
         return cls(name, kind, tuple(sorted(params.items())))
@@ -66,7 +81,7 @@ class DeciderSpec:
         if self.kind == "online_greedy":
             return OnlineGreedy(cost=cost, name=self.name, **p)
         if self.kind == "learned":
-            from .online_bundle import load_online_bundle
+            from serving.online_bundle import load_online_bundle
 
             return load_online_bundle(p["bundle"]).decider(self.name, cost)
         return HindsightGreedy(cost=cost, name=self.name, **p)

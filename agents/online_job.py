@@ -15,9 +15,10 @@ from __future__ import annotations
 import math
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import pandas as pd
 from omegaconf import DictConfig
@@ -28,13 +29,26 @@ from envs.dsmd.online import OnlineCost
 from envs.seeding import seed_everything
 
 from .config import output_dir, to_dict
-from .online_eval import (DeciderSpec, ci95, compose_oracle, default_workers, evaluate_online,
-                          exact_bounds, format_online_table, knob_grid, knob_oracle,
-                          oracle_specs, pareto_front, per_trace, summarize_online, tune)
+from .online_eval import (
+    DeciderSpec,
+    ci95,
+    compose_oracle,
+    default_workers,
+    evaluate_online,
+    exact_bounds,
+    format_online_table,
+    knob_grid,
+    knob_oracle,
+    oracle_specs,
+    pareto_front,
+    per_trace,
+    summarize_online,
+    tune,
+)
 from .plots import online_timeline_plot, pareto_plot
 from .tracking import tracked_run
 
-__all__ = ["run_online_main", "tune_online", "test_online", "open_online_dataset", "Tuning"]
+__all__ = ["Tuning", "open_online_dataset", "run_online_main", "test_online", "tune_online"]
 
 
 def _bound_text(bounds: pd.DataFrame, pt: pd.Series, best: str, horizon: int) -> str:

@@ -7,11 +7,18 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
+import matplotlib.pyplot as plt
+import pandas as pd
 
-__all__ = ["comparison_plot", "sweep_plots", "learning_curve_plot", "online_timeline_plot",
-           "pareto_plot", "SWEEP_FIGURES", "DSMD_CURVE_PANELS"]
+__all__ = [
+    "DSMD_CURVE_PANELS",
+    "SWEEP_FIGURES",
+    "comparison_plot",
+    "learning_curve_plot",
+    "online_timeline_plot",
+    "pareto_plot",
+    "sweep_plots",
+]
 
 _STYLE = {"rpc": ("tab:red", "o"), "vita": ("tab:blue", "s"), "idcs": ("tab:green", "^"),
           "alcor": ("tab:purple", "v"), "greedy": ("tab:orange", "D"), "exact": ("black", "*"),
@@ -56,7 +63,7 @@ def comparison_plot(summary: pd.DataFrame, path: Path, title: str,
         colors = [_STYLE.get(n, ("gray", "o"))[0] for n in names]
         ax.bar(names, summary[c].fillna(0.0), color=colors)
         for i, v in enumerate(summary[c]):
-            if v != v:  # NaN: the policy could not solve these instances
+            if pd.isna(v):  # the policy could not solve these instances
                 ax.text(i, 0, "n/a", ha="center", va="bottom", fontsize=8)
         if c in limits:
             ax.axhline(limits[c], color="gray", ls="--", lw=1)

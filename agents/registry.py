@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from envs.dsmd.problems import ProblemSet
 from envs.dsmd.scenarios import ScenarioSpec
@@ -13,7 +14,7 @@ from .exact import ExactMILP
 from .greedy import GreedyLocalSearch
 from .policy import Policy
 
-__all__ = ["POLICIES", "make_policy", "make_policies", "make_policy_for"]
+__all__ = ["POLICIES", "make_policies", "make_policy", "make_policy_for"]
 
 
 def _alcor(spec: ScenarioSpec, topology: Topology, p: Mapping[str, Any]) -> Policy:

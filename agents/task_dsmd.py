@@ -5,8 +5,9 @@ evaluated against every baseline on the test windows, exported as a policy bundl
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from omegaconf import DictConfig
@@ -22,6 +23,9 @@ from .evaluation import evaluate_policies, summarize
 from .learned import ActorPolicy
 from .registry import make_policies
 from .reporting import report
+
+if TYPE_CHECKING:
+    from .training import Selected
 
 __all__ = ["DSMDTask", "make_dsmd_env"]
 
@@ -103,8 +107,8 @@ class DSMDTask:
     def curve_references(self) -> dict[str, dict[str, float]]:
         return {}
 
-    def finish(self, log: Any, scores: Any, policy: Any, *, steps: int, best: tuple | None,
-               updates: int | None) -> dict[str, Any]:
+    def finish(self, log: Any, scores: Any, policy: Any, *, steps: int,
+               best: Selected | None, updates: int | None) -> dict[str, Any]:
         cfg, out, spec, ps = self.cfg, self.out, self.spec, self.ps
         test = ps.instances(str(cfg.eval_split))
         pols = [*make_policies(list(cfg.baseline.policies), ps, to_dict(cfg.baseline.params)),
@@ -112,13 +116,15 @@ class DSMDTask:
         per_window = evaluate_policies(pols, test, progress=bool(cfg.progress))
         summary = report(log, per_window, out, spec, str(cfg.eval_split),
                          f"{self.name.upper()} vs baselines")
-        from .bundle import BUNDLE_FILES, export_bundle
+        from serving.bundle import BUNDLE_FILES
+
+        from .bundle_export import export_bundle
 
         bundle_dir = Path(str(cfg.paths.checkpoint_dir)) / self.run_name
         export_bundle(scores, self.layout, ps.signature(), bundle_dir, overwrite=True,
                       order=str(cfg.env.order), decoding=self.decoding,
                       extra={"run_id": log.run_id, "algorithm": self.name, "env_steps": steps,
-                             "selected_at_steps": None if best is None else best[1],
+                             "selected_at_steps": None if best is None else best.steps,
                              "gradient_updates": updates,
                              "reward": to_dict(cfg.env.reward), "seed": int(cfg.seed)})
         for f in BUNDLE_FILES:

@@ -1,4 +1,4 @@
-"""A sub-problem environment as a training task (``python train.py env=multicast|shaping``,
+"""A sub-problem environment as a training task (``python train.py env=trees|shaping``,
 :mod:`agents.training`): the same DDPG (RLlib, :mod:`agents.ddpg`) on a sub-problem
 environment, then the learned actor against the sub-problem's baselines over whole
 held-out episodes (MLflow: config, curves, tables, plots, the exported actor).
@@ -16,26 +16,42 @@ every batch, as on DSMD).
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+from omegaconf import DictConfig
 
-from envs.seeding import seed_everything  # noqa: E402
+from envs.seeding import seed_everything
 
-from .config import output_dir, to_dict  # noqa: E402
-from .episodes import (ActorEnvPolicy, EnvPolicy, SuiteError, episode_seeds,  # noqa: E402
-                       load_suite, play_episode, run_episodes, summarize_episodes)
-from .tracking import tracked_run  # noqa: E402
+from .config import output_dir, to_dict
+from .episodes import (
+    ActorEnvPolicy,
+    EnvPolicy,
+    SuiteError,
+    episode_seeds,
+    load_suite,
+    play_episode,
+    run_episodes,
+    summarize_episodes,
+)
+from .tracking import tracked_run
 
-__all__ = ["EpisodeTask", "evaluate_env_baselines", "make_subproblem_env",
-           "episode_demonstrations"]
+if TYPE_CHECKING:
+    from .training import Selected
+
+__all__ = [
+    "EpisodeTask",
+    "episode_demonstrations",
+    "evaluate_env_baselines",
+    "make_subproblem_env",
+]
 
 
 def make_subproblem_env(env_ctx: Any):
@@ -82,7 +98,7 @@ def _comparison_plot(summary: pd.DataFrame, path: Path, title: str) -> Path:
 
 def _export_actor(scores, obs_dim: int, out: Path) -> Path:
     """The actor as ONNX (``obs [B, obs_dim] -> action [B, d]``) for use outside RLlib."""
-    from .bundle import export_onnx
+    from .bundle_export import export_onnx
 
     return export_onnx(copy.deepcopy(scores).cpu().eval(), obs_dim, out / "actor.onnx",
                        output_name="action")
@@ -189,8 +205,8 @@ class EpisodeTask:
     def curve_references(self) -> dict[str, dict[str, float]]:
         return {"val/return": dict(self.base_ret)}
 
-    def finish(self, log: Any, scores: Any, policy: Any, *, steps: int, best: tuple | None,
-               updates: int | None) -> dict[str, Any]:
+    def finish(self, log: Any, scores: Any, policy: Any, *, steps: int,
+               best: Selected | None, updates: int | None) -> dict[str, Any]:
         out = self.out
         per_ep = run_episodes([*self.baselines, policy], self.env_id, self.env_kwargs,
                               self.test_seeds, progress=bool(self.cfg.progress), desc="evaluate")

@@ -14,15 +14,17 @@ DDPG sets the knobs of the feasible-by-construction executor at every interval b
 3. Model selection on the tuning traces and intervals: the cloned start is validated before
    the first step, then every ``agent.eval_every`` steps; the weights with the least mean
    interval cost are kept. The teacher's cost on the same intervals is the reference line.
-4. The actor is exported as an online policy bundle (:mod:`agents.online_bundle`), and the
+4. The actor is exported as an online policy bundle (:mod:`agents.bundle_export`, read by
+   :mod:`serving.online_bundle`), and the
    yardstick's test step (:func:`agents.online_job.test_online`) runs it beside every
    baseline, the tuned heuristics and the oracle on the test traces.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -34,6 +36,9 @@ from envs.dsmd.online_control import KnobMap, KnobPolicy
 from .config import to_dict
 from .online_eval import DeciderSpec, per_trace
 from .online_job import Tuning, open_online_dataset, test_online, tune_online
+
+if TYPE_CHECKING:
+    from .training import Selected
 
 __all__ = ["OnlineTask", "make_online_env"]
 
@@ -183,11 +188,11 @@ class OnlineTask:
     def curve_references(self) -> dict[str, dict[str, float]]:
         return {"val/cost": dict(self.reference)}
 
-    def finish(self, log: Any, scores: Any, policy: Any, *, steps: int, best: tuple | None,
-               updates: int | None) -> dict[str, Any]:
+    def finish(self, log: Any, scores: Any, policy: Any, *, steps: int,
+               best: Selected | None, updates: int | None) -> dict[str, Any]:
         import ray
 
-        from .online_bundle import export_online_bundle
+        from .bundle_export import export_online_bundle
 
         cfg = self.cfg
         if ray.is_initialized() and not (cfg.get("ray") or {}).get("address"):
@@ -197,7 +202,7 @@ class OnlineTask:
             scores, self.knob_map, self.cost, bundle_dir, overwrite=True,
             dataset={"name": self.ds.spec.name, "scenario": self.ds.scenario.name},
             extra={"run_id": log.run_id, "algorithm": self.name, "env_steps": steps,
-                   "selected_at_steps": None if best is None else best[1],
+                   "selected_at_steps": None if best is None else best.steps,
                    "gradient_updates": updates, "seed": int(cfg.seed),
                    "teacher": {k: str(v) for k, v in self.teacher.items()}})
         for f in ("metadata.json", "actor.onnx"):

@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import shlex
 import sys
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["tracked_run", "RunLogger"]
+__all__ = ["RunLogger", "tracked_run"]
 
 
 def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -49,7 +51,7 @@ class RunLogger:
         import mlflow
 
         clean = {k.replace("@", "_"): float(v) for k, v in values.items()
-                 if v is not None and v == v}
+                 if v is not None and not math.isnan(float(v))}
         mlflow.log_metrics(clean, step=step)
 
     def table(self, df: pd.DataFrame, path: Path) -> None:

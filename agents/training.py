@@ -15,7 +15,7 @@ demonstrations, the held-out evaluation and the export), chosen from ``env``:
 ``env=dsmd``                  :class:`agents.task_dsmd.DSMDTask`: the static problem
                               (``smart/DSMD-v0``), training windows of the scenario's trace;
                               every baseline on the test windows; the policy bundle
-``env=multicast|shaping``     :class:`agents.task_episodes.EpisodeTask`: a sub-problem
+``env=trees|shaping``         :class:`agents.task_episodes.EpisodeTask`: a sub-problem
                               environment, seeded episodes; its baselines; ``actor.onnx``
 ============================  ==============================================================
 
@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import pandas as pd
@@ -41,8 +43,25 @@ from .config import output_dir, to_dict
 from .plots import learning_curve_plot
 from .tracking import tracked_run
 
-__all__ = ["run_training", "train_with_selection", "TrainingTask", "make_task", "ablation_tags",
-           "make_dsmd_env", "RLLIB_ENV_NAME"]
+__all__ = [
+    "RLLIB_ENV_NAME",
+    "Selected",
+    "TrainingTask",
+    "ablation_tags",
+    "make_dsmd_env",
+    "make_task",
+    "run_training",
+    "train_with_selection",
+]
+
+
+@dataclass(frozen=True, eq=False)
+class Selected:
+    """The weights model selection keeps: those with the lowest validation key so far."""
+
+    key: Any  # the task's selection key (TrainingTask.validate; lower is better)
+    steps: int  # env steps trained when they were validated
+    weights: dict[str, Any]  # a copy of the score module's state_dict
 
 
 class TrainingTask(Protocol):
@@ -71,8 +90,8 @@ class TrainingTask(Protocol):
 
     def curve_references(self) -> dict[str, dict[str, float]]: ...
 
-    def finish(self, log: Any, scores: Any, policy: Any, *, steps: int, best: tuple | None,
-               updates: int | None) -> dict[str, Any]: ...
+    def finish(self, log: Any, scores: Any, policy: Any, *, steps: int,
+               best: Selected | None, updates: int | None) -> dict[str, Any]: ...
 
 
 def make_task(cfg: DictConfig, out: Path) -> TrainingTask:
@@ -130,16 +149,16 @@ def train_with_selection(algo: Any, scores: Any, log: Any, total: int, eval_ever
                          log_every_s: float, t0: float,
                          validate: Callable[[], tuple[dict[str, float], Any]],
                          progress: Callable[[int, float, dict], None]
-                         ) -> tuple[list[dict], tuple | None, int]:
+                         ) -> tuple[list[dict], Selected | None, int]:
     """The training loop: one ``algo.train()`` step at a time until ``total`` env steps;
     before the first step (the start: the cloned actor when there are demonstrations), every
     ``eval_every`` steps and at the end, ``validate()`` gives the validation metrics and a
     selection key (lower is better) and the weights with the best key so far are kept; every
     step's metrics go to MLflow; ``progress(steps, elapsed, last validation row)`` prints a
     line every ``log_every_s`` seconds and at the end. Returns ``(history, best, steps)``,
-    ``best`` = ``(key, steps, state_dict)`` or None."""
+    ``best`` the :class:`Selected` weights (None when nothing was validated)."""
     history: list[dict] = []  # validation points, and training points between them
-    best: tuple | None = None
+    best: Selected | None = None
     steps, next_log = 0, t0 + log_every_s
 
     def check(metrics: dict) -> None:
@@ -147,8 +166,8 @@ def train_with_selection(algo: Any, scores: Any, log: Any, total: int, eval_ever
         val, key = validate()
         metrics.update(val)
         history.append({"steps": steps, **metrics})
-        if best is None or key < best[0]:
-            best = (key, steps, copy.deepcopy(scores.state_dict()))
+        if best is None or key < best.key:
+            best = Selected(key, steps, copy.deepcopy(scores.state_dict()))
 
     if eval_every > 0:
         start: dict[str, float] = {}
@@ -186,6 +205,7 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
     from ray.tune.registry import register_env
 
     from .algorithms import algorithm_config, score_module
+    from .ddpg.rllib_internals import local_learner
 
     seed = int(cfg.seed)
     seed_everything(seed)
@@ -195,12 +215,13 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
     task = make_task(cfg, out)
     ray_cfg = cfg.get("ray") or {}
     ray.init(address=ray_cfg.get("address"), num_cpus=ray_cfg.get("num_cpus"),
-             include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+             include_dashboard=False, log_to_driver=False, logging_level="WARNING",
+             ignore_reinit_error=True)
     register_env(task.rllib_env, task.env_creator())  # Ray's registry reaches remote runners
     algo = algorithm_config(to_dict(a), task.rllib_env, task.env_config, seed).build_algo()
     stopped = False
     try:
-        module = algo.learner_group._learner.module[DEFAULT_MODULE_ID]
+        module = local_learner(algo).module[DEFAULT_MODULE_ID]
         scores = score_module(name, module, task.act_dim)
         policy = task.policy(scores)
         demo = a.get("demonstrations")
@@ -240,10 +261,10 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
             algo.save_to_path(str(out / "rllib_checkpoint"))
             updates = getattr(algo, "updates_done", None)
             if best is not None and a.get("keep_best", True):
-                scores.load_state_dict(best[2])  # evaluate and export the selected weights
-                metrics, text = task.selected(best[0])
-                log.metrics({"val/best_at_steps": best[1], **metrics})
-                print(f"[train] selected the weights of step {best[1]:,} ({text})", flush=True)
+                scores.load_state_dict(best.weights)  # evaluate and export the selected weights
+                metrics, text = task.selected(best.key)
+                log.metrics({"val/best_at_steps": best.steps, **metrics})
+                print(f"[train] selected the weights of step {best.steps:,} ({text})", flush=True)
             curve = pd.DataFrame(history)
             log.table(curve, out / "learning_curve.csv")
             if len(curve):

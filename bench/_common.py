@@ -14,8 +14,9 @@ import platform
 import statistics
 import subprocess
 import sys
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "bench" / "results"
@@ -88,7 +89,7 @@ def machine_info() -> dict[str, Any]:
         except ImportError:
             pass
     return {
-        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "timestamp": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "processor": platform.processor(),
         "cpu_model": _cpu_model(),
         "uname": " ".join(platform.uname()),

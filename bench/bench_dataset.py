@@ -30,11 +30,11 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import dir_bytes, finish, fmt_stats, log, md_table, timed  # noqa: E402
+from _common import dir_bytes, finish, fmt_stats, log, md_table, timed
 
-from envs.dsmd.dataset import build_dataset, load_dataset_spec, open_dataset  # noqa: E402
-from envs.dsmd.dynamics import generate_dynamic  # noqa: E402
-from envs.dsmd.traces import write_dataset  # noqa: E402
+from envs.dsmd.dataset import build_dataset, load_dataset_spec, open_dataset
+from envs.dsmd.dynamics import generate_dynamic
+from envs.dsmd.traces import write_dataset
 
 REPEATS = 3  # a one-hour godaddy trace takes well under a second to generate
 

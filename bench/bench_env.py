@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import finish, fmt_stats, log, md_table, pin_one_core, stats  # noqa: E402
+from _common import finish, fmt_stats, log, md_table, pin_one_core, stats
 
 CORE = pin_one_core()
 

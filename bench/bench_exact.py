@@ -39,17 +39,16 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import finish, fmt_stats, log, md_table, stats  # noqa: E402
+import numpy as np
+from _common import finish, fmt_stats, log, md_table, stats
 
-import numpy as np  # noqa: E402
-
-from agents.exact import ExactMILP, milp_size  # noqa: E402
-from agents.greedy import GreedyLocalSearch  # noqa: E402
-from agents.policy import PolicyError  # noqa: E402
-from envs.dsmd.cost import CostState  # noqa: E402
-from envs.dsmd.instance import DSMDInstance  # noqa: E402
-from envs.dsmd.problems import build_problems  # noqa: E402
-from envs.dsmd.scenarios import load_scenario  # noqa: E402
+from agents.exact import ExactMILP, milp_size
+from agents.greedy import GreedyLocalSearch
+from agents.policy import PolicyError
+from envs.dsmd.cost import CostState
+from envs.dsmd.instance import DSMDInstance
+from envs.dsmd.problems import build_problems
+from envs.dsmd.scenarios import load_scenario
 
 SIZES: list[tuple[int, int, int]] = [(8, 8, 2), (12, 10, 2), (16, 12, 3), (20, 16, 3),
                                      (24, 18, 3), (30, 20, 4), (40, 30, 5), (60, 40, 6)]

@@ -1,6 +1,6 @@
 """DDPG correctness on a known task: TD3-flavoured DDPG with prioritized replay
 (:mod:`agents.ddpg`) on ``Pendulum-v1``; target: mean evaluation return >= -250 within
-20,000 environment steps on each of 3 seeds (training issue, "Correctness on a known task").
+20,000 environment steps on each of 3 seeds (the project's correctness target).
 
 Every 2,000 environment steps the deterministic actor (``forward_inference``, no noise) plays
 10 evaluation episodes on seeded environments; the result per seed is the first step count
@@ -57,8 +57,10 @@ def run_seed(seed: int, steps: int, every: int) -> dict:
     from ray.rllib.core import DEFAULT_MODULE_ID
 
     from agents.ddpg.algorithm import DDPGConfig
+    from envs.quiet import quiet
 
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    quiet()  # known third-party log noise off (envs/quiet.py)
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
     cfg = (DDPGConfig().environment("Pendulum-v1")
            .env_runners(num_env_runners=0, rollout_fragment_length=8)
            .training(train_batch_size_per_learner=256, random_warmup_steps=1000,

@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import finish, fmt_stats, log, md_table, pin_one_core, stats  # noqa: E402
+from _common import finish, fmt_stats, log, md_table, pin_one_core, stats
 
 CORE = pin_one_core()
 
@@ -52,7 +52,8 @@ def rllib(batch: int, iters: int) -> list[float]:
     import gymnasium as gym
     from ray.rllib.env.single_agent_episode import SingleAgentEpisode
     from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import (
-        PrioritizedEpisodeReplayBuffer)
+        PrioritizedEpisodeReplayBuffer,
+    )
 
     rng = np.random.default_rng(0)
     obs_space = gym.spaces.Box(-10, 10, (3,), np.float32)

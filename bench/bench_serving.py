@@ -1,4 +1,4 @@
-"""Decision latency of the policy server (serving issue): in process, over HTTP on loopback,
+"""Decision latency of the policy server: in process, over HTTP on loopback,
 and through the controller adapter, at ``godaddy`` with the committed default bundle
 (``checkpoints/default``: DDPG, ``channel`` observation, ``feasible`` decoding).
 
@@ -65,17 +65,16 @@ are the ``FULL`` settings, ``--quick`` uses ``QUICK``):
    2 s request timeout (``ADAPTER_TIMEOUT_S``; the default 0.25 s only matters when a
    request is that slow, which the initial whole-window replan can be on a busy machine).
 
-ONNX Runtime sessions: ``bundle`` is the session as ``agents.bundle.load_bundle`` creates
+ONNX Runtime sessions: ``bundle`` is the session as ``serving.bundle.load_bundle`` creates
 it (the server, the cached adapter and this benchmark's in-process runs all load through
 it); ``ort_default`` is the same bundle with ONNX Runtime's default ``SessionOptions``
 (``intra_op_num_threads=0``: one intra-op thread per physical core, the extra worker pinned
-by ONNX Runtime to a core of its own choosing -- core 1 here -- whatever the process's
-affinity, and busy-waiting after every run; what ``load_bundle`` did before it set the
-options), obtained by wrapping ``onnxruntime.InferenceSession`` so that it drops the options
-it is given (in this process for the in-process and cached-adapter runs; in the server
-through ``LAUNCHER``, which wraps it and then runs ``serve.py``); no project code is
-changed. The single decisions, the HTTP open loops and the adapter are measured with both;
-the batches with ``bundle`` only.
+by ONNX Runtime to a core of its own choosing whatever the process's affinity, and
+busy-waiting after every run), obtained by wrapping ``onnxruntime.InferenceSession`` so that
+it drops the options it is given (in this process for the in-process and cached-adapter
+runs; in the server through ``LAUNCHER``, which wraps it and then runs ``serve.py``); no
+project code is changed. The single decisions, the HTTP open loops and the adapter are
+measured with both; the batches with ``bundle`` only.
 
 Garbage collection: after the set-up, the harness's own objects (traces, request bodies)
 are frozen (``gc.freeze``), so collections during the in-process runs see about what a
@@ -100,8 +99,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 ALLOWED_CORES = sorted(os.sched_getaffinity(0))  # before pin_one_core() narrows it
-from _common import (ROOT, finish, fmt_stats, log, md_table, pin_one_core,  # noqa: E402
-                     stats)
+from _common import ROOT, finish, fmt_stats, log, md_table, pin_one_core, stats  # noqa: E402
 
 CORE = pin_one_core()
 SERVER_CORE = CORE
@@ -112,21 +110,22 @@ import gc  # noqa: E402
 import json  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
+from collections.abc import Callable, Iterator, Sequence  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
-from typing import Any, Callable, Iterator, Sequence  # noqa: E402
+from typing import Any
 
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from agents.bundle import load_bundle, row_inputs  # noqa: E402
+from envs.dsmd.decision import decision_order  # noqa: E402
 from envs.dsmd.decoding import decode  # noqa: E402
-from envs.dsmd.env import decision_order  # noqa: E402
 from envs.dsmd.instance import UNASSIGNED  # noqa: E402
 from envs.dsmd.problems import ProblemSet, problems_for  # noqa: E402
 from serving.adapter import ControllerAdapter  # noqa: E402
 from serving.app import ServerSettings, create_app  # noqa: E402
-from serving.policy_store import LoadedPolicy, PolicyStore  # noqa: E402
+from serving.bundle import load_bundle, row_inputs  # noqa: E402
 from serving.local import LocalServer  # noqa: E402
+from serving.policy_store import LoadedPolicy, PolicyStore  # noqa: E402
 from serving.scenario import adapter_for, replay_window, session_body  # noqa: E402
 from serving.session import Session  # noqa: E402
 
@@ -140,8 +139,8 @@ CONNS = 16  # keep-alive connections of the load generator
 CPU_SHARE_OK = 0.85
 FOREIGN_OK = 0.1  # other processes' CPU (cores) during a run above this: re-run it
 RETRIES = 2  # attempts of a contended run
-# the adapter's request timeout: its default, 0.25 s, is close to the ~0.1-0.2 s a remote
-# decide(replan=True) of a whole window takes, so a busy machine turns it into fallbacks
+# the adapter's request timeout: its default, 0.25 s, leaves little headroom for a remote
+# decide(replan=True) of a whole window, so a busy machine would turn it into fallbacks
 ADAPTER_TIMEOUT_S = 2.0
 TARGET_SINGLE_MS = 0.1
 TARGET_BATCH_MS = 10.0
@@ -218,7 +217,7 @@ class Contention:
 
 def describe_session(policy) -> str:
     """The ONNX Runtime options of a loaded policy's session."""
-    o = policy.bundle.session.get_session_options()
+    o = policy.bundle.scorer.ort_session.get_session_options()
     try:
         spin = o.get_session_config_entry("session.intra_op.allow_spinning")
     except Exception:  # not set: ORT's default
@@ -262,7 +261,7 @@ class Timer:
     """Wall and process CPU time of a block: ``cpu_share`` below ~0.85 means the core was
     shared with another process."""
 
-    def __enter__(self) -> "Timer":
+    def __enter__(self) -> Timer:
         self.t0, self.c0 = time.perf_counter(), time.process_time()
         return self
 
@@ -474,7 +473,7 @@ def run_split(snaps: list[dict], policy, samples: int, warmup: int) -> dict[str,
     res = {name: pct(us[:, j]) for j, name in enumerate((*STAGES, "total"))}  # in us
     res["not_argmax_share"] = not_argmax / us.shape[0]
     # raw ONNX Runtime in a tight loop: the floor of the policy call
-    sess = policy.bundle.row_session or policy.bundle.session  # what a single row runs on
+    sess = policy.bundle.scorer.row_ort_session  # what a single row runs on
     x = [row_inputs(sess, o) for o in obs_kept]
     for i in range(500):
         sess.run(["scores"], x[i % len(x)])
@@ -576,7 +575,7 @@ class Server(LocalServer):
                          python_args=["-c", LAUNCHER] if config == "ort_default" else [])
         self.tmp, self.core, self.config = tmp, core, config
 
-    def start(self) -> "Server":
+    def start(self) -> Server:
         super().start(timeout_s=90)
         return self
 
@@ -1000,7 +999,7 @@ def main() -> None:
         f"sessions each run, core {CORE}, 1 BLAS thread; HTTP: a fresh `serve.py` process "
         f"per run and configuration, pinned to core {SERVER_CORE}; load generator and adapter "
         f"in this process on core {CLIENT_CORE}",
-        f"ORT session 'load_bundle' = agents.bundle.load_bundle's, as the server and the "
+        f"ORT session 'load_bundle' = serving.bundle.load_bundle's, as the server and the "
         f"cached adapter use it ({sessions_desc['bundle']}; server threads name:cores "
         f"{', '.join(http[0]['bundle']['server_threads'])}); 'ORT defaults' = the same bundle "
         f"with ONNX Runtime's default SessionOptions ({sessions_desc['ort_default']}): ORT "

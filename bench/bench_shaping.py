@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import finish, fmt_stats, log, md_table, stats  # noqa: E402
+from _common import finish, fmt_stats, log, md_table, stats
 
 REPEATS = 5
 PUSH_MB = 64

@@ -1,10 +1,11 @@
-"""The loopback testbed as a benchmark (delivery issue): ``testbed.py`` at GoDaddy scale (350
+"""The loopback testbed as a benchmark: ``testbed.py`` at GoDaddy scale (350
 real agents, a real Pulsar broker, K = 200), Fig. 9 (64..1,024 VPCs) and Fig. 10 (the five
 burst phases) for RPC-only, VITA, IDCS and the learned policy; the table is the measured
 results beside the paper's headline factors.
 
 Usage: ``python bench/bench_testbed.py [--quick] [extra Hydra overrides...]``. ``--quick``: two
-VPC points and four intervals of the phases (about 8 minutes); the full run takes about 30.
+VPC points and four intervals of the phases; the full run is several times longer (run
+times: the benchmarks page, ``docs/benchmarks.md``).
 Writes ``bench/results/bench_testbed.json`` and leaves the testbed's own outputs (CSV, PNG,
 MLflow run) in ``outputs/testbed/<time>/``.
 """
@@ -20,7 +21,7 @@ from pathlib import Path
 import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, finish, log, md_table  # noqa: E402
+from _common import ROOT, finish, log, md_table
 
 QUICK = ["fig9.vpcs=[128,512]", "fig10.windows=[2,3,4,5]"]
 

@@ -1,20 +1,21 @@
 """Training throughput, side by side with a reference off-policy implementation: this
 project's DDPG/TD3 (:mod:`agents.ddpg`, RLlib 2.60, prioritized replay on and off) against
 a single-file port of CleanRL's TD3 (:mod:`reference_td3`, ``td3_continuous_action.py``,
-no RLlib), on the same environment, batch size and machine (training issue: "training
-throughput ... at least that of a reference off-policy implementation").
+no RLlib), on the same environment, batch size and machine (the target: training
+throughput at least that of a reference off-policy implementation).
 
-Environment: ``envs.dsmd.env.DSMDEnv(scenario, observation="channel", split="train")`` for
-``tiny`` and ``godaddy`` (ours builds it through RLlib's env registry, ``smart-dsmd`` /
-``agents.training.make_dsmd_env``, exactly as ``train.py`` does). Both implementations:
-TD3 (twin critics, target smoothing 0.2 clip 0.5, policy delay 2, tau 0.005), batch 256,
-hidden [256, 256], one gradient update per environment step, actor and critic lr 1e-3,
-gamma 0.95, exploration noise 0.1, replay capacity 200,000 (the ``agent=ddpg`` config
-values), a single environment, torch on CPU with one thread. Ours samples through its
-single local env runner (``num_env_runners=0``, ``rollout_fragment_length`` as in
-``configs/agent/ddpg.yaml``, 32) and learns on the driver (``num_learners=0``), i.e. 32 env
-steps then 32 updates per training iteration; the reference alternates 1 step and 1 update
-(CleanRL's loop). Both do one update per environment step.
+Environment: ``envs.dsmd.env.DSMDEnv(scenario, observation="channel", decoding="argmax",
+split="train")`` for ``tiny`` and ``godaddy`` (ours builds it through RLlib's env registry,
+``smart-dsmd`` / ``agents.training.make_dsmd_env``, exactly as ``train.py`` does). Both
+implementations: TD3 (twin critics, target smoothing 0.2 clip 0.5, policy delay 2, tau
+0.005), batch 256, hidden [256, 256], one gradient update per environment step, actor and
+critic lr 1e-3, gamma 0.95, exploration noise 0.1, replay capacity 200,000 (the
+``agent=ddpg`` config values), a single environment, torch on CPU with one thread. Ours
+samples through its single local env runner (``num_env_runners=0``,
+``rollout_fragment_length`` as in ``configs/agent/ddpg.yaml``, 32) and learns on the driver
+(``num_learners=0``), i.e. 32 env steps then 32 updates per training iteration; the
+reference alternates 1 step and 1 update (CleanRL's loop). Both do one update per
+environment step.
 
 Protocol: each measurement is a fresh subprocess pinned to core 0 (one BLAS/OpenMP/torch
 thread; Ray's helper processes inherit the pinning, so ours pays for them on the same core).
@@ -48,8 +49,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from _common import (RESULTS_DIR, finish, fmt_stats, log, md_table, pin_one_core,  # noqa: E402
-                     stats)
+from _common import RESULTS_DIR, finish, fmt_stats, log, md_table, pin_one_core, stats  # noqa: E402
 
 CORE = pin_one_core()
 
@@ -101,15 +101,17 @@ def run_ours(scenario: str, per: bool, seed: int, segment: int, profile: Path | 
     from agents.ddpg.algorithm import DDPGConfig
     from agents.training import RLLIB_ENV_NAME, make_dsmd_env
     from envs.dsmd.scenarios import load_scenario
+    from envs.quiet import quiet
 
     torch.set_num_threads(1)
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    quiet()  # known third-party log noise off (envs/quiet.py)
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
     register_env(RLLIB_ENV_NAME, make_dsmd_env)
     spec = load_scenario(scenario)
     cfg = (DDPGConfig()
            .environment(env=RLLIB_ENV_NAME,
                         env_config={"scenario_spec": spec.to_dict(), "observation": OBSERVATION,
-                                    "split": "train"})
+                                    "decoding": "argmax", "split": "train"})
            .env_runners(num_env_runners=0,
                         rollout_fragment_length=FRAGMENT)
            .learners(num_learners=0)
@@ -134,10 +136,11 @@ def run_ours(scenario: str, per: bool, seed: int, segment: int, profile: Path | 
 
 def run_reference(scenario: str, seed: int, segment: int, profile: Path | None
                   ) -> dict[str, Any]:
-    from envs.dsmd.env import DSMDEnv
     from reference_td3 import TD3, Args
 
-    env = DSMDEnv(scenario, observation=OBSERVATION, split="train")
+    from envs.dsmd.env import DSMDEnv
+
+    env = DSMDEnv(scenario, observation=OBSERVATION, decoding="argmax", split="train")
     agent = TD3(env, Args(seed=seed, learning_rate=LR, buffer_size=BUFFER, gamma=GAMMA,
                           tau=TAU, batch_size=BATCH, learning_starts=WARMUP,
                           exploration_noise=0.1, hidden=HIDDEN[0]))
@@ -209,7 +212,7 @@ def main() -> None:
     shapes = {}
     for sc in args.scenarios:  # builds / caches the dataset once, before any timing
         log(f"preparing {sc} ...")
-        env = DSMDEnv(sc, observation=OBSERVATION, split="train")
+        env = DSMDEnv(sc, observation=OBSERVATION, decoding="argmax", split="train")
         shapes[sc] = (env.observation_space.shape[0], env.action_space.shape[0])
     runs: list[dict[str, Any]] = []
     for sc in args.scenarios:

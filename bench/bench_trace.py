@@ -29,12 +29,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import dir_bytes, finish, fmt_stats, log, md_table, timed  # noqa: E402
+from _common import dir_bytes, finish, fmt_stats, log, md_table, timed
 
-from envs.dsmd.instance import DSMDInstance  # noqa: E402
-from envs.dsmd.parser import parse_trace  # noqa: E402
-from envs.dsmd.scenarios import generate, load_scenario  # noqa: E402
-from envs.dsmd.traces import read_dataset, write_dataset  # noqa: E402
+from envs.dsmd.instance import DSMDInstance
+from envs.dsmd.parser import parse_trace
+from envs.dsmd.scenarios import generate, load_scenario
+from envs.dsmd.traces import read_dataset, write_dataset
 
 REPEATS = 5  # stages take well under 2 s on cern, so 5 runs are cheap
 

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn, optim
 
-__all__ = ["Args", "Actor", "QNetwork", "ReplayBuffer", "TD3", "train"]
+__all__ = ["TD3", "Actor", "Args", "QNetwork", "ReplayBuffer", "train"]
 
 
 @dataclass

@@ -17,10 +17,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS_DIR, ROOT, log, machine_info  # noqa: E402
+from _common import RESULTS_DIR, ROOT, log, machine_info
 
 BENCHMARKS = ("bench_env", "bench_trace", "bench_exact", "bench_replay", "bench_pendulum",
-              "bench_throughput", "bench_serving", "bench_testbed", "bench_multicast",
+              "bench_throughput", "bench_serving", "bench_testbed", "bench_trees",
               "bench_shaping", "bench_online", "bench_dataset")
 
 
@@ -28,7 +28,7 @@ def run(name: str, extra: list[str]) -> tuple[int, float]:
     log(f"==> {name} {' '.join(extra)}")
     t0 = time.perf_counter()
     rc = subprocess.run([sys.executable, str(ROOT / "bench" / f"{name}.py"), *extra],
-                        cwd=ROOT).returncode
+                        cwd=ROOT, check=False).returncode
     wall = time.perf_counter() - t0
     log(f"<== {name}: exit {rc}, {wall:.0f} s\n")
     return rc, wall
@@ -40,28 +40,19 @@ def _load(name: str) -> dict | None:
 
 
 def summary(results: dict[str, tuple[int, float]], quick: bool) -> str:
+    """``SUMMARY.md``: this machine, versions and commit, then the shared benchmark page
+    format (:func:`agents.reproduction.format_benchmarks`, also used for the docs)."""
+    from agents.reproduction import format_benchmarks
+
     m = machine_info()
     v = m["versions"]
-    lines = ["# Benchmark summary", "",
-             f"{m['timestamp']} -- {m['cpu_model']} ({m['cpu_count']} CPUs), {m['uname']}",
-             "", ", ".join(f"{k} {val}" for k, val in v.items()) + f"; commit {m['git_commit']}",
-             ""]
+    pre = [f"{m['timestamp']} -- {m['cpu_model']} ({m['cpu_count']} CPUs), {m['uname']}",
+           "", ", ".join(f"{k} {val}" for k, val in v.items()) + f"; commit {m['git_commit']}",
+           ""]
     if quick:
-        lines += ["**Quick run (`--quick`): smoke-test settings, not representative.**", ""]
-    lines += ["| benchmark | exit | run time s | quick |", "|---|---|---|---|"]
-    for n, (rc, wall) in results.items():
-        doc = _load(n)
-        lines.append(f"| {n} | {rc} | {wall:.0f} | "
-                     f"{'-' if doc is None else doc['settings'].get('quick')} |")
-    for name, (rc, _) in results.items():
-        doc = _load(name)
-        lines += ["", f"## {name}", ""]
-        if rc != 0 or doc is None:
-            lines.append(f"Failed (exit {rc}); see its output.")
-            continue
-        lines += [f"Measured {doc['machine']['timestamp']}.", "", doc["table_md"], ""]
-        lines += [f"* {n}" for n in doc.get("notes", [])]
-    return "\n".join(lines) + "\n"
+        pre += ["**Quick run (`--quick`): smoke-test settings, not representative.**", ""]
+    return format_benchmarks({n: _load(n) for n in results}, "Benchmark summary", pre,
+                             status=results)
 
 
 def main() -> None:
@@ -72,7 +63,7 @@ def main() -> None:
     extra = ["--quick"] if args.quick else []
     if args.summary_only:
         docs = {name: _load(name) for name in BENCHMARKS}
-        results = {n: (0, d["total_s"]) if d else (1, 0.0) for n, d in docs.items()}
+        results = {n: (0, d.get("total_s", 0.0)) if d else (1, 0.0) for n, d in docs.items()}
         args.quick = any(d and d["settings"].get("quick") for d in docs.values())
     else:
         results = {name: run(name, extra) for name in BENCHMARKS}

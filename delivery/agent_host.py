@@ -18,9 +18,10 @@ import json
 import logging
 import signal
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from .agent import AgentConfig, MessageAgent, PulsarClients
 
@@ -39,7 +40,7 @@ class AgentHost:
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ in process
-    def start(self) -> "AgentHost":
+    def start(self) -> AgentHost:
         self._thread = threading.Thread(target=self.loop.run_forever, name="agent-host",
                                         daemon=True)
         self._thread.start()
@@ -81,7 +82,7 @@ class AgentHost:
         if self._thread is not None:
             self._thread.join(10)
 
-    def __enter__(self) -> "AgentHost":
+    def __enter__(self) -> AgentHost:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:

@@ -1,7 +1,7 @@
 """A real Apache Pulsar standalone broker, run from Apache's own Maven Central artifacts.
 
-There is no Docker and no Pulsar download site on the project's machines, but Maven Central
-and Java 17 are there (recipe: ``shared/design/pulsar.md``). This module
+It needs neither Docker nor Pulsar's download site, only Maven Central and Java 17 (see the
+delivery page of the docs, ``docs/delivery.md``). This module
 
 1. fetches ``org.apache.pulsar:pulsar-broker`` and its ~320 runtime jars once, with Maven,
    into a cache outside the repository (:func:`fetch_pulsar`; default
@@ -12,7 +12,7 @@ and Java 17 are there (recipe: ``shared/design/pulsar.md``). This module
    minimal ``standalone.conf`` on free loopback ports (:class:`PulsarStandalone`, a context
    manager), waits until it really serves, and stops it by its own PID.
 
-Used by the MQ channel's tests, the loopback testbed and the README demo::
+Used by the MQ channel's tests, the loopback testbed and the delivery demo::
 
     with PulsarStandalone() as broker:
         client = pulsar.Client(broker.service_url)
@@ -47,6 +47,8 @@ from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Self
+
+from envs.netutil import free_ports
 
 DEFAULT_VERSION = "4.0.7"
 """Pulsar version fetched by default (the 4.0 LTS line). Not 4.0.8 (or 4.0.6): the Maven
@@ -346,20 +348,6 @@ def find_java() -> str:
     return java
 
 
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """``count`` distinct ports that were free on ``host`` a moment ago."""
-    socks: list[socket.socket] = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     """Whether a listening socket could bind ``host:port`` now (TIME_WAIT does not count)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -519,9 +507,9 @@ class PulsarStandalone:
     :param data_dir: persistent data directory (default ``<work_dir>/data``).
     :param work_dir: where config and log go (default a new temporary directory, which
         :meth:`close` removes; a given one is never removed).
-    :param heap: JVM ``-Xmx`` (``-Xms`` is left to the JVM). 512m carried 100,000 1 kB and
-        3,000 64 kB messages end to end here; the JVM's RSS is ~380 MB after start, ~830 MB
-        after the 64 kB run.
+    :param heap: JVM ``-Xmx`` (``-Xms`` is left to the JVM). The default, 512m, carries the tests'
+        and the loopback testbed's loads; the JVM's resident size grows well beyond the heap
+        with large messages (direct memory, below).
     :param direct_memory: JVM ``-XX:MaxDirectMemorySize`` (bookie caches, Netty buffers).
     :param start_timeout_s: how long :meth:`start` waits for readiness.
     :param stop_grace_s: how long :meth:`stop` waits after SIGTERM before SIGKILL.
@@ -770,7 +758,7 @@ class PulsarStandalone:
         return path
 
     def command(self, java: str, lib: Path, conf: Path) -> list[str]:
-        """The JVM command line (``pulsar.md``'s flags, this instance's heap and dirs)."""
+        """The JVM command line (the standalone starter's flags, this instance's heap and dirs)."""
         data = self.data_dir
         return [
             java, f"-Xmx{self.heap}", f"-XX:MaxDirectMemorySize={self.direct_memory}",

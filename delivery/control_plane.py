@@ -22,7 +22,7 @@ a maximum-weight matching) so that as many (node, topic) subscriptions as possib
 assignment's cost is unchanged. It is on for policies that re-plan from scratch and say so
 (``relabel_topics = True``: the learned policy); a baseline whose topic numbers mean something
 (VITA's and IDCS's per-VPC topics, which ``first_channel`` also uses for new types) keeps
-them: renaming its topics measured 2x more SubscribeInfos in Fig. 10, not fewer.
+them: renaming its topics gives more SubscribeInfos in the Fig. 10 scenario, not fewer.
 ``relabel=True/False`` overrides the policy's choice.
 """
 
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 

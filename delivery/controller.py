@@ -43,9 +43,10 @@ import logging
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable, Iterable
 from concurrent import futures
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import grpc
 
@@ -55,7 +56,7 @@ from .rpc import pb, pb_grpc
 from .store import MetadataStore, SubscriptionChange
 from .wire import Payloads, encode, envelope, fence_envelope, resource_key
 
-__all__ = ["ControllerConfig", "Controller", "ControllerStats", "topic_name"]
+__all__ = ["Controller", "ControllerConfig", "ControllerStats", "topic_name"]
 
 log = logging.getLogger(__name__)
 RPC = 0
@@ -152,7 +153,7 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         self.reply_port = 0
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self) -> "Controller":
+    def start(self) -> Controller:
         import pulsar
 
         self._client = pulsar.Client(self.cfg.pulsar_url, operation_timeout_seconds=15,
@@ -191,7 +192,7 @@ class Controller(pb_grpc.ControllerRepliesServicer):
             ch.close()
         self.store.close()
 
-    def __enter__(self) -> "Controller":
+    def __enter__(self) -> Controller:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
@@ -484,7 +485,7 @@ class Controller(pb_grpc.ControllerRepliesServicer):
             return {n: len(v) for n, v in self._pending_infos.items() if v}
 
     # ------------------------------------------------------------------ packed replies
-    def Report(self, request: Any, context: Any) -> Any:  # noqa: N802 (gRPC name)
+    def Report(self, request: Any, context: Any) -> Any:
         self._on_reply(request)
         return pb.ReportAck(acknowledged=self._acked[request.node_id])
 

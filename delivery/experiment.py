@@ -14,8 +14,9 @@ import contextlib
 import json
 import secrets
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import pandas as pd

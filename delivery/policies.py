@@ -16,7 +16,7 @@ from envs.dsmd.instance import DSMDInstance
 from envs.dsmd.parser import IntervalEstimate
 from serving.adapter import ControllerAdapter
 
-__all__ = ["ChannelPolicy", "AdapterPolicy", "BaselinePolicy", "make_policy", "POLICIES"]
+__all__ = ["POLICIES", "AdapterPolicy", "BaselinePolicy", "ChannelPolicy", "make_policy"]
 
 POLICIES = ("rpc", "vita", "idcs", "learned")
 

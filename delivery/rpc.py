@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["pb", "pb_grpc", "generate", "PROTO"]
+__all__ = ["PROTO", "generate", "pb", "pb_grpc"]
 
 _HERE = Path(__file__).resolve().parent
 PROTO = _HERE / "protos" / "smart_delivery.proto"

@@ -1,4 +1,4 @@
-"""Sincon's control-channel shaping on real connections (asyncio): issue 7, item 3.
+"""Sincon's control-channel shaping on real connections (asyncio).
 
 The controller's RPC connections to the compute-node agents are the *control channels* of
 Sincon (Yoo et al.); they share the controller's link. This module shapes them with the
@@ -26,12 +26,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
-from envs.shaping.sincon import (ChannelShaper, LimitPolicy, ShaperConfig, ShapingError,
-                                 SinconConfig, make_policy)
+from envs.shaping.sincon import (
+    ChannelShaper,
+    LimitPolicy,
+    ShaperConfig,
+    ShapingError,
+    SinconConfig,
+    make_policy,
+)
 
-__all__ = ["SharedLimits", "ConnectionShaper", "ShapedWriter"]
+__all__ = ["ConnectionShaper", "ShapedWriter", "SharedLimits"]
 
 
 class SharedLimits:

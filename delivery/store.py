@@ -11,11 +11,21 @@ what was stored before.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
-from sqlalchemy import (BigInteger, Column, Integer, MetaData, String, Table, Text,
-                        create_engine, event, select)
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    create_engine,
+    event,
+    select,
+)
 from sqlalchemy.engine import Engine
 
 __all__ = ["MetadataStore", "Subscription", "SubscriptionChange"]
@@ -68,7 +78,7 @@ class MetadataStore:
         self.engine: Engine = create_engine(url, future=True, **kw)
         if url.startswith("sqlite"):
             @event.listens_for(self.engine, "connect")
-            def _pragmas(conn, _record) -> None:  # noqa: ANN001
+            def _pragmas(conn, _record) -> None:
                 cur = conn.cursor()
                 cur.execute("PRAGMA journal_mode=WAL")
                 cur.execute("PRAGMA synchronous=NORMAL")

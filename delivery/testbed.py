@@ -36,14 +36,16 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
 from envs.dsmd.message import messages_from_trace
 from envs.dsmd.problems import ProblemSet
+from envs.netutil import free_ports
 from serving.scenario import adapter_for
 
 from .agent import read_record
@@ -52,26 +54,10 @@ from .control_plane import ControlPlane
 from .controller import Controller, ControllerConfig
 from .policies import ChannelPolicy, make_policy
 
-__all__ = ["RunSpec", "RunResult", "run_once", "free_ports", "cpu_seconds"]
+__all__ = ["RunResult", "RunSpec", "cpu_seconds", "run_once"]
 
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free loopback ports (bound together, then released)."""
-    import socket
-
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def cpu_seconds(pid: int | None = None) -> float:

@@ -11,8 +11,18 @@ from envs.dsmd.message import Message, table1_problem
 
 from .rpc import pb
 
-__all__ = ["WireError", "encode", "decode_config", "check_config", "check_subscribe",
-           "resource_key", "envelope", "fence_envelope", "open_envelope", "Payloads"]
+__all__ = [
+    "Payloads",
+    "WireError",
+    "check_config",
+    "check_subscribe",
+    "decode_config",
+    "encode",
+    "envelope",
+    "fence_envelope",
+    "open_envelope",
+    "resource_key",
+]
 
 
 class WireError(ValueError):
@@ -37,7 +47,7 @@ class Payloads:
 
 
 def encode(msg: Message, type_id: int, payload: bytes, reprogram: bool = False
-           ) -> "pb.ConfigMessage":
+           ) -> pb.ConfigMessage:
     """The wire form of a Table I message of type ``type_id``."""
     return pb.ConfigMessage(message_id=msg.message_id, request_id=msg.request_id,
                             vpc_id=msg.vpc_id, timestamp_ns=msg.timestamp_ns,
@@ -47,7 +57,7 @@ def encode(msg: Message, type_id: int, payload: bytes, reprogram: bool = False
                             reprogram=reprogram)
 
 
-def check_config(cm: "pb.ConfigMessage") -> None:
+def check_config(cm: pb.ConfigMessage) -> None:
     """Raise :class:`WireError` naming the first bad field of a received message."""
     if cm.timestamp_ns <= 0:
         raise WireError(f"message {cm.message_id}: timestamp_ns must be positive, got "
@@ -57,7 +67,7 @@ def check_config(cm: "pb.ConfigMessage") -> None:
         raise WireError(f"message {cm.message_id}: {problem}")
 
 
-def decode_config(cm: "pb.ConfigMessage") -> Message:
+def decode_config(cm: pb.ConfigMessage) -> Message:
     """Back to a Table I :class:`Message` (checked)."""
     check_config(cm)
     return Message(cm.message_id, cm.request_id, cm.vpc_id, cm.configuration_type,
@@ -65,13 +75,13 @@ def decode_config(cm: "pb.ConfigMessage") -> Message:
                    tuple(cm.hosts), cm.timestamp_ns)
 
 
-def resource_key(cm: "pb.ConfigMessage") -> tuple[int, str, int]:
+def resource_key(cm: pb.ConfigMessage) -> tuple[int, str, int]:
     """The configuration resource a message programs: (VPC, configuration type, resource
     id). The agent keeps the latest timestamp per key (Section VI-B)."""
     return (cm.vpc_id, cm.configuration_type, cm.resource_id)
 
 
-def check_subscribe(info: "pb.SubscribeInfo") -> None:
+def check_subscribe(info: pb.SubscribeInfo) -> None:
     """Raise :class:`WireError` naming the first bad field of a SubscribeInfo (Table II)."""
     if not info.url.startswith(("pulsar://", "pulsar+ssl://")):
         raise WireError(f"SubscribeInfo.url must be a pulsar:// URL, got {info.url[:80]!r}")
@@ -83,7 +93,7 @@ def check_subscribe(info: "pb.SubscribeInfo") -> None:
         raise WireError(f"SubscribeInfo.timestamp_ns must be positive, got {info.timestamp_ns}")
 
 
-def envelope(cm: "pb.ConfigMessage") -> bytes:
+def envelope(cm: pb.ConfigMessage) -> bytes:
     return pb.TopicEnvelope(config=cm).SerializeToString()
 
 
@@ -93,7 +103,7 @@ def fence_envelope(timestamp_ns: int) -> bytes:
 
 @dataclass(frozen=True)
 class Opened:
-    config: "pb.ConfigMessage | None"
+    config: pb.ConfigMessage | None
     fence_ns: int | None
 
 

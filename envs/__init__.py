@@ -8,24 +8,28 @@ id                             what
                                discrete algorithms, ablations)
 ``smart/DSMDOnline-v0``        the online problem: one step per interval sets the
                                knobs of a greedy executor (:mod:`envs.dsmd.online`)
-``smart/Multicast-v0``         service-node choice per arriving multicast session
-                               (:mod:`envs.multicast`)
+``smart/MulticastTree-v0``     service-node choice per arriving multicast group
+                               (:mod:`envs.trees`)
 ``smart/Shaping-v0``           per-channel rate limits of the controller's control
                                channels (:mod:`envs.shaping`)
 =============================  ===================================================
 """
 
-from gymnasium.envs.registration import register, registry
+try:  # the simulator alone (the core install, the policy server) needs no gymnasium
+    from gymnasium.envs.registration import register, registry
+except ImportError:  # pragma: no cover - exercised by tests/test_install_groups.py
+    registry = None  # type: ignore[assignment]
 
-__all__ = ["ENV_IDS", "DSMD_ENV_IDS"]
+__all__ = ["DSMD_ENV_IDS", "ENV_IDS"]
 
 DSMD_ENV_IDS = ("smart/DSMD-v0", "smart/DSMDDiscrete-v0")
-ENV_IDS = (*DSMD_ENV_IDS, "smart/DSMDOnline-v0", "smart/Multicast-v0", "smart/Shaping-v0")
+ENV_IDS = (*DSMD_ENV_IDS, "smart/DSMDOnline-v0", "smart/MulticastTree-v0",
+           "smart/Shaping-v0")
 
-if "smart/DSMD-v0" not in registry:
+if registry is not None and "smart/DSMD-v0" not in registry:
     register(id="smart/DSMD-v0", entry_point="envs.dsmd.env:DSMDEnv")
     register(id="smart/DSMDDiscrete-v0", entry_point="envs.dsmd.env:DSMDEnv",
              kwargs={"action": "discrete"})
     register(id="smart/DSMDOnline-v0", entry_point="envs.dsmd.online_env:DSMDOnlineEnv")
-    register(id="smart/Multicast-v0", entry_point="envs.multicast.env:MulticastEnv")
+    register(id="smart/MulticastTree-v0", entry_point="envs.trees.env:MulticastTreeEnv")
     register(id="smart/Shaping-v0", entry_point="envs.shaping.env:ShapingEnv")

@@ -1,5 +1,6 @@
-"""Profile a real software switch the way Section IV of ``seeds/004`` profiles Open vSwitch:
-per-copy output rate of a saturating input flow against the number of copies ``d``.
+"""Profile a real software switch the way Section IV of Optimal Multicast (Zhu et al.)
+profiles Open vSwitch: per-copy output rate of a saturating input flow against the number
+of copies ``d``.
 
 The switch is a Linux bridge in its own network namespace; a source namespace sends UDP
 broadcast packets (so the bridge floods every packet to all its other ports) over a veth
@@ -12,13 +13,13 @@ needs root and ``ip``.
 
 On a shared machine the runs are noisy (other work takes the CPU the sender and the bridge
 need), so each degree keeps its best run (the least disturbed), and the table written is the
-least-squares fit of the cloning-cost model of :mod:`envs.multicast.switch` to those,
+least-squares fit of the cloning-cost model of :mod:`envs.trees.switch` to those,
 ``1 / g(d) = a + b d`` (``a``: per input packet, here the Python sender's own cost included;
 ``b``: per copy), for ``d = 1..256``, which is a valid profile by construction. The raw runs,
 the best and median per degree and the fit are kept in the JSON beside the table.
 
-Writes ``envs/multicast/profiles/linux_bridge.csv`` (``d,g_gbps``, checked by
-:func:`envs.multicast.switch.load_profile`) and ``linux_bridge.json``.
+Writes ``envs/trees/profiles/linux_bridge.csv`` (``d,g_gbps``, checked by
+:func:`envs.trees.switch.load_profile`) and ``linux_bridge.json``.
 
 Usage: ``python scripts/profile_switch.py [--max-degree 14] [--seconds 1] [--repeats 5]``
 (``--refit``: only refit the runs already in the JSON).
@@ -39,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from envs.multicast.switch import PROFILES_DIR, load_profile, write_profile  # noqa: E402
+from envs.trees.switch import PROFILES_DIR, load_profile, write_profile  # noqa: E402
 
 NS_BR, NS_SRC, NS_DST = "mcp_br", "mcp_src", "mcp_dst"
 PAYLOAD = 1400  # bytes of UDP payload (iperf's default datagram is 1470)
@@ -162,7 +163,7 @@ def main() -> None:
                           f"Gbps ({time.perf_counter() - t_start:.0f} s)", flush=True)
         finally:
             teardown()
-        info = {"timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        info = {"timestamp": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
                 "uname": " ".join(os.uname()), "cpu_count": os.cpu_count(),
                 "loadavg": os.getloadavg(), "payload_bytes": PAYLOAD, "frame_bytes": FRAME,
                 "args": vars(args)}

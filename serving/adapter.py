@@ -33,13 +33,13 @@ import logging
 import threading
 import time
 import zipfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
-from agents.bundle import BUNDLE_FILES, BundleError, load_bundle
 from envs.dsmd import kernels
 from envs.dsmd.instance import rates_bps
 from envs.dsmd.message import Message, messages_to_trace
@@ -47,9 +47,11 @@ from envs.dsmd.parser import BatchKey, IntervalEstimate, MessageParser, TypeCata
 from envs.dsmd.topology import Topology
 from envs.dsmd.traces import write_trace
 
+from .bundle import BUNDLE_FILES, BundleError, load_bundle
+from .schemas import ControllerIn, DecideBatchRequest, NodeIn, SessionCreate, TypeIn, request_body
 from .session import Decision, Session, SessionSpec
 
-__all__ = ["AdapterError", "CircuitBreaker", "ControllerAdapter", "AdapterDecision", "MODES"]
+__all__ = ["MODES", "AdapterDecision", "AdapterError", "CircuitBreaker", "ControllerAdapter"]
 
 log = logging.getLogger(__name__)
 MODES = ("remote", "cached")
@@ -63,7 +65,7 @@ class _Unavailable(Exception):
     pass
 
 
-def send(client: Any, breaker: "CircuitBreaker", retries: int, method: str, path: str,
+def send(client: Any, breaker: CircuitBreaker, retries: int, method: str, path: str,
          body: Any) -> Any:
     """One request with ``retries`` retries through the circuit ``breaker``: the first
     answer below 500 (the breaker counts it a success), else ``_Unavailable`` (no client,
@@ -264,8 +266,9 @@ class ControllerAdapter:
     def _decide_remote(self, types, replan, parallel) -> list[AdapterDecision]:
         try:
             self._ensure_session()
-            body = {"types": None if types is None else [int(t) for t in types],
-                    "replan": replan, "parallel": parallel}
+            body = request_body(DecideBatchRequest(
+                types=None if types is None else [int(t) for t in types], replan=replan,
+                parallel=parallel))
             r = self._request("POST", f"/v1/sessions/{self.session_id}/decide/batch", body)
         except _Unavailable as e:
             ds = self.local.decide(types, None, fallback=self.fallback, replan=replan,
@@ -283,11 +286,14 @@ class ControllerAdapter:
         if self._synced and self.session_id is not None:
             return
         snap = self.local.snapshot()
-        body = {"nodes": snap["nodes"], "controller": snap["controller"],
-                "num_topics": snap["num_topics"], "interval_s": snap["interval_s"],
-                "scenario_signature": snap["scenario_signature"], "seed": snap["seed"],
-                "types": [{k: t[k] for k in ("id", "destinations", "rate_bps", "messages",
-                                             "channel")} for t in snap["types"]]}
+        body = request_body(SessionCreate(
+            nodes=[NodeIn(**n) for n in snap["nodes"]],
+            controller=ControllerIn(**snap["controller"]), num_topics=snap["num_topics"],
+            interval_s=snap["interval_s"], scenario_signature=snap["scenario_signature"],
+            seed=snap["seed"],
+            types=[TypeIn(id=t["id"], destinations=t["destinations"], rate_bps=t["rate_bps"],
+                          messages=t["messages"], channel=t["channel"])
+                   for t in snap["types"]]))
         old = self.session_id
         r = self._request("POST", "/v1/sessions", body)
         self.session_id, self._synced = r["session_id"], True
@@ -386,7 +392,7 @@ class ControllerAdapter:
         if self._log is not None:
             self._log.close()
 
-    def __enter__(self) -> "ControllerAdapter":
+    def __enter__(self) -> ControllerAdapter:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -43,10 +43,22 @@ from .metrics import MetricsMiddleware, ServerMetrics
 from .online_api import add_online_routes
 from .online_policy import OnlinePolicyStore
 from .policy_store import BundleError, BundleWatcher, LoadedPolicy, PolicyStore
-from .schemas import (DecideBatchRequest, DecideRequest, DecisionBatchOut,
-                      DecisionSingleOut, ErrorOut, HealthOut, PolicyOut, PolicySwap,
-                      RateUpdate, RateUpdated, SessionCreate, SessionCreated, SessionOut,
-                      SessionUpdate)
+from .schemas import (
+    DecideBatchRequest,
+    DecideRequest,
+    DecisionBatchOut,
+    DecisionSingleOut,
+    ErrorOut,
+    HealthOut,
+    PolicyOut,
+    PolicySwap,
+    RateUpdate,
+    RateUpdated,
+    SessionCreate,
+    SessionCreated,
+    SessionOut,
+    SessionUpdate,
+)
 from .session import FALLBACKS, Decision, Session, SessionError, SessionSpec
 
 __all__ = ["ServerSettings", "create_app"]
@@ -60,7 +72,7 @@ class ServerSettings:
     """Everything the server is configured with (``configs/serve.yaml``)."""
 
     bundle: str | None = None  # policy bundle directory loaded at start (None: heuristic)
-    #: online policy bundle (agents.online_bundle) loaded at start; None: none until a
+    #: online policy bundle (serving.online_bundle) loaded at start; None: none until a
     #: PUT /v1/online/policy (serving/online_api.py)
     online_bundle: str | None = None
     api_keys: list[str] = field(default_factory=list)  # controllers' keys
@@ -76,9 +88,9 @@ class ServerSettings:
     require_policy: bool = False  # readiness needs a loaded policy
     #: after start-up, move every object alive then out of the garbage collector's reach
     #: (``gc.freeze``): a full collection would otherwise walk the libraries' ~150,000
-    #: objects (75 ms here), a stall that queues every request arriving meanwhile
+    #: objects (tens of milliseconds), a stall that queues every request arriving meanwhile
     freeze_gc: bool = True
-    #: threads that score one batch's chunks (``agents.bundle.load_bundle``); None: the cores
+    #: threads that score one batch's chunks (``serving.bundle.load_bundle``); None: the cores
     #: this process may use, at most 4
     batch_threads: int | None = None
 

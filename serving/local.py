@@ -5,7 +5,6 @@ benchmark and the delivery testbed."""
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,15 +12,11 @@ from pathlib import Path
 
 import httpx
 
-__all__ = ["LocalServer", "free_port"]
+from envs.netutil import free_ports
+
+__all__ = ["LocalServer"]
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LocalServer:
@@ -34,7 +29,7 @@ class LocalServer:
                  python_args: list[str] | None = None) -> None:
         self.bundle, self.log_dir = bundle, Path(log_dir)
         self.api_key, self.admin_key = api_key, admin_key
-        self.port = port or free_port()
+        self.port = port or free_ports(1)[0]
         self.url = f"http://127.0.0.1:{self.port}"
         self.overrides, self.cpu = list(overrides or []), cpu
         self.python_args = list(python_args or [])  # e.g. ["-c", launcher]
@@ -45,7 +40,7 @@ class LocalServer:
     def log_file(self) -> Path:
         return self.log_dir / f"server-{self.port}.log"
 
-    def start(self, timeout_s: float = 60.0) -> "LocalServer":
+    def start(self, timeout_s: float = 60.0) -> LocalServer:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, *self.python_args, str(ROOT / "serve.py"), f"port={self.port}",
                f"bundle={self.bundle if self.bundle is not None else 'null'}",
@@ -86,7 +81,7 @@ class LocalServer:
             except subprocess.TimeoutExpired:
                 self.kill()
 
-    def __enter__(self) -> "LocalServer":
+    def __enter__(self) -> LocalServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:

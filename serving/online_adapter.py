@@ -44,8 +44,6 @@ from typing import Any
 
 import numpy as np
 
-from agents.bundle import BundleError
-from agents.online_bundle import OnlineBundle, load_online_bundle
 from envs.dsmd.message import Message, messages_to_trace
 from envs.dsmd.online import OnlineCost
 from envs.dsmd.parser import BatchKey
@@ -54,9 +52,12 @@ from envs.dsmd.topology import Topology
 from envs.dsmd.traces import Dataset, write_dataset
 
 from .adapter import MODES, AdapterError, CircuitBreaker, _Unavailable, get_bytes, send
+from .bundle import BundleError
+from .online_bundle import OnlineBundle, load_online_bundle
 from .online_policy import unzip_bundle
-from .online_schemas import MessageIn
+from .online_schemas import OnlineSessionCreate, PlanIn, PlannedIn, messages_body
 from .online_session import Closed, OnlineSession, Plan, fallback_decider
+from .schemas import NodeIn, request_body
 
 __all__ = ["OnlineAdapter", "online_session_body"]
 
@@ -66,15 +67,14 @@ log = logging.getLogger(__name__)
 def online_session_body(topology: Topology, scenario: ScenarioSpec, *,
                         start_ns: int | None = None, batch_key: BatchKey = "hosts",
                         cost: OnlineCost | None = None, name: str = "live") -> dict[str, Any]:
-    """``POST /v1/online/sessions`` body for a controller with this topology and scenario."""
-    body: dict[str, Any] = {
-        "nodes": [{"id": int(i), "capacity_bps": int(c)}
-                  for i, c in zip(topology.node_ids.tolist(), topology.bandwidth_bps.tolist())],
-        "scenario": scenario.to_dict(), "start_ns": start_ns, "batch_key": batch_key,
-        "name": name}
-    if cost is not None:
-        body["cost"] = asdict(cost)
-    return body
+    """``POST /v1/online/sessions`` body (:class:`~serving.online_schemas.OnlineSessionCreate`)
+    for a controller with this topology and scenario."""
+    fields: dict[str, Any] = {} if cost is None else {"cost": asdict(cost)}
+    return request_body(OnlineSessionCreate(
+        nodes=[NodeIn(id=int(i), capacity_bps=int(c))
+               for i, c in zip(topology.node_ids.tolist(), topology.bandwidth_bps.tolist())],
+        scenario=scenario.to_dict(), start_ns=start_ns, batch_key=batch_key, name=name,
+        **fields))
 
 
 
@@ -253,9 +253,7 @@ class OnlineAdapter:
             self._unsent = []
 
     def _send(self, msgs: list[Message], given: dict[int, int]) -> Any:
-        body = {"messages": [MessageIn.of(m) for m in msgs],
-                "placements": [{"type": t, "channel": c} for t, c in given.items()]}
-        return self._request("POST", self._path("messages"), body)
+        return self._request("POST", self._path("messages"), messages_body(msgs, given))
 
     def _lose(self, err: Exception) -> None:
         """The server stops deciding for this session until the next boundary it answers."""
@@ -286,17 +284,15 @@ class OnlineAdapter:
                  placed: dict[int, tuple[int, int]]) -> None:
         """Interval ``w`` of the history on the server, as decisions given."""
         base = f"/v1/online/sessions/{self.session_id}/intervals/{w}"
-        self._request("PUT", f"{base}/plan",
-                      {"plan": [{"type": t, "channel": c, "expected_rate_bps": r}
-                                for t, c, r in zip(plan.types.tolist(), plan.channels.tolist(),
-                                                   plan.rates.tolist())]})
+        self._request("PUT", f"{base}/plan", request_body(PlanIn(plan=[
+            PlannedIn(type=t, channel=c, expected_rate_bps=r)
+            for t, c, r in zip(plan.types.tolist(), plan.channels.tolist(),
+                               plan.rates.tolist())])))
         by_message = {mid: (t, c) for t, (c, mid) in placed.items()}
         for i in range(0, len(msgs), self.chunk):
             part = msgs[i:i + self.chunk]
             given = dict(by_message[m.message_id] for m in part if m.message_id in by_message)
-            self._request("POST", f"{base}/messages",
-                          {"messages": [MessageIn.of(m) for m in part],
-                           "placements": [{"type": t, "channel": c} for t, c in given.items()]})
+            self._request("POST", f"{base}/messages", messages_body(part, given))
         self._request("POST", f"{base}/close", None)
 
     def _request(self, method: str, path: str, body: Any, expect_json: bool = True) -> Any:
@@ -375,7 +371,7 @@ class OnlineAdapter:
         if self._client is not None:
             self._client.close()
 
-    def __enter__(self) -> "OnlineAdapter":
+    def __enter__(self) -> OnlineAdapter:
         return self
 
     def __exit__(self, *exc) -> None:

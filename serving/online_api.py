@@ -25,8 +25,9 @@ import asyncio
 import math
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 from fastapi import Depends, FastAPI, HTTPException, Request, Response
@@ -40,14 +41,21 @@ from envs.dsmd.scenarios import ScenarioSpec
 from envs.dsmd.topology import Topology
 
 from .online_policy import BundleError, LoadedOnlinePolicy, OnlinePolicyStore, bundle_zip
-from .online_schemas import (IntervalOut, MessagesIn, MessagesOut, OnlinePolicyOut,
-                             OnlineSessionCreate, OnlineSessionCreated, OnlineSessionOut,
-                             PlanIn, PlanOut)
-from .online_session import (MessageRejected, OnlineSession, Plan, StateConflict,
-                             signature_scenario)
+from .online_schemas import (
+    IntervalOut,
+    MessagesIn,
+    MessagesOut,
+    OnlinePolicyOut,
+    OnlineSessionCreate,
+    OnlineSessionCreated,
+    OnlineSessionOut,
+    PlanIn,
+    PlanOut,
+)
+from .online_session import MessageRejected, OnlineSession, Plan, StateConflict, signature_scenario
 from .schemas import ErrorOut, PolicySwap
 
-__all__ = ["add_online_routes", "OnlineEntry"]
+__all__ = ["OnlineEntry", "add_online_routes"]
 
 
 @dataclass

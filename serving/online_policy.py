@@ -1,11 +1,11 @@
-"""The server's current online policy (an :mod:`agents.online_bundle` bundle), swapped
+"""The server's current online policy (a :mod:`serving.online_bundle` bundle), swapped
 atomically as :class:`serving.policy_store.PolicyStore` swaps the static one.
 
 A request reads :meth:`OnlinePolicyStore.current` once. An online session takes the policy
 current at each interval boundary (its plan and that interval's placements come from one
 version), so a swap takes effect at every session's next boundary and never inside an
-interval. A bundle that fails :func:`agents.online_bundle.load_online_bundle`'s checks is
-refused (:class:`agents.bundle.BundleError`) and the old one stays.
+interval. A bundle that fails :func:`serving.online_bundle.load_online_bundle`'s checks is
+refused (:class:`serving.bundle.BundleError`) and the old one stays.
 """
 
 from __future__ import annotations
@@ -18,12 +18,19 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from agents.bundle import BundleError
-from agents.online_bundle import OnlineBundle, load_online_bundle
 from envs.dsmd.online_control import KnobPolicy
 
-__all__ = ["LoadedOnlinePolicy", "OnlinePolicyStore", "ONLINE_BUNDLE_FILES", "BundleError",
-           "bundle_zip", "unzip_bundle"]
+from .bundle import BundleError
+from .online_bundle import OnlineBundle, load_online_bundle
+
+__all__ = [
+    "ONLINE_BUNDLE_FILES",
+    "BundleError",
+    "LoadedOnlinePolicy",
+    "OnlinePolicyStore",
+    "bundle_zip",
+    "unzip_bundle",
+]
 
 log = logging.getLogger(__name__)
 ONLINE_BUNDLE_FILES = ("actor.onnx", "metadata.json")

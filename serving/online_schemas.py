@@ -3,17 +3,32 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from envs.dsmd.message import Message, table1_problem
 
-from .schemas import ControllerIn, NodeIn
+from .schemas import ControllerIn, NodeIn, request_body
 
-__all__ = ["MessageIn", "OnlineSessionCreate", "OnlineSessionCreated", "OnlineSessionOut",
-           "PlannedIn", "PlannedOut", "PlanIn", "PlanOut", "PlacementIn", "MessagesIn",
-           "PlacedOut", "MessagesOut", "IntervalOut", "OnlinePolicyOut"]
+__all__ = [
+    "IntervalOut",
+    "MessageIn",
+    "MessagesIn",
+    "MessagesOut",
+    "OnlinePolicyOut",
+    "OnlineSessionCreate",
+    "OnlineSessionCreated",
+    "OnlineSessionOut",
+    "PlacedOut",
+    "PlacementIn",
+    "PlanIn",
+    "PlanOut",
+    "PlannedIn",
+    "PlannedOut",
+    "messages_body",
+]
 
 _INT64 = 2**63 - 1
 _UINT32 = 2**32 - 1
@@ -36,7 +51,7 @@ class MessageIn(BaseModel):
                               "not earlier than the previous message's.")
 
     @model_validator(mode="after")
-    def _table1(self) -> "MessageIn":
+    def _table1(self) -> MessageIn:
         problem = table1_problem(self.configuration_type, self.operation_type, self.hosts)
         if problem is not None:
             raise ValueError(problem)
@@ -48,13 +63,19 @@ class MessageIn(BaseModel):
                        tuple(self.hosts), self.timestamp_ns)
 
     @classmethod
+    def build(cls, m: Message) -> MessageIn:
+        """The model of a message the caller already holds as a :class:`Message` (not
+        validated again here: the server validates every message it receives)."""
+        return cls.model_construct(
+            message_id=m.message_id, request_id=m.request_id, vpc_id=m.vpc_id,
+            configuration_type=m.configuration_type, operation_type=m.operation_type,
+            resource_id=m.resource_id, size_bytes=m.size_bytes, hosts=list(m.hosts),
+            timestamp_ns=m.timestamp_ns)
+
+    @classmethod
     def of(cls, m: Message) -> dict[str, Any]:
         """A message as a request body item."""
-        return {"message_id": m.message_id, "request_id": m.request_id, "vpc_id": m.vpc_id,
-                "configuration_type": m.configuration_type,
-                "operation_type": m.operation_type, "resource_id": m.resource_id,
-                "size_bytes": m.size_bytes, "hosts": list(m.hosts),
-                "timestamp_ns": m.timestamp_ns}
+        return cls.build(m).model_dump(mode="json")
 
 
 class OnlineSessionCreate(BaseModel):
@@ -74,11 +95,11 @@ class OnlineSessionCreate(BaseModel):
     start_ns: int | None = Field(default=None, ge=0, le=_INT64, description="Start of "
                                  "interval 0 (default: the first message's time).")
     batch_key: Literal["hosts", "hosts+vpc", "hosts+vpc+config"] = "hosts"
+    name: str = Field(default="live", min_length=1, max_length=100,
+                      pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     cost: dict[str, float] | None = Field(default=None, description="OnlineCost weights "
                                           "the intervals are scored with (default: the "
                                           "loaded online policy's).")
-    name: str = Field(default="live", min_length=1, max_length=100,
-                      pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
 class OnlineSessionCreated(BaseModel):
@@ -150,6 +171,14 @@ class MessagesIn(BaseModel):
     placements: list[PlacementIn] = Field(default_factory=list, description="Channels "
                                           "decided elsewhere for types these messages "
                                           "place (restoring a session's history).")
+
+
+def messages_body(msgs: Sequence[Message], given: Mapping[int, int]) -> dict[str, Any]:
+    """``POST .../intervals/{w}/messages`` body (:class:`MessagesIn`): ``msgs`` in order and
+    the channels ``given`` (type -> channel) decided elsewhere."""
+    return request_body(MessagesIn.model_construct(
+        messages=[MessageIn.build(m) for m in msgs],
+        placements=[PlacementIn(type=t, channel=c) for t, c in given.items()]))
 
 
 class PlacedOut(BaseModel):

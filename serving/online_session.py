@@ -33,16 +33,22 @@ on a new server session) enter the same way: ``begin(given=...)`` and
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
 import numpy as np
 
 from envs.dsmd.cost import CostState
 from envs.dsmd.instance import UNASSIGNED
 from envs.dsmd.message import Message
-from envs.dsmd.online import (NewType, OnlineCost, OnlineDecider, OnlineSimulator, OnlineView,
-                              Placement)
+from envs.dsmd.online import (
+    NewType,
+    OnlineCost,
+    OnlineDecider,
+    OnlineSimulator,
+    OnlineView,
+    Placement,
+)
 from envs.dsmd.online_control import KnobMap, KnobPolicy
 from envs.dsmd.parser import BatchKey, destination_key
 from envs.dsmd.scenarios import ScenarioSpec
@@ -50,8 +56,17 @@ from envs.dsmd.topology import Topology
 
 from .online_trace import LiveTrace, MessageRejected, StateConflict
 
-__all__ = ["OnlineSession", "Plan", "Placed", "Submitted", "Closed", "fallback_decider",
-           "signature_scenario", "StateConflict", "MessageRejected"]
+__all__ = [
+    "Closed",
+    "MessageRejected",
+    "OnlineSession",
+    "Placed",
+    "Plan",
+    "StateConflict",
+    "Submitted",
+    "fallback_decider",
+    "signature_scenario",
+]
 
 #: the knobs of the fallback decider: the knob executor with no headroom, re-planning
 #: every type on the last estimate (the online greedy)

@@ -20,7 +20,7 @@ continuation of the trace the adapter's ``flush_trace`` writes.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

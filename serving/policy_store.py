@@ -3,7 +3,7 @@
 A request reads :meth:`PolicyStore.current` once and uses that one object for all of its
 decisions, so a swap never mixes versions inside a response and never fails a request in
 flight: the old bundle stays alive until the last request holding it finishes. A new bundle
-is loaded and verified (:func:`agents.bundle.load_bundle`: files, content hash, format) and
+is loaded and verified (:func:`serving.bundle.load_bundle`: files, content hash, format) and
 checked against the live sessions before it replaces the old one; a bundle that fails either
 check is refused and the old one stays.
 
@@ -16,15 +16,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
-from agents.bundle import BundleError, PolicyBundle, load_bundle
+from .bundle import BundleError, PolicyBundle, load_bundle
 
-__all__ = ["LoadedPolicy", "PolicyStore", "BundleWatcher", "BundleError"]
+__all__ = ["BundleError", "BundleWatcher", "LoadedPolicy", "PolicyStore"]
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class LoadedPolicy:
 
 class PolicyStore:
     """The server's current policy. ``batch_threads``: passed to
-    :func:`agents.bundle.load_bundle` for every bundle it loads (None: its default)."""
+    :func:`serving.bundle.load_bundle` for every bundle it loads (None: its default)."""
 
     def __init__(self, batch_threads: int | None = None) -> None:
         self.batch_threads = batch_threads
@@ -123,7 +123,7 @@ class BundleWatcher:
         except OSError:
             return None
 
-    def start(self) -> "BundleWatcher":
+    def start(self) -> BundleWatcher:
         self._thread.start()
         return self
 

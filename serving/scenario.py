@@ -1,7 +1,9 @@
 """Session requests for a simulator scenario: what a controller running that scenario would
-send (tests, benchmarks, the README's first query and the delivery testbed use it)."""
+send (tests, benchmarks, the quick start's first query and the delivery testbed use it)."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -10,42 +12,59 @@ from envs.dsmd.message import messages_from_trace
 from envs.dsmd.parser import TypeCatalog
 from envs.dsmd.problems import ProblemSet
 
-__all__ = ["session_body", "rates_body", "adapter_for", "replay_window"]
+from .schemas import ControllerIn, NodeIn, RateIn, RateUpdate, SessionCreate, TypeIn, request_body
+
+if TYPE_CHECKING:
+    from .adapter import ControllerAdapter
+
+__all__ = ["adapter_for", "rates_body", "replay_window", "session_body"]
 
 
 def session_body(problems: ProblemSet, window: int | None = None, seed: int = 0) -> dict:
-    """``POST /v1/sessions`` body: the scenario's nodes, capacities, K and its whole type
-    catalogue (type id = catalogue index), with the rates of ``window`` if given."""
+    """``POST /v1/sessions`` body (:class:`~serving.schemas.SessionCreate`): the scenario's
+    nodes, capacities, K and its whole type catalogue (type id = catalogue index), with the
+    rates of ``window`` if given."""
     topo, cat, spec = problems.dataset.topology, problems.parsed.catalog, problems.spec
-    body = {"nodes": [{"id": int(i), "capacity_bps": int(c)}
-                      for i, c in zip(topo.node_ids.tolist(), topo.bandwidth_bps.tolist())],
-            "controller": {"bandwidth_bps": int(spec.controller_bw_bps),
-                           "cpu": int(spec.controller_cpu)},
-            "num_topics": int(spec.num_topics), "interval_s": float(spec.interval_s),
-            "types": [{"id": t, "destinations": topo.node_ids[cat.destinations[t]].tolist()}
-                      for t in range(len(cat))],
-            "scenario_signature": {"num_nodes": problems.num_nodes,
-                                   "num_topics": int(spec.num_topics),
-                                   "topology": topo.signature()},
-            "seed": seed}
-    if window is not None:
-        rates = {r["type"]: r for r in rates_body(problems.instance(window))["rates"]}
-        for t in body["types"]:
-            if t["id"] in rates:
-                t["rate_bps"] = rates[t["id"]]["rate_bps"]
-                t["messages"] = rates[t["id"]]["messages"]
-    return body
+    rates = ({r.type: r for r in _rates(problems.instance(window))} if window is not None
+             else {})
+
+    def type_in(t: int) -> TypeIn:
+        dest = topo.node_ids[cat.destinations[t]].tolist()
+        r = rates.get(t)
+        if r is None:
+            return TypeIn(id=t, destinations=dest)
+        return TypeIn(id=t, destinations=dest, rate_bps=r.rate_bps, messages=r.messages)
+
+    return request_body(SessionCreate(
+        nodes=[NodeIn(id=int(i), capacity_bps=int(c))
+               for i, c in zip(topo.node_ids.tolist(), topo.bandwidth_bps.tolist())],
+        controller=ControllerIn(bandwidth_bps=int(spec.controller_bw_bps),
+                                cpu=int(spec.controller_cpu)),
+        num_topics=int(spec.num_topics), interval_s=float(spec.interval_s),
+        types=[type_in(t) for t in range(len(cat))],
+        scenario_signature={"num_nodes": problems.num_nodes,
+                            "num_topics": int(spec.num_topics),
+                            "topology": topo.signature()},
+        seed=seed))
+
+
+def _rates(inst: DSMDInstance) -> list[RateIn]:
+    if inst.catalog_index is None or inst.messages is None:
+        raise ValueError("rates of an instance without catalogue indices or message counts "
+                         "(take it from ProblemSet.instance)")
+    return [RateIn(type=int(c), rate_bps=int(r), messages=int(m))
+            for c, r, m in zip(inst.catalog_index.tolist(), inst.rate_bps.tolist(),
+                               inst.messages.tolist())]
 
 
 def rates_body(inst: DSMDInstance, replace: bool = True) -> dict:
-    """``POST /v1/sessions/{id}/rates`` body: the instance's rates by catalogue index."""
-    return {"rates": [{"type": int(c), "rate_bps": int(r), "messages": int(m)}
-                      for c, r, m in zip(inst.catalog_index.tolist(), inst.rate_bps.tolist(),
-                                         inst.messages.tolist())],
-            "replace": replace}
+    """``POST /v1/sessions/{id}/rates`` body (:class:`~serving.schemas.RateUpdate`): the
+    instance's rates by catalogue index."""
+    return request_body(RateUpdate(rates=_rates(inst), replace=replace))
 
 
-def adapter_for(problems: ProblemSet, base_url: str | None, mode: str = "remote", **kw):
+def adapter_for(problems: ProblemSet, base_url: str | None, mode: str = "remote",
+                **kw: Any) -> ControllerAdapter:
     """A :class:`~serving.adapter.ControllerAdapter` for the scenario's controller: its
     topology and capacities, and its known types in the scenario's catalogue order (so the
     adapter's type ids are the simulator's catalogue indices)."""
@@ -62,7 +81,7 @@ def adapter_for(problems: ProblemSet, base_url: str | None, mode: str = "remote"
                              base_url=base_url, mode=mode, catalog=cat, **kw)
 
 
-def replay_window(adapter, problems: ProblemSet, window: int) -> int:
+def replay_window(adapter: ControllerAdapter, problems: ProblemSet, window: int) -> int:
     """Submit the trace's messages of ``window`` through the adapter (Table I messages, in
     trace order), then close the interval; returns the number of messages."""
     rows = np.flatnonzero(problems.parsed.message_window == window)

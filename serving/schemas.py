@@ -1,22 +1,51 @@
 """Request and response models of the policy server's ``/v1`` API (pydantic; separate models
 for what comes in and what goes out, every field documented so the OpenAPI document is
-complete)."""
+complete).
+
+They are the one definition of the wire format: the server parses every request body with
+them, and the clients (:mod:`serving.adapter`, :mod:`serving.online_adapter`,
+:mod:`serving.scenario`) build every body from them with :func:`request_body`."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
-    "NodeIn", "ControllerIn", "TypeIn", "SessionCreate", "SessionUpdate", "RateIn",
-    "RateUpdate", "DecideRequest", "DecideBatchRequest", "PolicySwap", "PolicyOut",
-    "SessionCreated", "SessionOut", "TypeOut", "RateUpdated", "DecisionOut", "DecisionSingleOut",
-    "DecisionBatchOut", "HealthOut", "ErrorOut",
+    "ControllerIn",
+    "DecideBatchRequest",
+    "DecideRequest",
+    "DecisionBatchOut",
+    "DecisionOut",
+    "DecisionSingleOut",
+    "ErrorOut",
+    "HealthOut",
+    "NodeIn",
+    "PolicyOut",
+    "PolicySwap",
+    "RateIn",
+    "RateUpdate",
+    "RateUpdated",
+    "SessionCreate",
+    "SessionCreated",
+    "SessionOut",
+    "SessionUpdate",
+    "TypeIn",
+    "TypeOut",
+    "request_body",
 ]
 
 _INT64 = 2**63 - 1
 _STRICT = ConfigDict(extra="forbid")
+
+
+def request_body(model: BaseModel) -> dict[str, Any]:
+    """``model`` (a request model, validated when it was built) as the JSON body the server
+    parses back into the same model: the fields the caller set, in the model's field order,
+    as JSON types (a field left at its default is left out, and the server fills the same
+    default in)."""
+    return model.model_dump(mode="json", exclude_unset=True)
 
 
 # ---------------------------------------------------------------------- requests

@@ -1,8 +1,9 @@
 """A controller session and the decision engine (SMART Section V-D, online execution).
 
 One implementation, used by the policy server for each controller session and by the cached
-adapter for its local copy, so that the same state gives the same observation and action
-as in ``smart/DSMD-v0``:
+adapter for its local copy. Every decision is made by the decision step of ``smart/DSMD-v0``
+(:class:`envs.dsmd.decision.DecisionStep`), so the same state gives the same observation and
+action as in the environment:
 
 * the state is a :class:`~envs.dsmd.cost.CostState` over the session's *active* types (a
   positive rate in the latest estimate), in catalogue order, exactly the
@@ -25,20 +26,27 @@ and decodes with ``feasible``; ``rpc`` prefers RPC, then the first topic that fi
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, NamedTuple, Protocol, Sequence
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
 from envs.dsmd.cost import CostState
-from envs.dsmd.decoding import decode, decode_actions
-from envs.dsmd.env import decision_order
+from envs.dsmd.decision import DecisionStep, decision_order
 from envs.dsmd.errors import DSMDError
 from envs.dsmd.instance import UNASSIGNED, DSMDInstance
 from envs.dsmd.observation import ObservationBuilder, ObservationLayout
 
-__all__ = ["SessionError", "SessionSpec", "Session", "ScoringPolicy", "Decision",
-           "FALLBACKS", "compatibility"]
+__all__ = [
+    "FALLBACKS",
+    "Decision",
+    "ScoringPolicy",
+    "Session",
+    "SessionError",
+    "SessionSpec",
+    "compatibility",
+]
 
 FALLBACKS: tuple[str, ...] = ("greedy", "rpc")
 
@@ -48,7 +56,7 @@ class SessionError(DSMDError):
 
 
 class ScoringPolicy(Protocol):
-    """What the engine needs from a policy (a loaded :class:`agents.bundle.PolicyBundle`)."""
+    """What the engine needs from a policy (a loaded :class:`serving.bundle.PolicyBundle`)."""
 
     layout: ObservationLayout
     metadata: dict
@@ -64,7 +72,7 @@ class ScoringPolicy(Protocol):
     def score_rows(self, n: int, fill: Callable[[int, int, np.ndarray], None]
                    ) -> tuple[np.ndarray, np.ndarray]:
         """``n`` observations written by ``fill`` and their scores
-        (:meth:`agents.bundle.PolicyBundle.score_rows`)."""
+        (:meth:`serving.bundle.PolicyBundle.score_rows`)."""
         ...
 
 
@@ -229,7 +237,7 @@ class Session:
             p = self._pos.get(s)
             if p is not None:
                 self.state.move(p, c)
-        self._builder_for = None
+        self.step.drop_builder()
         self.version += 1
 
     def _rebuild(self) -> None:
@@ -248,18 +256,16 @@ class Session:
         self.active = active
         self._pos = {int(s): i for i, s in enumerate(active.tolist())}
         self.state = CostState(self.inst, self.channel[active])
-        self._builder: ObservationBuilder | None = None
-        self._builder_for: ObservationLayout | None = None
+        # the session's decision step: its state, the builder of the policy's layout (made
+        # when a policy first decides) and the session's RNG; each decide() sets its order
+        self.step = DecisionStep(self.inst, rng=self.rng, order=(), state=self.state)
         self.version += 1
 
     # ------------------------------------------------------------------ observation
     def builder(self, layout: ObservationLayout) -> ObservationBuilder:
-        if self._builder is None or (self._builder_for is not layout
-                                     and self._builder_for != layout):
-            self._builder = ObservationBuilder(layout, self.inst)
-            self._builder.reset(self.state)
-            self._builder_for = layout
-        return self._builder
+        """The observation builder of ``layout`` over the session's state
+        (:meth:`DecisionStep.use_layout`)."""
+        return self.step.use_layout(layout)
 
     def compatibility(self, policy: ScoringPolicy | None) -> str | None:
         """:func:`compatibility`, cached per policy object and catalogue size (the cache
@@ -284,34 +290,30 @@ class Session:
         why = self.compatibility(policy)
         use = policy if why is None else None
         positions = self._positions(type_ids, use, replan)
+        step = self.step
         if replan:
             self.state.assign_all(np.full(self.inst.num_types, UNASSIGNED, np.int64))
             self.channel[self.active] = UNASSIGNED
-            self._builder_for = None
+            step.drop_builder()
         if parallel:
             return self._decide_parallel(positions, use, why, fallback, explain)
-        builder = self.builder(use.layout) if use is not None else None
-        n = max(self.inst.num_types, 1)
-        state, active, channel, type_ids = self.state, self.active, self.channel, self.type_ids
+        step.begin(positions)
+        active, channel, type_ids = self.active, self.channel, self.type_ids
         src = "policy" if use is not None else "fallback"
         out = []
+        if use is not None:
+            step.use_layout(use.layout)
+        mode = use.decoding if use is not None else "feasible"
         for p in positions:
-            s = int(active[p])
-            if state.channel[p] != UNASSIGNED:
-                state.move(p, UNASSIGNED)
-                if builder is not None:
-                    builder.on_move(p, UNASSIGNED)
-            obs = None
             if use is not None:
-                obs = builder.observe(state, p, state.assigned / n)
+                obs = step.observe()  # takes p off its channel first
                 scores = use(obs)
-                c = decode(scores, state, p, self.rng, use.decoding)
             else:
+                obs = None
+                step.take_off()
                 scores = self._heuristic_scores(np.array([p]), fallback)[0]
-                c = decode(scores, state, p, self.rng, "feasible")
-            state.move(p, c)
-            if builder is not None:
-                builder.on_move(p, c)
+            c = step.apply(scores, mode)
+            s = int(active[p])
             channel[s] = c
             out.append(Decision(type_ids[s], c, src, why, obs if explain else None,
                                 np.asarray(scores, np.float32).reshape(-1) if explain else None))
@@ -321,51 +323,30 @@ class Session:
     def _decide_parallel(self, positions: list[int], use: ScoringPolicy | None,
                          why: str | None, fallback: str, explain: bool) -> list[Decision]:
         """The batch's types are taken off their channels together; each is observed as if
-        it were the next to be decided (``ObservationBuilder.rows``, equal row by row to
+        it were the next to be decided (``DecisionStep.rows``, equal row by row to
         ``observe``) and all are scored in one policy call (``score_rows``, which builds the
         observations chunk by chunk on the threads that score them); the argmaxes are applied
-        together. With ``feasible`` decoding (and for the heuristics), if that breaks a
-        constraint, the types are re-decoded one by one in the given order with the same
-        scores (the safety layer), so the batch ends feasible whenever one-by-one decoding
-        would. The sequential mode's observations see the decisions made before them; these
-        do not."""
+        together (``DecisionStep.apply_rows``). With ``feasible`` decoding (and for the
+        heuristics), if that breaks a constraint, the types are re-decoded one by one in the
+        given order with the same scores (the safety layer), so the batch ends feasible
+        whenever one-by-one decoding would. The sequential mode's observations see the
+        decisions made before them; these do not."""
         pos = np.asarray(positions, dtype=np.int64)
         if pos.size == 0:
             self.version += 1
             return []
-        ch = self.state.channel.copy()
-        if pos.size and np.any(ch[pos] != UNASSIGNED):
-            ch[pos] = UNASSIGNED
-            self.state.assign_all(ch)
-            self._builder_for = None
-        n = max(self.inst.num_types, 1)
+        step = self.step
+        step.take_off_many(pos)
         obs = None
         if use is not None:
-            fill = self.builder(use.layout).rows(self.state, pos, self.state.assigned / n)
-            obs, scores = use.score_rows(pos.size, fill)
+            obs, scores = use.score_rows(pos.size, step.rows(pos, use.layout))
             scores = np.asarray(scores, dtype=np.float32).reshape(pos.size, -1)
             mode = use.decoding
         else:
             scores = self._heuristic_scores(pos, fallback)
             mode = "feasible"
-        best = decode_actions(scores, self.rng)
-        # room on the controller for the first type, in the state without the batch (the
-        # state the safety layer would start from)
-        room = mode == "feasible" and self.state.topic_room(int(pos[0]), reserve=True)
-        ch[pos] = best
-        self.state.assign_all(ch)
-        # without that room, none of them has any (what the unplaced types reserve plus
-        # what is placed only grows), so decode() would give each its argmax, as above
-        if room and not self.state.metrics().feasible:
-            ch[pos] = UNASSIGNED
-            self.state.assign_all(ch)
-            for i, p in enumerate(pos.tolist()):
-                c = decode(scores[i], self.state, p, self.rng, "feasible")
-                self.state.move(p, c)
-                ch[p] = c
-        self._builder_for = None
+        chosen = step.apply_rows(pos, scores, mode)
         slots = self.active[pos]
-        chosen = ch[pos]
         self.channel[slots] = chosen
         self.version += 1
         src = "policy" if use is not None else "fallback"
@@ -438,7 +419,7 @@ class Session:
                 "seed": self.seed}
 
     @classmethod
-    def from_snapshot(cls, snap: dict) -> "Session":
+    def from_snapshot(cls, snap: dict) -> Session:
         spec = SessionSpec(np.array([n["id"] for n in snap["nodes"]], np.int64),
                            np.array([n["capacity_bps"] for n in snap["nodes"]], np.int64),
                            int(snap["controller"]["bandwidth_bps"]),

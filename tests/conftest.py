@@ -40,7 +40,8 @@ def instances(draw, max_nodes: int = 8, max_types: int = 8, max_topics: int = 3,
     fan = sum(len(d) for d in dests)
     if tight:
         cpu = draw(st.integers(m, max(m, fan)))
-        bw = draw(st.integers(max(sum(rates), 1), max(sum(r * len(d) for r, d in zip(rates, dests)), 1)))
+        fan_rate = sum(r * len(d) for r, d in zip(rates, dests))
+        bw = draw(st.integers(max(sum(rates), 1), max(fan_rate, 1)))
         cap = draw(st.integers(10**6, 5 * 10**7))
     else:
         cpu, bw, cap = 10**9, 10**15, 10**12
@@ -59,7 +60,7 @@ def _export_tiny_bundle(directory, problems, seed: int, num_topics: int | None =
     """A seeded (untrained) actor for the tiny scenario, exported as a policy bundle."""
     import torch
 
-    from agents.bundle import export_bundle
+    from agents.bundle_export import export_bundle
     from agents.ddpg.networks import mlp
     from envs.dsmd.observation import ObservationLayout
 

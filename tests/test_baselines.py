@@ -127,7 +127,8 @@ def test_greedy_feasible_where_idcs_is(tiny_problems):
 
 
 def test_greedy_regression_free_topics_are_revisited():
-    """Review finding: the free-move phase used to leave this infeasible (4 sends > 3)."""
+    """The free-move phase revisits topics freed by its own moves; without that it leaves
+    this instance infeasible (4 sends > 3)."""
     inst = DSMDInstance.from_sets([[0, 1], [1, 2], [1, 3]], [9, 3, 6], [15, 18, 3, 16], 2,
                                   controller_bw_bps=19, controller_cpu=3, vpc=np.array([3, 2, 1]))
     assert CostState(inst, IDCS().assign(inst)).metrics().feasible
@@ -161,7 +162,8 @@ def test_greedy_never_worse_than_idcs_when_idcs_is_feasible(data):
 
 
 def test_exact_regression_load_exactly_at_capacity():
-    """Review finding: a retry used to tighten every row and call this feasible case infeasible."""
+    """A retry acts on the violated row only (a copy in bit/s, no tightening): tightening
+    every row would call this feasible case infeasible."""
     inst = DSMDInstance.from_sets([[0, 1]], [300_000_000], 300_000_000, 1,
                                   controller_bw_bps=599_999_999, controller_cpu=2)
     ex = ExactMILP()

@@ -35,6 +35,9 @@ from delivery.broker import (
     PulsarStandalone,
 )
 
+# one Pulsar broker JVM at a time: every broker test runs on the same xdist worker
+pytestmark = pytest.mark.xdist_group("pulsar")
+
 ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger(__name__)
 
@@ -130,6 +133,7 @@ def start_failure(b: PulsarStandalone, expected: type[Exception]) -> Exception:
     return err.value
 
 
+@pytest.mark.slow  # starts a JVM of its own
 @pytest.mark.timeout(240)
 def test_port_taken_during_start_is_reported_from_the_log(one_broker_at_a_time, monkeypatch
                                                           ) -> None:
@@ -167,7 +171,7 @@ def test_500_messages_exactly_once_in_order(broker: PulsarStandalone) -> None:
         consumer = client.subscribe(topic, sub, consumer_type=pulsar.ConsumerType.Exclusive,
                                     initial_position=pulsar.InitialPosition.Earliest)
         # send_async drops what does not fit in the pending queue unless it blocks
-        # (pulsar.md); check every callback's result as well.
+        # (the Pulsar client's documented behaviour); check every callback's result as well.
         producer = client.create_producer(topic, block_if_queue_full=True,
                                           max_pending_messages=100, batching_enabled=False)
         results: list[pulsar.Result] = []
@@ -187,6 +191,7 @@ def test_500_messages_exactly_once_in_order(broker: PulsarStandalone) -> None:
         client.close()
 
 
+@pytest.mark.slow  # restarts the broker JVM
 @pytest.mark.timeout(300)
 def test_restart_keeps_unacknowledged_messages(broker: PulsarStandalone) -> None:
     """Broker stop/restart fault: same ports, same data; the durable subscription's cursor

@@ -1,4 +1,6 @@
-"""The exported policy bundle: ONNX round trip, verification, and refusal of bad bundles."""
+"""The policy bundle: the exporter (:mod:`agents.bundle_export`, torch -> ONNX) and the
+runtime (:mod:`serving.bundle`, ONNX Runtime): round trip, verification, refusal of bad
+bundles, and batch and single-row scoring."""
 
 from __future__ import annotations
 
@@ -8,10 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from agents.bundle import BundleError, export_bundle, load_bundle
+from agents.bundle_export import export_bundle
 from agents.ddpg.networks import mlp
 from agents.learned import ActorPolicy
 from envs.dsmd.observation import ObservationLayout
+from serving.bundle import BundleError, load_bundle
 
 
 @pytest.fixture()
@@ -88,7 +91,7 @@ def test_per_channel_actor_exports_with_a_dynamic_batch(tmp_path, tiny_problems)
 def _chunked_bundle(tmp_path, ps, monkeypatch, threads: int):
     """A per-channel actor's bundle whose batches are scored in chunks of 3 observations on
     ``threads`` threads: (bundle, its directory, the actor, the layout)."""
-    import agents.bundle as bundle_mod
+    import serving.bundle as bundle_mod
     from agents.ddpg.networks import ChannelActor
 
     torch.manual_seed(0)
@@ -97,7 +100,7 @@ def _chunked_bundle(tmp_path, ps, monkeypatch, threads: int):
     d = export_bundle(actor, layout, ps.signature(), tmp_path / "pc")
     monkeypatch.setattr(bundle_mod, "BATCH_CHUNK_ROWS", 3 * (layout.num_topics + 1))
     b = load_bundle(d, batch_threads=threads)
-    assert b._chunk == 3 and b.batch_threads == threads
+    assert b.scorer._chunk == 3 and b.batch_threads == threads
     return b, d, actor, layout
 
 
@@ -120,7 +123,7 @@ def test_batches_are_scored_in_chunks_across_threads(tmp_path, tiny_problems, mo
         got = b(x[:n])
         assert got.shape == (n, layout.num_topics + 1) and got.dtype == np.float32
         np.testing.assert_allclose(got, ref[:n], atol=1e-5)
-    one_by_one = [b.session.run(["scores"], {"obs": r[None]})[0][0] for r in x]
+    one_by_one = [b.scorer.ort_session.run(["scores"], {"obs": r[None]})[0][0] for r in x]
     np.testing.assert_array_equal(b(x), np.stack(one_by_one))  # chunking changes no bit
 
 
@@ -165,7 +168,7 @@ def test_a_batch_does_not_wait_for_a_busy_pool(tmp_path, tiny_problems, monkeypa
     (another request's batch), the caller scores every chunk itself and returns at once."""
     import threading
 
-    import agents.bundle as bundle_mod
+    import serving.bundle as bundle_mod
 
     b, _, _, layout = _chunked_bundle(tmp_path, tiny_problems, monkeypatch, 2)
     x = np.random.default_rng(6).uniform(-1, 1, (20, layout.size)).astype(np.float32)
@@ -243,42 +246,40 @@ def test_an_error_in_a_chunk_reaches_the_caller(tmp_path, tiny_problems, monkeyp
         Ellipsis, x[lo:hi]))[1], b(x))
 
 
-def test_one_row_actor_file_and_version_2_bundles(exported, tmp_path):
-    """A bundle holds the actor twice (any batch, and one observation); both are verified.
-    A version 2 bundle (no actor_row.onnx) still loads and decides single rows with the
-    batch actor."""
+def test_one_row_actor_file_and_unreadable_versions(exported, tmp_path):
+    """A bundle holds the actor twice (any batch, and one observation); both are verified,
+    both must be there. A bundle of a version this runtime does not read (an older format
+    without the one-row file, or an unknown one) is refused naming the file, the version
+    found and the versions read."""
     import shutil
 
-    d, actor, layout, ps = exported
+    d, _, layout, _ = exported
     b = load_bundle(d)
-    assert b.row_session is not None and b.files == ("metadata.json", "actor.onnx",
-                                                     "actor_row.onnx")
+    assert b.files == ("metadata.json", "actor.onnx", "actor_row.onnx")
     x = np.random.default_rng(2).uniform(-1, 1, (4, layout.size)).astype(np.float32)
     batch = b(x)
     for i, row in enumerate(x):
         np.testing.assert_array_equal(b(row), b(row[None])[0])
         np.testing.assert_allclose(b(row), batch[i], atol=1e-5)
-    v2 = tmp_path / "v2"
-    shutil.copytree(d, v2)
-    (v2 / "actor_row.onnx").unlink()
-    meta = json.loads((v2 / "metadata.json").read_text())
-    meta["version"] = 2
-    del meta["actor_row_sha256"]
-    (v2 / "metadata.json").write_text(json.dumps(meta))
-    old = load_bundle(v2)
-    assert old.row_session is None and old.files == ("metadata.json", "actor.onnx")
-    np.testing.assert_allclose(old(x[0]), b(x[0]), atol=1e-5)
+    for version in (2, 3, 9, "4"):
+        old = tmp_path / f"v{version}"
+        shutil.copytree(d, old)
+        meta = json.loads((old / "metadata.json").read_text())
+        meta["version"] = version
+        (old / "metadata.json").write_text(json.dumps(meta))
+        with pytest.raises(BundleError, match=rf"{old / 'metadata.json'}: policy bundle "
+                           rf"version {version!r}; .* reads version 4 "):
+            load_bundle(old)
     (d / "actor_row.onnx").unlink()
-    with pytest.raises(BundleError, match="missing actor_row.onnx"):
+    with pytest.raises(BundleError, match="actor_row.onnx is missing"):
         load_bundle(d)
-    shutil.copy(v2 / "actor.onnx", d / "actor_row.onnx")  # the wrong file in its place
+    shutil.copy(d / "actor.onnx", d / "actor_row.onnx")  # the wrong file in its place
     with pytest.raises(BundleError, match="actor_row.onnx: content hash"):
         load_bundle(d)
-    meta["version"] = 9
-    (v2 / "metadata.json").write_text(json.dumps(meta))
-    with pytest.raises(BundleError, match="version 2, 3 or 4"):
-        load_bundle(v2)
-
+    meta = json.loads((d / "metadata.json").read_text())
+    (d / "metadata.json").write_text(json.dumps(meta | {"format": "other"}))
+    with pytest.raises(BundleError, match="format 'other', expected 'smart-dsmd-policy'"):
+        load_bundle(d)
 
 
 @pytest.fixture()
@@ -299,7 +300,7 @@ def test_per_channel_row_file_takes_globals_and_features(per_channel_exported):
     GEMMs; it scores as the torch actor and the batch file do."""
     import onnx
 
-    from agents.bundle import row_inputs
+    from serving.bundle import row_inputs
 
     d, actor, layout, ps = per_channel_exported
     assert json.loads((d / "metadata.json").read_text())["version"] == 4
@@ -307,7 +308,7 @@ def test_per_channel_row_file_takes_globals_and_features(per_channel_exported):
     assert ops == ["Gemm", "Gemm", "Relu", "Gemm", "Relu", "Gemm", "Tanh"]
     b = load_bundle(d)
     x = np.random.default_rng(5).uniform(-1, 1, (6, layout.size)).astype(np.float32)
-    feeds = row_inputs(b.row_session, x[0])
+    feeds = row_inputs(b.scorer.row_ort_session, x[0])
     assert [(k, v.shape) for k, v in feeds.items()] == [
         ("globals", (actor.g, 1)), ("features", (4, layout.num_topics + 1))]
     assert all(np.shares_memory(v, x[0]) for v in feeds.values())
@@ -317,23 +318,6 @@ def test_per_channel_row_file_takes_globals_and_features(per_channel_exported):
     for i, r in enumerate(x):
         np.testing.assert_allclose(b(r), ref[i], atol=1e-5)
         np.testing.assert_allclose(b(r), batch[i], atol=1e-5)
-    # a version 3 bundle of the same actor (its row file takes "obs" [1, size]) still loads
-    import hashlib
-    import shutil
-
-    from agents.bundle import export_onnx
-
-    v3 = d.parent / "pc_v3"
-    shutil.copytree(d, v3)
-    export_onnx(actor, layout.size, v3 / "actor_row.onnx", one_row=True)
-    meta = json.loads((v3 / "metadata.json").read_text())
-    meta["version"] = 3
-    meta["actor_row_sha256"] = hashlib.sha256((v3 / "actor_row.onnx").read_bytes()).hexdigest()
-    (v3 / "metadata.json").write_text(json.dumps(meta))
-    old = load_bundle(v3)
-    assert [i.name for i in old.row_session.get_inputs()] == ["obs"]
-    for r in x:
-        np.testing.assert_allclose(old(r), b(r), atol=1e-6)
 
 
 @pytest.mark.parametrize("kind", ["exported", "per_channel_exported"])
@@ -344,13 +328,13 @@ def test_single_rows_through_bound_buffers_equal_session_run(kind, request):
     with two (a per-channel actor's globals and features)."""
     import threading
 
-    from agents.bundle import _BoundRow, row_inputs
+    from serving.bundle import _BoundRow, row_inputs
 
     d, actor, layout, ps = request.getfixturevalue(kind)
     b = load_bundle(d)
     x = np.random.default_rng(3).uniform(-1, 1, (40, layout.size)).astype(np.float32)
-    ref = np.stack([b.row_session.run(["scores"], row_inputs(b.row_session, r))[0][0]
-                    for r in x])
+    row = b.scorer.row_ort_session
+    ref = np.stack([row.run(["scores"], row_inputs(row, r))[0][0] for r in x])
     out: dict[int, np.ndarray] = {}
 
     def work(i: int) -> None:
@@ -382,6 +366,6 @@ def test_single_rows_through_bound_buffers_equal_session_run(kind, request):
         def run(self, *a):
             return self.s.run(*a)
 
-    plain = _BoundRow(Plain(b.row_session), layout.size)
+    plain = _BoundRow(Plain(row), layout.size)
     assert plain.call is None
     np.testing.assert_array_equal(plain(x[2]), ref[2])

@@ -13,8 +13,15 @@ import numpy as np
 import pytest
 
 import envs.dsmd.dataset as dataset_mod
-from envs.dsmd.dataset import (MANIFEST, DatasetSpec, TraceRecord, build_dataset, import_traces,
-                               load_dataset_spec, open_dataset)
+from envs.dsmd.dataset import (
+    MANIFEST,
+    DatasetSpec,
+    TraceRecord,
+    build_dataset,
+    import_traces,
+    load_dataset_spec,
+    open_dataset,
+)
 from envs.dsmd.dynamics import DynamicsSpec, generate_dynamic
 from envs.dsmd.errors import DatasetError, DSMDError
 from envs.dsmd.scenarios import TRACE_EPOCH_NS, generate, load_scenario

@@ -299,6 +299,7 @@ def _trained_weights(seed: int) -> tuple[list[torch.Tensor], np.ndarray]:
         a.stop()
 
 
+@pytest.mark.slow  # two DDPG trainings; test_ddpg.py's other tests stay fast
 def test_same_seed_same_training():
     """Two DDPG runs on the DSMD env with one seed give the same actor and the same data."""
     w0, r0 = _trained_weights(3)

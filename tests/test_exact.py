@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import agents.exact as exact
+from agents import exact
 from agents.exact import ExactMILP
 from agents.policy import PolicyError
 from envs.dsmd.cost import evaluate
@@ -100,10 +100,10 @@ def test_optimal_equals_brute_force(inst):
      [198778, 42699, 198778, 1, 432, 133051, 800], 20545117, 1, 574539, 10, 2),
 ])
 def test_regression_loads_within_the_tolerance_of_a_capacity(case):
-    """Review finding: HiGHS's row tolerance (1e-6 of a normalised row, i.e. of C) accepts
-    loads a few bit/s over C_b; the re-solve used to tighten the row by 2e-6 C, which cut
-    the loads at exactly C too: these feasible instances were refused ("unproven") or the
-    optimum left unproven. The violated row's copy in bit/s keeps a relaxation of Eq. 1."""
+    """HiGHS's row tolerance (1e-6 of a normalised row, i.e. of C) accepts loads a few bit/s
+    over C_b; a re-solve that tightened the row by 2e-6 C would cut the loads at exactly C
+    too and refuse these feasible instances ("unproven") or leave the optimum unproven. The
+    violated row's copy in bit/s keeps a relaxation of Eq. 1."""
     dests, rates, cap, k, bw, cpu, n = case
     inst = DSMDInstance.from_sets(dests, rates, cap, k, bw, cpu, num_nodes=n)
     best = brute_force(inst)

@@ -79,8 +79,8 @@ def test_failed_run_is_marked_failed(tmp_path):
 
 
 def test_sweep_writes_figures(tmp_path):
-    cfg = _cfg("evaluate", tmp_path, ["scenario=tiny", "sweep.multicast_shares=[0.0,0.5,1.0]",
-                                      "sweep.max_windows=3", "logger=none"])
+    cfg = _cfg("sweep", tmp_path, ["scenario=tiny", "sweep.multicast_shares=[0.0,0.5,1.0]",
+                                   "sweep.max_windows=3", "logger=none"])
     res = run_sweep(cfg)
     s = res["summary"]
     assert set(s["multicast_share"]) == {0.0, 0.5, 1.0}
@@ -101,6 +101,7 @@ def test_bad_scenario_override_is_clear(tmp_path):
         run_main(cfg)
 
 
+@pytest.mark.slow  # a DDPG training run; test_online_job.py's training run stays fast
 def test_train_ddpg_tiny_budget_end_to_end(tmp_path):
     """`train.py agent=ddpg` in-process: trains, validates, compares with every baseline and
     records the learning curve in MLflow."""
@@ -130,8 +131,8 @@ def test_train_ddpg_tiny_budget_end_to_end(tmp_path):
     hist = client.get_metric_history(res["run_id"], "val/total_node_mbps")
     assert len(hist) >= 2 and "train/critic_loss" in run.data.metrics
     # the exported bundle loads with ONNX Runtime and decides like the trained policy
-    from agents.bundle import load_bundle
     from agents.learned import ActorPolicy
+    from serving.bundle import load_bundle
 
     b = load_bundle(res["bundle_dir"], expect_layout=res["layout"],
                     expect_signature=res["problems"].signature())
@@ -154,9 +155,9 @@ def test_train_builtin_algorithms_tiny_budget(tmp_path, algo):
     evaluated against the baselines, exported, and the bundle decides like the policy."""
     import ray
 
-    from agents.bundle import load_bundle
     from agents.learned import ActorPolicy
     from agents.training import run_training
+    from serving.bundle import load_bundle
 
     budget = {"sac": ["agent.training.num_steps_sampled_before_learning_starts=100",
                       "agent.training.train_batch_size_per_learner=32"],
@@ -185,6 +186,7 @@ def test_train_builtin_algorithms_tiny_budget(tmp_path, algo):
     mlflow.set_tracking_uri("")
 
 
+@pytest.mark.slow  # a Hydra multirun of several jobs
 def test_multirun_sweep_is_one_query(tmp_path):
     """`train.py -m ...` runs one job per combination; every run carries the sweep's tag and
     its own overrides, so the whole ablation is one MLflow query."""

@@ -7,11 +7,10 @@ import math
 import numpy as np
 import pytest
 
-from agents.online import HindsightGreedy, OnlineGreedy, StaticReplan, forecast, make_static
 from agents.baselines import IDCS
+from agents.online import HindsightGreedy, OnlineGreedy, StaticReplan, forecast, make_static
 from envs.dsmd.errors import DSMDError
-from envs.dsmd.online import (OnlineCost, OnlineSimulator, OnlineTrace, relabel_topics,
-                              run_online)
+from envs.dsmd.online import OnlineCost, OnlineSimulator, OnlineTrace, relabel_topics, run_online
 from envs.dsmd.scenarios import load_scenario
 from envs.dsmd.topology import Topology
 from envs.dsmd.traces import Dataset, Trace

@@ -8,8 +8,8 @@ from pathlib import Path
 import mlflow
 import pytest
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 from mlflow import MlflowClient
+from omegaconf import OmegaConf
 
 from agents.config import CONFIG_DIR
 from agents.online_job import run_online_main
@@ -54,6 +54,7 @@ def test_online_yardstick_end_to_end(tmp_path, capsys):
     mlflow.set_tracking_uri("")
 
 
+@pytest.mark.slow  # the yardstick twice; test_online_yardstick_end_to_end stays fast
 def test_online_yardstick_same_seed_same_table(tmp_path):
     a = run_online_main(_cfg(tmp_path / "a", [*GRID, "logger=none"]))["summary"]
     b = run_online_main(_cfg(tmp_path / "b", [*GRID, "logger=none"]))["summary"]
@@ -85,8 +86,7 @@ def test_train_online_end_to_end(tmp_path, capsys):
     exported online bundle, and the yardstick on the test traces with the learned policy."""
     from envs.dsmd.online import OnlineSimulator
     from envs.dsmd.online_env import DSMDOnlineEnv, load_online_traces
-
-    from agents.online_bundle import load_online_bundle
+    from serving.online_bundle import load_online_bundle
 
     res = _train(tmp_path, ["run_name=test-online-train"])
     s = res["summary"].set_index("policy")

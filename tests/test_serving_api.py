@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from agents.bundle import load_bundle
 from agents.learned import ActorPolicy
 from envs.dsmd.env import DSMDEnv
 from serving.app import ServerSettings, create_app
+from serving.bundle import load_bundle
 from serving.scenario import rates_body, session_body
 
 KEY, ADMIN = "controller-key", "admin-key"
@@ -271,7 +271,7 @@ def test_parallel_batch_in_chunks_across_threads_decides_as_one_chunk(tiny_probl
     """A parallel batch whose observations are built and scored chunk by chunk on three
     threads (``PolicyBundle.score_rows``) gives the observations, scores and channels of one
     chunk on one thread."""
-    import agents.bundle as bundle_mod
+    import serving.bundle as bundle_mod
     from serving.policy_store import PolicyStore
     from serving.session import Session
 

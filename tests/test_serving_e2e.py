@@ -11,9 +11,9 @@ import time
 import httpx
 import pytest
 
-from agents.bundle import load_bundle
 from agents.learned import ActorPolicy
 from serving.adapter import ControllerAdapter
+from serving.bundle import load_bundle
 from serving.local import LocalServer
 from serving.scenario import adapter_for, replay_window, session_body
 
@@ -58,6 +58,7 @@ def test_adapter_decides_as_the_environment(server, tiny_problems, tiny_bundles,
     assert len(read_trace(tmp_path / "live.parquet")) == n > 0
 
 
+@pytest.mark.slow  # waits out a server outage
 def test_remote_adapter_falls_back_and_recovers(tiny_problems, tiny_bundles, tmp_path):
     ps = tiny_problems
     srv = Server(tiny_bundles["a"], tmp_path).start()

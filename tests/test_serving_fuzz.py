@@ -7,10 +7,12 @@ import pytest
 import schemathesis
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, settings
-from schemathesis.specs.openapi.checks import (content_type_conformance,
-                                               response_schema_conformance,
-                                               status_code_conformance)
 from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
 
 from serving.app import ServerSettings, create_app
 from serving.scenario import session_body

@@ -20,8 +20,9 @@ from envs.dsmd.dataset import build_dataset, import_traces, load_dataset_spec
 from envs.dsmd.message import messages_from_trace
 from envs.dsmd.online import OnlineCost, OnlineSimulator, OnlineTrace
 from envs.dsmd.online_control import FEATURES, OBS_SIZE, KnobMap
+from envs.netutil import free_ports
 from serving.app import ServerSettings, create_app
-from serving.local import LocalServer, free_port
+from serving.local import LocalServer
 from serving.online_adapter import OnlineAdapter, online_session_body
 from serving.online_schemas import MessageIn
 from serving.online_session import OnlineSession, fallback_decider
@@ -35,7 +36,8 @@ def online(tmp_path_factory):
     """``tiny_online`` built into a temporary directory, its traces parsed, and an online
     bundle exported from a seeded (untrained) tanh actor, with each trace's expected run."""
     torch = pytest.importorskip("torch")
-    from agents.online_bundle import export_online_bundle, load_online_bundle
+    from agents.bundle_export import export_online_bundle
+    from serving.online_bundle import load_online_bundle
 
     root = tmp_path_factory.mktemp("online")
     ds = build_dataset(load_dataset_spec("tiny_online"), root / "datasets")
@@ -242,7 +244,7 @@ def test_remote_adapter_falls_back_then_restores_the_server_session(server, onli
     t, k = online.test[0], 6
     res, _ = expected(online, t, _Switch(fallback_decider(online.cost),
                                          online.bundle.decider(), k))
-    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    dead = f"http://127.0.0.1:{free_ports(1)[0]}"  # nothing listens there
     with OnlineAdapter(t.data.topology, online.ds.scenario, base_url=dead, api_key=KEY,
                        mode="remote", start_ns=t.data.meta["start_ns"], cost=online.cost,
                        timeout_s=1.0, breaker_failures=2, breaker_reset_s=0.05,

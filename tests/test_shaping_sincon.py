@@ -11,8 +11,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from envs.shaping.simulator import ShapingSimulator, SimConfig, simulate
-from envs.shaping.sincon import (AdaptiveLimitCalculator, ChannelShaper, ShaperConfig,
-                                 ShapingError, SinconConfig, make_policy)
+from envs.shaping.sincon import (
+    AdaptiveLimitCalculator,
+    ChannelShaper,
+    ShaperConfig,
+    ShapingError,
+    SinconConfig,
+    make_policy,
+)
 
 G = 1400.0  # the paper's example: 1,400 Mbps, 7 channels -> 100 each
 

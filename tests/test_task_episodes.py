@@ -16,8 +16,8 @@ from mlflow import MlflowClient
 from omegaconf import OmegaConf
 
 from agents.config import CONFIG_DIR
-from agents.training import run_training
 from agents.episodes import SuiteError, load_suite, run_episodes, summarize_episodes
+from agents.training import run_training
 
 TOY_ID = "smart-test/Target-v0"
 
@@ -121,6 +121,7 @@ def test_run_episodes_table_and_determinism():
     assert s.loc[1, "return"] < -0.5
 
 
+@pytest.mark.slow  # a DDPG training run (the trainer stays covered by test_online_job.py)
 def test_train_on_toy_env_end_to_end(tmp_path):
     import onnxruntime as ort
 

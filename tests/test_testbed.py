@@ -26,12 +26,12 @@ from envs.dsmd.problems import problems_for
 from serving.scenario import adapter_for
 
 
-
 def _expected_node_messages(ps, windows: list[int]) -> int:
     rows = np.flatnonzero(np.isin(ps.parsed.message_window, windows))
     return int(ps.dataset.trace.fanout[rows].sum())
 
 
+@pytest.mark.xdist_group("pulsar")  # shares the session's broker with tests/test_delivery.py
 def test_control_plane_requests(tmp_path: Path, pulsar_broker) -> None:
     """Configuration requests in, Table I messages applied on the agents, on the channels a
     baseline chose from the parser's rates; a bad request is refused, naming the field."""
@@ -83,7 +83,7 @@ def test_control_plane_requests(tmp_path: Path, pulsar_broker) -> None:
                     m.message_id for m in sent if n in m.hosts)
 
 
-@pytest.mark.slow  # about two minutes: 12 runs of 10 agents
+@pytest.mark.slow  # 12 runs of 10 agents against a real broker
 def test_testbed_small(tmp_path: Path, pulsar_broker, tiny_bundles) -> None:
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose(config_name="testbed", overrides=[

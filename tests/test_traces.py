@@ -10,8 +10,7 @@ import pytest
 from envs.dsmd.errors import TopologyError, TraceError
 from envs.dsmd.schema import MESSAGE_SCHEMA
 from envs.dsmd.topology import Topology
-from envs.dsmd.traces import (Dataset, Trace, read_dataset, read_trace, write_dataset,
-                              write_trace)
+from envs.dsmd.traces import Dataset, Trace, read_dataset, read_trace, write_dataset, write_trace
 
 
 def test_round_trip_preserves_every_column(tmp_path, tiny_dataset):

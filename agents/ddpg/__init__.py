@@ -5,6 +5,8 @@
 * :mod:`agents.ddpg.learner` -- the torch Learner (TD3 flags, IS weights, TD errors);
 * :mod:`agents.ddpg.algorithm` -- ``DDPGConfig`` / ``DDPG`` with a training step that feeds
   the fast replay straight to the learner group.
+* :mod:`agents.ddpg.rllib_internals` -- every private RLlib attribute the above reach, each
+  behind a documented function.
 
 The algorithm modules import Ray; this package's ``__init__`` does not.
 """

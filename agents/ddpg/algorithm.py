@@ -5,8 +5,8 @@ arXiv:1802.09477: ``twin_q``, ``target_noise``, ``policy_delay``) and Schaul et 
 proportional prioritized replay (arXiv:1511.05952) -- the combination SMART Section V-D
 uses ([31], [32]).
 
-Built like RLlib's TQC on SAC (``rllib-ddpg.md``), with one departure the design note
-asks for: RLlib's episode replay path is far too slow here (section 8), so
+Built like RLlib's TQC on SAC, with one departure: RLlib's episode replay path builds one
+episode object per sampled transition, which bounds training at one update per step, so
 :meth:`DDPG.training_step` stores transitions in :class:`agents.ddpg.replay.PrioritizedReplay`
 and feeds ``learner_group.update(batch=...)`` directly, with an exact update-to-data ratio,
 random warm-up and beta annealed from ``per_beta`` to ``per_beta_final``.
@@ -20,28 +20,38 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from ray.rllib.algorithms.algorithm_config import NotProvided
+from ray.rllib.algorithms.algorithm_config import AlgorithmConfig, NotProvided
 from ray.rllib.algorithms.sac.sac import SAC, SACConfig
 from ray.rllib.connectors.env_to_module import EnvToModulePipeline
 from ray.rllib.connectors.module_to_env import ModuleToEnvPipeline
 from ray.rllib.core import DEFAULT_MODULE_ID
-from ray.rllib.env import INPUT_ENV_SINGLE_SPACES
 from ray.rllib.core.columns import Columns
 from ray.rllib.core.rl_module.multi_rl_module import MultiRLModule
 from ray.rllib.core.rl_module.rl_module import RLModuleSpec
-from ray.rllib.execution.rollout_ops import synchronous_parallel_sample
+from ray.rllib.env import INPUT_ENV_SINGLE_SPACES
 from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
-from ray.rllib.utils.metrics import (ENV_RUNNER_RESULTS, LEARNER_RESULTS,
-                                     NUM_ENV_STEPS_SAMPLED_LIFETIME, TD_ERROR_KEY)
+from ray.rllib.utils.annotations import override
+from ray.rllib.utils.metrics import (
+    ENV_RUNNER_RESULTS,
+    LEARNER_RESULTS,
+    NUM_ENV_STEPS_SAMPLED_LIFETIME,
+    TD_ERROR_KEY,
+)
 
 from .connectors import ActionsToEnv, LatestObservationsToTensor, supports_fast_connectors
 from .learner import DEMO, DDPGTorchLearner
 from .module import ARCHITECTURES, DDPGTorchRLModule
 from .noise import OrnsteinUhlenbeckNoise
 from .replay import PrioritizedReplay, linear_schedule
+from .rllib_internals import (
+    bump_weights_seq_no,
+    learner_update,
+    local_learner,
+    log_steps_trained,
+    sample_episodes,
+)
 
-__all__ = ["DDPGConfig", "DDPG"]
+__all__ = ["DDPG", "DDPGConfig"]
 
 _MODULE_KEYS = ("twin_q", "exploration_noise", "exploration_noise_final",
                 "exploration_noise_steps", "target_noise", "target_noise_clip", "fcnet_hiddens")
@@ -91,6 +101,7 @@ class DDPGConfig(SACConfig):
         self.n_step = 1
         self.fast_connectors = True
 
+    @override(SACConfig)
     def training(self, *, twin_q=NotProvided, policy_delay=NotProvided,
                  noise_type=NotProvided, ou_theta=NotProvided, ou_sigma=NotProvided,
                  architecture=NotProvided, per_channel_hiddens=NotProvided,
@@ -104,7 +115,7 @@ class DDPGConfig(SACConfig):
                  per_alpha=NotProvided, per_beta=NotProvided, per_beta_final=NotProvided,
                  per_beta_steps=NotProvided, per_eps=NotProvided, buffer_capacity=NotProvided,
                  random_warmup_steps=NotProvided, updates_per_step=NotProvided,
-                 fast_connectors=NotProvided, **kwargs) -> "DDPGConfig":
+                 fast_connectors=NotProvided, **kwargs) -> DDPGConfig:
         super().training(**kwargs)
         for k, v in dict(twin_q=twin_q, policy_delay=policy_delay, noise_type=noise_type,
                          ou_theta=ou_theta, ou_sigma=ou_sigma, architecture=architecture,
@@ -128,11 +139,12 @@ class DDPGConfig(SACConfig):
                 setattr(self, k, v)
         return self
 
-    def td3(self) -> "DDPGConfig":
+    def td3(self) -> DDPGConfig:
         """TD3's defaults: twin critics, target smoothing (0.2, clip 0.5), actor delay 2."""
         return self.training(twin_q=True, target_noise=0.2, target_noise_clip=0.5,
                              policy_delay=2)
 
+    @override(SACConfig)
     def validate(self) -> None:
         super().validate()
         problems = []
@@ -169,6 +181,7 @@ class DDPGConfig(SACConfig):
         return (self.fast_connectors and custom is None and default_on
                 and not self.is_multi_agent and supports_fast_connectors(obs_space, act_space))
 
+    @override(SACConfig)
     def build_env_to_module_connector(self, env=None, spaces=None, device=None):
         """RLlib's pipeline, or :class:`LatestObservationsToTensor` (see :meth:`_fast`)."""
         obs_space, act_space = self._single_spaces(env, spaces)
@@ -180,6 +193,7 @@ class DDPGConfig(SACConfig):
             input_observation_space=obs_space, input_action_space=act_space,
             connectors=[LatestObservationsToTensor(obs_space, act_space, device=device)])
 
+    @override(SACConfig)
     def build_module_to_env_connector(self, env=None, spaces=None):
         """RLlib's pipeline or :class:`ActionsToEnv` (see :meth:`_fast`), led by
         :class:`OrnsteinUhlenbeckNoise` when ``noise_type='ou'``."""
@@ -199,13 +213,16 @@ class DDPGConfig(SACConfig):
                                                     seed=self.seed))
         return pipeline
 
+    @override(SACConfig)
     def get_default_rl_module_spec(self) -> RLModuleSpec:
         return RLModuleSpec(module_class=DDPGTorchRLModule)
 
+    @override(SACConfig)
     def get_default_learner_class(self):
         return DDPGTorchLearner
 
     @property
+    @override(AlgorithmConfig)
     def _model_config_auto_includes(self) -> dict[str, Any]:
         final = (self.exploration_noise if self.exploration_noise_final is None
                  else self.exploration_noise_final)
@@ -229,9 +246,11 @@ class DDPG(SAC):
     MAX_UPDATES_PER_CALL = 32
 
     @classmethod
+    @override(SAC)
     def get_default_config(cls) -> DDPGConfig:
         return DDPGConfig()
 
+    @override(SAC)
     def setup(self, config) -> None:
         super().setup(config)
         cfg = self.config
@@ -263,6 +282,7 @@ class DDPG(SAC):
     # ------------------------------------------------------------------ checkpoints
     REPLAY_FILE = "replay.npz"
 
+    @override(SAC)
     def save_to_path(self, path=None, *args, **kwargs) -> str:
         """RLlib's checkpoint plus the replay buffer (``replay.npz``) and the update counters,
         so a restored run continues with the same data and priorities."""
@@ -272,6 +292,7 @@ class DDPG(SAC):
             {"updates_done": self.updates_done, "update_credit": self._update_credit}))
         return path
 
+    @override(SAC)
     def restore_from_path(self, path, *args, **kwargs) -> None:
         super().restore_from_path(path, *args, **kwargs)
         replay = Path(path) / self.REPLAY_FILE
@@ -303,7 +324,7 @@ class DDPG(SAC):
         if self.demos is None:
             raise ValueError("pretrain_actor() needs add_demonstrations() first")
         steps = int(self.config.bc_pretrain_steps if steps is None else steps)
-        module = self.learner_group._learner.module[DEFAULT_MODULE_ID]
+        module = local_learner(self).module[DEFAULT_MODULE_ID]
         dev = next(module.pi.parameters()).device
         opt = torch.optim.Adam(module.pi.parameters(), lr=lr or self.config.actor_lr)
         loss = torch.zeros(())
@@ -367,15 +388,13 @@ class DDPG(SAC):
             n += t
         return n
 
+    @override(SAC)
     def training_step(self) -> None:
         cfg = self.config
         steps = self.metrics.peek((ENV_RUNNER_RESULTS, NUM_ENV_STEPS_SAMPLED_LIFETIME),
                                   default=0)
         random_actions = steps < cfg.random_warmup_steps
-        episodes, runner_metrics = synchronous_parallel_sample(
-            worker_set=self.env_runner_group, concat=True,
-            sample_timeout_s=cfg.sample_timeout_s, random_actions=random_actions,
-            _uses_new_env_runners=True, _return_metrics=True)
+        episodes, runner_metrics = sample_episodes(self, random_actions=random_actions)
         self.metrics.aggregate(runner_metrics, key=ENV_RUNNER_RESULTS)
         new = self._store(episodes, random_actions)
         steps = self.metrics.peek((ENV_RUNNER_RESULTS, NUM_ENV_STEPS_SAMPLED_LIFETIME),
@@ -419,22 +438,23 @@ class DDPG(SAC):
                       timesteps: dict[str, Any]) -> list[dict]:
         """``Learner.update`` for a local learner (``num_learners=0``), without its
         per-minibatch machinery: the ``n`` minibatches become tensors on the learner's device
-        once and go through ``Learner._update`` (forward, losses, gradients, optimizer steps,
+        once and go through ``Learner._update`` (:func:`~agents.ddpg.rllib_internals.
+        learner_update`: forward, losses, gradients, optimizer steps,
         Polyak averaging: the same code) one after another, in order. What ``update`` logs
         per minibatch (trained-step counters) is logged once for the call, summed;
         ``before/after_gradient_based_update`` run once, as in ``update``. Returns the
         reduced metrics in ``learner_group.update``'s format."""
-        learner = self.learner_group._learner
+        learner = local_learner(self)
         learner.before_gradient_based_update(timesteps=timesteps)
-        learner._weights_seq_no += 1
-        dev = learner._device
+        bump_weights_seq_no(learner)
+        dev = learner.device
         tensors = {k: torch.from_numpy(np.ascontiguousarray(v)).to(dev)
                    for k, v in cols.items()}
         losses: dict = {}
         for i in range(n):
             mb = {k: v[i * batch_size:(i + 1) * batch_size] for k, v in tensors.items()}
-            _, losses, _ = learner._update({DEFAULT_MODULE_ID: mb})
-        learner._log_steps_trained_metrics(MultiAgentBatch(
+            _, losses, _ = learner_update(learner, {DEFAULT_MODULE_ID: mb})
+        log_steps_trained(learner, MultiAgentBatch(
             {DEFAULT_MODULE_ID: SampleBatch({Columns.REWARDS: cols[Columns.REWARDS]})},
             env_steps=n * batch_size))
         for mid, loss in losses.items():
@@ -446,7 +466,7 @@ class DDPG(SAC):
         """With a local learner and only the local env runner (``num_learners=0``,
         ``num_env_runners=0``), copy the actor's weights tensor to tensor, in place. RLlib's
         ``sync_weights`` converts the state to numpy, puts it in the object store even with no
-        remote runner, and converts it back (~4 ms a call here). Returns False (nothing done)
+        remote runner, and converts it back, on every call. Returns False (nothing done)
         in any other layout, where ``sync_weights`` is the way."""
         runner = self.env_runner_group.local_env_runner
         if (runner is None or self.env_runner_group.num_remote_workers() > 0
@@ -455,7 +475,7 @@ class DDPG(SAC):
         dst = runner.module
         if isinstance(dst, MultiRLModule):
             dst = dst[DEFAULT_MODULE_ID]
-        src = dict(self.learner_group._learner.module[DEFAULT_MODULE_ID].unwrapped()
+        src = dict(local_learner(self).module[DEFAULT_MODULE_ID].unwrapped()
                    .named_parameters())
         dst_params = list(dst.unwrapped().named_parameters())
         if not dst_params or any(name not in src for name, _ in dst_params):

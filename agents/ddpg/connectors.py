@@ -3,8 +3,8 @@ action and a stateless deterministic actor.
 
 RLlib's default pipelines are general: per item, they add observations episode by episode,
 batch individual items, convert nested structures, unbatch them again, map module to agent
-ids and listify for the vector env, about 0.7 ms of Python per env step on this machine
-(``bench/bench_throughput.py --profile``), more than the actor's forward pass. For the case
+ids and listify for the vector env, which costs more Python per env step than the actor's
+forward pass (``bench/bench_throughput.py --profile`` shows the split). For the case
 above, the whole transformation is "stack the latest observations into one tensor" and
 "move the actions to numpy, unsquash them into the action space's bounds and clip". These two
 connectors do exactly that, with RLlib's semantics: the episode stores the module's action in
@@ -24,7 +24,7 @@ import torch
 from ray.rllib.connectors.connector_v2 import ConnectorV2
 from ray.rllib.core.columns import Columns
 
-__all__ = ["LatestObservationsToTensor", "ActionsToEnv", "supports_fast_connectors"]
+__all__ = ["ActionsToEnv", "LatestObservationsToTensor", "supports_fast_connectors"]
 
 
 def supports_fast_connectors(obs_space: Any, act_space: Any) -> bool:

@@ -8,20 +8,27 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from typing import Any, Dict
+from typing import Any
 
 import torch
-
 from ray.rllib.algorithms.dqn.dqn_learner import DQNLearner
-from ray.rllib.algorithms.sac.sac_learner import (QF_LOSS_KEY, QF_PREDS, QF_TARGET_NEXT,
-                                                  QF_TWIN_LOSS_KEY, QF_TWIN_PREDS)
+from ray.rllib.algorithms.sac.sac_learner import (
+    QF_LOSS_KEY,
+    QF_PREDS,
+    QF_TARGET_NEXT,
+    QF_TWIN_LOSS_KEY,
+    QF_TWIN_PREDS,
+)
 from ray.rllib.algorithms.sac.torch.sac_torch_learner import SACTorchLearner
 from ray.rllib.core.columns import Columns
-from ray.rllib.core.learner.learner import POLICY_LOSS_KEY
+from ray.rllib.core.learner.learner import POLICY_LOSS_KEY, Learner
+from ray.rllib.core.learner.torch.torch_learner import TorchLearner
+from ray.rllib.utils.annotations import override
 from ray.rllib.utils.metrics import ALL_MODULES, TD_ERROR_KEY
 
+from .rllib_internals import has_grad_scalers_or_lr_schedulers, learner_params, module_optimizers
 
-__all__ = ["DDPGTorchLearner", "DEMO"]
+__all__ = ["DEMO", "DDPGTorchLearner"]
 
 DEMO = "demo"  # batch column: 1.0 for demonstration transitions
 
@@ -38,16 +45,18 @@ def _adam(params, weight_decay: float) -> torch.optim.Adam:
 
 
 class DDPGTorchLearner(SACTorchLearner):
+    @override(SACTorchLearner)
     def build(self) -> None:
         super().build()
-        self._updates: Dict[str, int] = defaultdict(int)
-        self._actor_step: Dict[str, bool] = {}
+        self._updates: dict[str, int] = defaultdict(int)
+        self._actor_step: dict[str, bool] = {}
 
+    @override(SACTorchLearner)
     def configure_optimizers_for_module(self, module_id, config=None) -> None:
         """Two Adams: ``qf`` over the critic(s) (the twin critic's parameters join the
         first's: Adam is per parameter, so this is the same update with one optimizer call
         fewer per gradient step) and ``policy`` over the actor."""
-        module = self._module[module_id]
+        module = self.module[module_id]
         critics = [module.qf, *((module.qf_twin,) if config.twin_q else ())]
         for name, params, lr, wd in (
                 ("qf", [p for net in critics for p in self.get_parameters(net)],
@@ -57,6 +66,7 @@ class DDPGTorchLearner(SACTorchLearner):
                                     optimizer=_adam(params, wd),
                                     params=params, lr_or_lr_schedule=lr)
 
+    @override(SACTorchLearner)
     def compute_loss_for_module(self, *, module_id, config, batch, fwd_out) -> torch.Tensor:
         r = batch[Columns.REWARDS]
         done = batch[Columns.TERMINATEDS].float()
@@ -95,11 +105,12 @@ class DDPGTorchLearner(SACTorchLearner):
         self.metrics.log_dict(logs, key=module_id, window=1)
         return sum(losses.values())
 
-    def compute_gradients(self, loss_per_module, **kwargs) -> Dict[str, Any]:
+    @override(TorchLearner)
+    def compute_gradients(self, loss_per_module, **kwargs) -> dict[str, Any]:
         """One backward pass per module: the critic losses reach only the critics (the
         actions come from the batch, the target under no_grad) and the actor loss only the
         actor (:meth:`DDPGTorchRLModule.actor_objective`), so their sum separates."""
-        grads: Dict[str, Any] = {}
+        grads: dict[str, Any] = {}
         for mid in set(loss_per_module) - {ALL_MODULES}:
             optimizers = self.get_optimizers_for_module(mid)
             for _, opt in optimizers:
@@ -109,26 +120,28 @@ class DDPGTorchLearner(SACTorchLearner):
                 opt.zero_grad(set_to_none=True)
             loss_per_module[mid].backward()
             for _, opt in optimizers:
-                grads.update({k: p.grad for k, p in
-                              self.filter_param_dict_for_optimizer(self._params, opt).items()})
+                grads.update({k: p.grad for k, p in self.filter_param_dict_for_optimizer(
+                    learner_params(self), opt).items()})
         return grads
 
+    @override(TorchLearner)
     def apply_gradients(self, gradients_dict) -> None:
         """The optimizer steps, then (on actor steps: TD3 delays them with the actor) the
         Polyak averaging of every target network, once per gradient update, so several
         updates can share one ``learner_group.update`` call (minibatches).
 
         RLlib's ``TorchLearner.apply_gradients`` checks every gradient tensor for nan/inf
-        twice, one small kernel and one host sync each (~1 ms per update here). This does the
+        twice, one small kernel and one host sync each, per update. This does the
         same guard once per optimizer, on the fused norms of its gradients: an optimizer whose
         gradients are not all finite does not step (RLlib's ``torch_skip_nan_gradients=False``
         would zero them instead; skipping keeps Adam's moments clean) and a warning says so."""
-        if self._grad_scalers is not None or self._lr_scheduler_classes is not None:
+        if has_grad_scalers_or_lr_schedulers(self):
             super().apply_gradients(gradients_dict)  # mixed precision / lr schedulers
         else:
+            params = learner_params(self)
             for pid, grad in gradients_dict.items():
-                self._params[pid].grad = grad
-            for module_id, names in self._module_optimizers.items():
+                params[pid].grad = grad
+            for module_id, names in module_optimizers(self).items():
                 for name in names:
                     optim = self.get_optimizer(module_id, name)
                     grads = [p.grad for g in optim.param_groups for p in g["params"]
@@ -148,6 +161,8 @@ class DDPGTorchLearner(SACTorchLearner):
                     torch._foreach_lerp_(list(target.parameters()), list(main.parameters()),
                                          tau)
 
-    def after_gradient_based_update(self, *, timesteps: Dict[str, Any]) -> None:
-        # learning-rate schedules only; the targets moved in apply_gradients
+    @override(Learner)
+    def after_gradient_based_update(self, *, timesteps: dict[str, Any]) -> None:
+        # learning-rate schedules only (Learner's, skipping DQNLearner's target-network
+        # update): the targets moved in apply_gradients
         super(DQNLearner, self).after_gradient_based_update(timesteps=timesteps)

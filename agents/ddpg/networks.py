@@ -20,8 +20,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["mlp", "MLPCritic", "ChannelActor", "ChannelActorBatch", "ChannelActorRow",
-           "ChannelCritic", "channel_split"]
+__all__ = [
+    "ChannelActor",
+    "ChannelActorBatch",
+    "ChannelActorRow",
+    "ChannelCritic",
+    "MLPCritic",
+    "channel_split",
+    "mlp",
+]
 
 
 def mlp(inp: int, hidden: list[int], out: int, out_act: nn.Module | None = None) -> nn.Sequential:

@@ -1,8 +1,8 @@
 """Proportional prioritized experience replay (Schaul et al., 2016, arXiv:1511.05952).
 
 RLlib 2.60's ``PrioritizedEpisodeReplayBuffer`` builds one ``SingleAgentEpisode`` per sampled
-transition in Python (~30 ms for a batch of 256, ``rllib-ddpg.md`` section 6.4); with one
-update per environment step that, not the network, bounds training. This buffer stores
+transition in Python, per sampled batch; with one update per environment step that, not
+the network, bounds training (see the benchmarks page, ``docs/benchmarks.md``). This buffer stores
 transitions in preallocated numpy arrays and keeps priorities in a sum-tree whose batched
 prefix-sum search and updates are vectorised over the batch (O(B log N) numpy work, no
 Python loop over transitions).
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["SumTree", "PrioritizedReplay", "ReplayBatch", "linear_schedule"]
+__all__ = ["PrioritizedReplay", "ReplayBatch", "SumTree", "linear_schedule"]
 
 
 def linear_schedule(start: float, end: float, steps: int):

@@ -33,7 +33,7 @@ from envs.shaping.sincon import POLICY_NAMES, ShapingError
 from ..config import output_dir, to_dict
 from ..tracking import tracked_run
 
-__all__ = ["run_shaping", "run_grid", "summarize", "headline", "PAPER"]
+__all__ = ["PAPER", "headline", "run_grid", "run_shaping", "summarize"]
 
 #: the paper's numbers: factors no shaping / Sincon with 4 tenants (Figs. 5-6), growth of the
 #: unshaped setup time from 1 to 4 tenants and max / min channel throughput (Section II-B)

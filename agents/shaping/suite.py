@@ -15,14 +15,20 @@ Baselines (each returns the action that makes the env apply its limits, through
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from envs.shaping.sincon import AdaptiveLimitCalculator, ShapingError
 
-__all__ = ["baseline_policies", "BASELINES", "NoShapingPolicy", "StaticSplitPolicy",
-           "SinconPolicy"]
+__all__ = [
+    "BASELINES",
+    "NoShapingPolicy",
+    "SinconPolicy",
+    "StaticSplitPolicy",
+    "baseline_policies",
+]
 
 
 class NoShapingPolicy:

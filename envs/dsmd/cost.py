@@ -25,8 +25,15 @@ from . import kernels as _k
 from .errors import InstanceError
 from .instance import RPC, UNASSIGNED, DSMDInstance
 
-__all__ = ["Metrics", "CostSnapshot", "CostState", "evaluate", "metrics_from", "node_stats",
-           "violation"]
+__all__ = [
+    "CostSnapshot",
+    "CostState",
+    "Metrics",
+    "evaluate",
+    "metrics_from",
+    "node_stats",
+    "violation",
+]
 
 
 @dataclass(frozen=True)

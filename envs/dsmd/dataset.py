@@ -34,9 +34,10 @@ import os
 import re
 import tempfile
 from collections import OrderedDict
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -48,9 +49,19 @@ from .problems import DATASETS_DIR, SPLITS
 from .scenarios import ScenarioSpec, load_scenario
 from .traces import Dataset, read_dataset, write_dataset
 
-__all__ = ["DatasetSpec", "TraceRecord", "TraceDataset", "build_dataset", "open_dataset",
-           "import_traces", "load_dataset_spec", "DATASET_CONFIG_DIR", "MANIFEST",
-           "FORMAT_VERSION", "TRACE_FILES"]
+__all__ = [
+    "DATASET_CONFIG_DIR",
+    "FORMAT_VERSION",
+    "MANIFEST",
+    "TRACE_FILES",
+    "DatasetSpec",
+    "TraceDataset",
+    "TraceRecord",
+    "build_dataset",
+    "import_traces",
+    "load_dataset_spec",
+    "open_dataset",
+]
 
 DATASET_CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "dataset"
 MANIFEST = "manifest.json"
@@ -106,7 +117,7 @@ class DatasetSpec:
 
     # ------------------------------------------------------------------ conversions
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "DatasetSpec":
+    def from_dict(cls, d: Mapping[str, Any]) -> DatasetSpec:
         """From a mapping (YAML / JSON); unknown or missing keys are refused."""
         d = dict(d)
         known = {f.name for f in fields(cls)}
@@ -135,7 +146,7 @@ class DatasetSpec:
         d["dynamics"] = self.dynamics.to_dict()
         return d
 
-    def replace(self, **changes: Any) -> "DatasetSpec":
+    def replace(self, **changes: Any) -> DatasetSpec:
         return DatasetSpec.from_dict({**self.to_dict(), **changes})
 
     # ------------------------------------------------------------------ derived

@@ -28,7 +28,7 @@ from . import kernels as _k
 from .cost import CostState
 from .errors import DSMDError
 
-__all__ = ["DECODINGS", "decode_action", "decode_actions", "decode", "check_decoding"]
+__all__ = ["DECODINGS", "check_decoding", "decode", "decode_action", "decode_actions"]
 
 DECODINGS: tuple[str, ...] = ("argmax", "feasible")
 

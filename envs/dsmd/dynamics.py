@@ -60,14 +60,29 @@ import numpy as np
 
 from ..seeding import rng
 from .errors import DSMDError
-from .scenarios import (PHASE_CREATE, PHASE_DELETE, TRACE_EPOCH_NS, _TRACE_KEYS, ScenarioSpec,
-                        _emit_messages, _group_members, _messages_per_request, _Placement,
-                        _topology)
+from .scenarios import (
+    _TRACE_KEYS,
+    PHASE_CREATE,
+    PHASE_DELETE,
+    TRACE_EPOCH_NS,
+    ScenarioSpec,
+    _emit_messages,
+    _group_members,
+    _messages_per_request,
+    _Placement,
+    _topology,
+)
 from .topology import Topology
 from .traces import Dataset
 
-__all__ = ["DynamicsSpec", "Schedule", "generate_dynamic", "schedule", "dynamic_trace_key",
-           "EVENT_KINDS"]
+__all__ = [
+    "EVENT_KINDS",
+    "DynamicsSpec",
+    "Schedule",
+    "dynamic_trace_key",
+    "generate_dynamic",
+    "schedule",
+]
 
 #: Bumped when the dynamic generator's output changes (part of every dynamic trace key).
 _DYNAMIC_FORMAT = 1
@@ -152,7 +167,7 @@ class DynamicsSpec:
 
     # ------------------------------------------------------------------ helpers
     @classmethod
-    def off(cls, **changes: Any) -> "DynamicsSpec":
+    def off(cls, **changes: Any) -> DynamicsSpec:
         """Every dynamic switched off (a stationary trace at ``base_load``), with changes."""
         d: dict[str, Any] = {"bursts": False, "diurnal": False, "flash_crowds": False,
                              "lifecycles": False, "migrations": False}
@@ -160,7 +175,7 @@ class DynamicsSpec:
         return cls(**d)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> "DynamicsSpec":
+    def from_dict(cls, d: dict[str, Any] | None) -> DynamicsSpec:
         """From a mapping (a YAML / JSON ``dynamics:`` block); unknown keys are refused."""
         d = dict(d or {})
         known = {f.name for f in fields(cls)}
@@ -183,7 +198,7 @@ class DynamicsSpec:
             d[k] = list(d[k])
         return d
 
-    def replace(self, **changes: Any) -> "DynamicsSpec":
+    def replace(self, **changes: Any) -> DynamicsSpec:
         return DynamicsSpec.from_dict({**self.to_dict(), **changes})
 
 

@@ -11,16 +11,16 @@ types (destination-hash buckets, Algorithm 1) are decided one per step, largest
 
 ## Action space
 ``Box(-1, 1, (K+1,), float32)``: one score per channel (0 = RPC, t = MQ topic t), decoded
-by :mod:`envs.dsmd.decoding`: ``decoding="argmax"`` (default) is the paper's plain argmax,
-``"feasible"`` (the training configuration's choice, ``configs/env/dsmd.yaml``) takes the
-highest-scoring channel that keeps Eq. 1's constraints (the argmax if none does); ties are
-broken uniformly at random by the environment's RNG.
+by :mod:`envs.dsmd.decoding`: ``decoding="feasible"`` (default, as in
+``configs/env/dsmd.yaml`` and the exported policy bundles) takes the highest-scoring channel
+that keeps Eq. 1's constraints (the argmax if none does), ``"argmax"`` is the paper's plain
+argmax; ties are broken uniformly at random by the environment's RNG.
 With ``action="discrete"``: ``Discrete(K+1)``, applied as chosen.
 
 ## Observation space
 ``Box(-1, 1, (size,), float32)``; the layout depends on ``observation``
-(``paper``, ``paper_type`` (default), ``channel``) and is documented in
-:mod:`envs.dsmd.observation`.
+(``paper``, ``paper_type``, ``channel`` (default, as in ``configs/env/dsmd.yaml`` and the
+shipped policy bundle)) and is documented in :mod:`envs.dsmd.observation`.
 
 ## Reward
 Eq. 2 with ``kappa=100``, ``beta=50`` and the variants of :mod:`envs.dsmd.reward`
@@ -60,32 +60,20 @@ import numpy as np
 from gymnasium import spaces
 
 from .cost import CostState
-from .decoding import check_decoding, decode
+from .decision import ORDERS, DecisionStep
+from .decoding import check_decoding
 from .errors import DSMDError
-from .instance import RPC, DSMDInstance
-from .observation import ObservationBuilder, ObservationLayout
+from .instance import RPC
+from .observation import ObservationLayout
+from .parser import BatchKey
 from .problems import DATASETS_DIR, ProblemSet, problems_for
 from .reward import RewardConfig, eq2_terms
 from .scenarios import ScenarioSpec
 
-__all__ = ["DSMDEnv", "decision_order"]
+__all__ = ["DSMDEnv"]
 
 _REWARD_KEYS = {k: f"reward/{k}" for k in ("objective", "controller_bw_penalty",
                                           "controller_cpu_penalty", "node_penalty", "value")}
-
-
-def decision_order(inst: DSMDInstance, order: str, rng: np.random.Generator | None = None
-                   ) -> np.ndarray:
-    """The sequence in which an episode decides the types of ``inst``."""
-    if order == "rate_desc":
-        return np.argsort(-(inst.rate_bps * inst.fanout), kind="stable")
-    if order == "index":
-        return np.arange(inst.num_types)
-    if order == "random":
-        if rng is None:
-            raise DSMDError("order='random' needs an RNG")
-        return rng.permutation(inst.num_types)
-    raise DSMDError(f"order must be 'rate_desc', 'random' or 'index', got {order!r}")
 
 
 class DSMDEnv(gym.Env):
@@ -93,11 +81,11 @@ class DSMDEnv(gym.Env):
     metadata: dict[str, Any] = {"render_modes": []}
 
     def __init__(self, scenario: str | ScenarioSpec = "tiny", *, split: str = "train",
-                 windows: list[int] | None = None, observation: str = "paper_type",
+                 windows: list[int] | None = None, observation: str = "channel",
                  action: str = "box", reward: dict | RewardConfig | None = None,
                  order: str = "rate_desc", initial: str = "empty",
-                 decoding: str = "argmax", scenario_overrides: dict | None = None,
-                 cache_dir: str | Path | None = DATASETS_DIR, batch_key: str = "hosts",
+                 decoding: str = "feasible", scenario_overrides: dict | None = None,
+                 cache_dir: str | Path | None = DATASETS_DIR, batch_key: BatchKey = "hosts",
                  problems: ProblemSet | None = None) -> None:
         super().__init__()
         self.problems = problems if problems is not None else problems_for(
@@ -124,8 +112,8 @@ class DSMDEnv(gym.Env):
             raise DSMDError(f"action must be 'box' or 'discrete', got {action!r}")
         if initial not in ("empty", "rpc"):
             raise DSMDError(f"initial must be 'empty' or 'rpc', got {initial!r}")
-        decision_order(self.problems.instance(self.windows[0]), order,
-                       np.random.default_rng(0))  # validates ``order``
+        if order not in ORDERS:
+            raise DSMDError(f"order must be one of {ORDERS}, got {order!r}")
         self.order_mode, self.initial, self.action_mode = order, initial, action
         self.decoding = check_decoding(decoding)
         k = self.problems.spec.num_topics
@@ -136,10 +124,11 @@ class DSMDEnv(gym.Env):
         self.action_space = (spaces.Box(-1.0, 1.0, (k + 1,), dtype=np.float32)
                              if action == "box" else spaces.Discrete(k + 1))
         self.state: CostState | None = None
-        self._step = 0
+        self.decider: DecisionStep | None = None
 
     # ------------------------------------------------------------------ API
-    def reset(self, *, seed: int | None = None, options: dict | None = None):
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None
+              ) -> tuple[np.ndarray, dict[str, Any]]:
         super().reset(seed=seed)
         options = options or {}
         w = options.get("window")
@@ -153,30 +142,27 @@ class DSMDEnv(gym.Env):
         self.state = CostState(self.inst)
         if self.initial == "rpc":
             self.state.assign_all(np.full(self.inst.num_types, RPC))
-        self.order = decision_order(self.inst, self.order_mode, self.np_random)
-        self.obs_builder = ObservationBuilder(self.layout, self.inst)
-        self.obs_builder.reset(self.state)
-        self._step = 0
+        # with initial="rpc" the type being decided is taken off RPC first (DecisionStep.
+        # observe), so the observation shows the state the decision is made in
+        self.decider = DecisionStep(self.inst, self.layout, rng=self.np_random,
+                                    order=self.order_mode, decoding=self.decoding,
+                                    state=self.state,
+                                    progress="step" if self.initial == "rpc" else "decided")
+        self.order = self.decider.order
         self._value = eq2_terms(self.state, self.reward_cfg)["value"]
-        m = int(self.order[0]) if self.order.size else None
-        if self.initial == "rpc" and m is not None:
-            self._unassign_for_decision(m)
-        obs = self.obs_builder.observe(self.state, m, 0.0)
+        obs = self.decider.observe()
         return obs, {"window": self.window, "num_types": int(self.inst.num_types)}
 
-    def step(self, action):
-        if self.state is None:
+    def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        d = self.decider
+        if d is None:
             raise DSMDError("call reset() before step()")
-        if self._step >= self.order.size:
+        m = d.next_type
+        if m is None:
             raise DSMDError("episode is over; call reset()")
-        m = int(self.order[self._step])
-        c = (int(action) if self.action_mode == "discrete"
-             else decode(action, self.state, m, self.np_random, self.decoding))
-        self.state.move(m, c)
-        self.obs_builder.on_move(m, c)
-        self._step += 1
-        done = self._step >= self.order.size
-        terms = eq2_terms(self.state, self.reward_cfg)
+        c = d.apply_channel(int(action)) if self.action_mode == "discrete" else d.apply(action)
+        done = d.done
+        terms = eq2_terms(d.state, self.reward_cfg)
         form = self.reward_cfg.form
         if form == "delta":
             reward = terms["value"] - self._value
@@ -185,31 +171,20 @@ class DSMDEnv(gym.Env):
         else:
             reward = terms["value"] if done else 0.0
         self._value = terms["value"]
-        info = self.state.metrics().as_dict()  # the assignment the reward describes
+        info = d.state.metrics().as_dict()  # the assignment the reward describes
         for k, v in terms.items():
             info[_REWARD_KEYS[k]] = v
-        m_next = None if done else int(self.order[self._step])
-        if m_next is not None and self.initial == "rpc":
-            self._unassign_for_decision(m_next)
-        obs = self.obs_builder.observe(self.state, m_next, self._step / self.order.size)
+        obs = d.observe()
         info.update(window=self.window, type=m, channel=c,
                     catalog_type=int(self.inst.catalog_index[m]))
         return obs, float(reward), done, False, info
-
-    def _unassign_for_decision(self, m: int) -> None:
-        # with initial="rpc" the type being decided is taken off RPC first, so the
-        # observation shows the state the decision is made in
-        self.state.move(m, -1)
-        self.obs_builder.on_move(m, -1)
 
     # ------------------------------------------------------------------ helpers
     @property
     def next_type(self) -> int | None:
         """The instance index of the type the next step decides (None when the episode is
         over)."""
-        if self.state is None or self._step >= self.order.size:
-            return None
-        return int(self.order[self._step])
+        return None if self.decider is None else self.decider.next_type
 
     def final_metrics(self) -> dict:
         if self.state is None:

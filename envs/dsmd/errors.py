@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["DSMDError", "TraceError", "TopologyError", "InstanceError", "DatasetError"]
+__all__ = ["DSMDError", "DatasetError", "InstanceError", "TopologyError", "TraceError"]
 
 
 class DSMDError(ValueError):

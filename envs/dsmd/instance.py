@@ -8,15 +8,15 @@ bit. Channel ``0`` is RPC, ``1..K`` are MQ topics, ``-1`` means not yet assigned
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 
 from .errors import InstanceError
 from .parser import IntervalEstimate, TypeCatalog
 
-__all__ = ["DSMDInstance", "RPC", "UNASSIGNED", "rates_bps"]
+__all__ = ["RPC", "UNASSIGNED", "DSMDInstance", "rates_bps"]
 
 RPC = 0
 UNASSIGNED = -1
@@ -64,7 +64,7 @@ class DSMDInstance:
     def from_sets(cls, destinations: Sequence[Sequence[int]], rates_bps: Sequence[int],
                   node_capacity_bps: Sequence[int] | int, num_topics: int,
                   controller_bw_bps: int, controller_cpu: int, num_nodes: int | None = None,
-                  **kw) -> "DSMDInstance":
+                  **kw) -> DSMDInstance:
         """Build from Python lists (tests, hand-made examples)."""
         dests = [np.unique(np.asarray(d, dtype=np.int64)) for d in destinations]
         n = num_nodes if num_nodes is not None else (
@@ -80,7 +80,7 @@ class DSMDInstance:
     @classmethod
     def from_estimate(cls, catalog: TypeCatalog, estimate: IntervalEstimate, num_topics: int,
                       controller_bw_bps: int, controller_cpu: int,
-                      node_capacity_bps: np.ndarray | None = None, name: str = "") -> "DSMDInstance":
+                      node_capacity_bps: np.ndarray | None = None, name: str = "") -> DSMDInstance:
         """The instance of one interval: the types with traffic in it and their rates."""
         return cls.from_catalog(catalog, estimate.types,
                                 rates_bps(estimate.counter_bytes, estimate.interval_s),
@@ -93,7 +93,7 @@ class DSMDInstance:
                      num_topics: int, controller_bw_bps: int, controller_cpu: int,
                      node_capacity_bps: np.ndarray | None = None,
                      messages: np.ndarray | None = None, interval_s: float = 1.0,
-                     name: str = "") -> "DSMDInstance":
+                     name: str = "") -> DSMDInstance:
         """The instance over catalogue ``types`` (destinations, VPC and configuration from the
         catalogue) with the given rates (measured, estimated or forecast)."""
         types = np.asarray(types, np.int64)
@@ -190,7 +190,7 @@ class DSMDInstance:
     def messages_per_s(self) -> np.ndarray:
         return self.messages / self.interval_s
 
-    def subset(self, types: np.ndarray) -> "DSMDInstance":
+    def subset(self, types: np.ndarray) -> DSMDInstance:
         """The instance restricted to ``types`` (same nodes, capacities and K)."""
         types = np.asarray(types, dtype=np.int64)
         lens = self.fanout[types]
@@ -205,7 +205,7 @@ class DSMDInstance:
 
     def with_capacities(self, controller_bw_bps: int | None = None,
                         controller_cpu: int | None = None,
-                        node_capacity_bps: np.ndarray | int | None = None) -> "DSMDInstance":
+                        node_capacity_bps: np.ndarray | int | None = None) -> DSMDInstance:
         cap = self.node_capacity_bps
         if node_capacity_bps is not None:
             cap = (np.full(self.num_nodes, int(node_capacity_bps), np.int64)

@@ -13,8 +13,8 @@ topic's ``row`` is ``CostState.sub_count[t]``, the number of types on ``t`` with
 among their destinations.
 
 Why compiled: one decision of the policy server is a few dozen small array operations, and
-NumPy's fixed cost per call (about 1 us) made them most of the in-process decision time
-(``bench/bench_serving.py``); each loop here visits |D(m)|, K+1 or N entries once.
+NumPy's fixed cost per call, not the arithmetic, would dominate the in-process decision time
+(``bench/bench_serving.py`` measures it); each loop here visits |D(m)|, K+1 or N entries once.
 """
 
 from __future__ import annotations
@@ -22,10 +22,23 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["topic_add", "topic_remove", "rpc_shift", "channel_costs", "channel_costs_many",
-           "channel_observation", "observation_shared",
-           "channel_observation_rows", "nodes_fit", "first_fit",
-           "max_ratio", "argmax_ties", "argmax_ties_rows", "as_scores", "warm_up"]
+__all__ = [
+    "argmax_ties",
+    "argmax_ties_rows",
+    "as_scores",
+    "channel_costs",
+    "channel_costs_many",
+    "channel_observation",
+    "channel_observation_rows",
+    "first_fit",
+    "max_ratio",
+    "nodes_fit",
+    "observation_shared",
+    "rpc_shift",
+    "topic_add",
+    "topic_remove",
+    "warm_up",
+]
 
 _LOG_RATE_SCALE = 12.0  # the observation's log10(1 + f) / 12 (envs.dsmd.observation)
 
@@ -391,8 +404,8 @@ _warm = False
 def warm_up() -> None:
     """Compile (or load from the on-disk cache) every kernel with the argument types the
     simulator uses, so that the first real call does not pay for it (the policy server calls
-    this while starting, the controller adapter when it is made). About 1 s from the cache,
-    a few seconds on a fresh install; later calls return at once."""
+    this while starting, the controller adapter when it is made). Loading from the cache is
+    much faster than compiling on a fresh install; later calls return at once."""
     global _warm
     if _warm:
         return

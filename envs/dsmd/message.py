@@ -6,15 +6,15 @@ becomes training data for the next offline run."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 
 from .errors import DSMDError
 from .traces import CONFIG_NAMES, OPERATION_NAMES, Trace
 
-__all__ = ["Message", "table1_problem", "messages_to_trace", "messages_from_trace"]
+__all__ = ["Message", "messages_from_trace", "messages_to_trace", "table1_problem"]
 
 
 def table1_problem(configuration_type: str, operation_type: str, hosts) -> str | None:

@@ -31,8 +31,9 @@ Values outside [-1, 1] (a heavily overloaded controller or node) are clipped.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable, Literal
+from typing import Literal
 
 import numpy as np
 
@@ -41,7 +42,7 @@ from .cost import CostState
 from .errors import DSMDError
 from .instance import DSMDInstance
 
-__all__ = ["ObsVariant", "ObservationLayout", "ObservationBuilder", "VARIANTS"]
+__all__ = ["VARIANTS", "ObsVariant", "ObservationBuilder", "ObservationLayout"]
 
 ObsVariant = Literal["paper", "paper_type", "channel"]
 VARIANTS: tuple[str, ...] = ("paper", "paper_type", "channel")
@@ -157,7 +158,7 @@ class ObservationBuilder:
         ``ms[lo:hi]`` into ``out`` (``[hi - lo, size]`` float32). For the ``channel``
         variant, what the rows share is computed here, and ``fill`` only reads the state and
         that, so calls for disjoint ranges may run on several threads at once (how
-        :meth:`agents.bundle.PolicyBundle.score_rows` builds a batch's observations on the
+        :meth:`serving.bundle.PolicyBundle.score_rows` builds a batch's observations on the
         threads that score them). Valid until ``state`` changes."""
         ms = np.asarray(ms, dtype=np.int64)
         if self.layout.variant != "channel":

@@ -51,7 +51,6 @@ Nothing here imports gymnasium; :mod:`envs.dsmd.online_env` is the thin wrapper.
 from __future__ import annotations
 
 import copy
-
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -64,9 +63,19 @@ from .parser import BatchKey, ParsedTrace, parse_trace
 from .scenarios import ScenarioSpec
 from .traces import Dataset
 
-__all__ = ["OnlineCost", "OnlineTrace", "OnlineView", "Placement", "NewType", "OnlineDecider",
-           "OnlineSimulator", "IntervalResult", "relabel_topics", "INTERVAL_FIELDS",
-           "run_online"]
+__all__ = [
+    "INTERVAL_FIELDS",
+    "IntervalResult",
+    "NewType",
+    "OnlineCost",
+    "OnlineDecider",
+    "OnlineSimulator",
+    "OnlineTrace",
+    "OnlineView",
+    "Placement",
+    "relabel_topics",
+    "run_online",
+]
 
 
 @dataclass(frozen=True)
@@ -92,7 +101,7 @@ class OnlineCost:
                 raise DSMDError(f"online cost weight {k} must be a finite number >= 0, got {v!r}")
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> "OnlineCost":
+    def from_dict(cls, d: dict[str, Any] | None) -> OnlineCost:
         d = dict(d or {})
         unknown = sorted(set(d) - set(cls.__dataclass_fields__))
         if unknown:
@@ -138,7 +147,7 @@ class OnlineTrace:
 
     @classmethod
     def from_dataset(cls, dataset: Dataset, spec: ScenarioSpec, name: str = "",
-                     batch_key: BatchKey = "hosts") -> "OnlineTrace":
+                     batch_key: BatchKey = "hosts") -> OnlineTrace:
         start = dataset.meta.get("start_ns")
         dur = dataset.meta.get("duration_s")
         end = (None if start is None or dur is None
@@ -429,7 +438,7 @@ class OnlineSimulator:
     def done(self) -> bool:
         return self.window >= self.trace.num_windows
 
-    def clone(self) -> "OnlineSimulator":
+    def clone(self) -> OnlineSimulator:
         """An independent copy of the run so far (the trace is shared): to try a decision
         and keep or drop its outcome (:func:`agents.online_eval.knob_oracle`)."""
         c = copy.copy(self)

@@ -24,16 +24,24 @@ from __future__ import annotations
 
 import importlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from .errors import DSMDError
 from .online import NewType, OnlineCost, OnlineView, Placement
 
-__all__ = ["FEATURES", "OBS_SIZE", "online_features", "KnobMap", "KnobPolicy", "load_executor",
-           "DEFAULT_EXECUTOR"]
+__all__ = [
+    "DEFAULT_EXECUTOR",
+    "FEATURES",
+    "OBS_SIZE",
+    "KnobMap",
+    "KnobPolicy",
+    "load_executor",
+    "online_features",
+]
 
 DEFAULT_EXECUTOR = "agents.online:OnlineGreedy"
 

@@ -55,8 +55,9 @@ the trace id.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
@@ -67,7 +68,7 @@ from .online import OnlineCost, OnlineSimulator, OnlineTrace
 from .online_control import OBS_SIZE, KnobMap, load_executor
 from .problems import DATASETS_DIR
 
-__all__ = ["DSMDOnlineEnv", "load_online_traces", "OBS_SIZE"]
+__all__ = ["OBS_SIZE", "DSMDOnlineEnv", "load_online_traces"]
 
 def load_online_traces(dataset: Any, split: str, cache_dir: str | Path | None = DATASETS_DIR,
                        limit: int | None = None, batch_key: str = "hosts"

@@ -30,8 +30,16 @@ from .errors import DSMDError, TraceError
 from .topology import Topology
 from .traces import Trace
 
-__all__ = ["BatchKey", "BATCH_KEYS", "destination_key", "TypeCatalog", "MessageParser", "IntervalEstimate",
-           "ParsedTrace", "parse_trace"]
+__all__ = [
+    "BATCH_KEYS",
+    "BatchKey",
+    "IntervalEstimate",
+    "MessageParser",
+    "ParsedTrace",
+    "TypeCatalog",
+    "destination_key",
+    "parse_trace",
+]
 
 BatchKey = Literal["hosts", "hosts+vpc", "hosts+vpc+config"]
 BATCH_KEYS: tuple[str, ...] = ("hosts", "hosts+vpc", "hosts+vpc+config")

@@ -17,7 +17,7 @@ from .parser import BatchKey, ParsedTrace, parse_trace
 from .scenarios import ScenarioSpec, load_scenario, scenario_dataset
 from .traces import Dataset
 
-__all__ = ["ProblemSet", "build_problems", "problems_for", "DATASETS_DIR", "SPLITS"]
+__all__ = ["DATASETS_DIR", "SPLITS", "ProblemSet", "build_problems", "problems_for"]
 
 SPLITS = ("train", "validation", "test")
 DATASETS_DIR = Path(os.environ.get("SMART_DATASETS",

@@ -45,8 +45,15 @@ from .schema import OperationType as OT
 from .topology import Topology
 from .traces import CONFIG_NAMES, OPERATION_NAMES, Dataset, Trace, read_dataset, write_dataset
 
-__all__ = ["ScenarioSpec", "generate", "load_scenario", "scenario_dataset", "pareto_params",
-           "CONFIG_DIR", "TRACE_EPOCH_NS"]
+__all__ = [
+    "CONFIG_DIR",
+    "TRACE_EPOCH_NS",
+    "ScenarioSpec",
+    "generate",
+    "load_scenario",
+    "pareto_params",
+    "scenario_dataset",
+]
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "scenario"
 TRACE_EPOCH_NS = 1_767_225_600 * 10**9  # 2026-01-01T00:00:00Z
@@ -115,7 +122,7 @@ class ScenarioSpec:
 
     # ------------------------------------------------------------------ helpers
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ScenarioSpec":
+    def from_dict(cls, d: dict[str, Any]) -> ScenarioSpec:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         d = {k: v for k, v in d.items() if k in known}
@@ -135,7 +142,7 @@ class ScenarioSpec:
             raise DSMDError(f"scenario '{d.get('name', '?')}': " + "; ".join(problems))
         return spec
 
-    def replace(self, **changes: Any) -> "ScenarioSpec":
+    def replace(self, **changes: Any) -> ScenarioSpec:
         d = asdict(self)
         d.update(changes)
         return ScenarioSpec.from_dict(d)
@@ -313,7 +320,7 @@ class _Placement:
     group_nodes: np.ndarray  # int64 node indices
 
     @classmethod
-    def of(cls, groups: _Groups, vm_node: np.ndarray) -> "_Placement":
+    def of(cls, groups: _Groups, vm_node: np.ndarray) -> _Placement:
         vm_node = np.atleast_2d(np.asarray(vm_node, dtype=np.int64))
         ptr, nodes = groups.nodes(vm_node)
         return cls(vm_node, ptr, nodes)

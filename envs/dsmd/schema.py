@@ -34,12 +34,12 @@ from enum import Enum
 import pyarrow as pa
 
 __all__ = [
-    "ConfigurationType",
-    "OperationType",
     "MESSAGE_SCHEMA",
+    "MULTICAST_CONFIGURATIONS",
     "NODE_SCHEMA",
     "VM_SCHEMA",
-    "MULTICAST_CONFIGURATIONS",
+    "ConfigurationType",
+    "OperationType",
 ]
 
 

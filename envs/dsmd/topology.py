@@ -46,7 +46,7 @@ class Topology:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_arrays(cls, node_ids, bandwidth_bps, vm_ids, vm_node_ids, vm_vpc) -> "Topology":
+    def from_arrays(cls, node_ids, bandwidth_bps, vm_ids, vm_node_ids, vm_vpc) -> Topology:
         node_ids = np.asarray(node_ids, dtype=np.uint32)
         order = np.argsort(node_ids, kind="stable")
         node_ids = node_ids[order]
@@ -115,7 +115,7 @@ class Topology:
                                  "vpc_id": self.vm_vpc}, schema=VM_SCHEMA), d / "vms.parquet")
 
     @classmethod
-    def read(cls, directory: str | Path) -> "Topology":
+    def read(cls, directory: str | Path) -> Topology:
         d = Path(directory)
         nodes = _read_checked(d / "nodes.parquet", NODE_SCHEMA)
         vms = _read_checked(d / "vms.parquet", VM_SCHEMA)

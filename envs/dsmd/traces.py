@@ -23,8 +23,16 @@ from .errors import TraceError
 from .schema import MESSAGE_SCHEMA, ConfigurationType, OperationType
 from .topology import Topology
 
-__all__ = ["Trace", "Dataset", "CONFIG_NAMES", "OPERATION_NAMES", "read_dataset",
-           "write_dataset", "read_trace", "write_trace"]
+__all__ = [
+    "CONFIG_NAMES",
+    "OPERATION_NAMES",
+    "Dataset",
+    "Trace",
+    "read_dataset",
+    "read_trace",
+    "write_dataset",
+    "write_trace",
+]
 
 CONFIG_NAMES: tuple[str, ...] = tuple(c.value for c in ConfigurationType)
 OPERATION_NAMES: tuple[str, ...] = tuple(o.value for o in OperationType)
@@ -67,7 +75,7 @@ class Trace:
             return 0.0
         return float(self.timestamp_ns[-1] - self.timestamp_ns[0]) / 1e9
 
-    def slice(self, start: int, stop: int) -> "Trace":
+    def slice(self, start: int, stop: int) -> Trace:
         """Rows ``start:stop`` as a new trace (host ids are copied)."""
         lo, hi = int(self.hosts_indptr[start]), int(self.hosts_indptr[stop])
         return Trace(
@@ -150,7 +158,7 @@ class Trace:
             schema=MESSAGE_SCHEMA)
 
     @classmethod
-    def from_arrow(cls, table: pa.Table, path: str | Path | None = None) -> "Trace":
+    def from_arrow(cls, table: pa.Table, path: str | Path | None = None) -> Trace:
         """Columns from an Arrow table, with type checks naming the offending field."""
         cols: dict[str, Any] = {}
         for f in MESSAGE_SCHEMA:

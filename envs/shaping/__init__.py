@@ -1,4 +1,4 @@
-"""The control-channel shaping sub-problem (Sincon, Yoo et al.; issue 7).
+"""The control-channel shaping sub-problem (Sincon, Yoo et al.).
 
 * :mod:`envs.shaping.sincon`: the adaptive limit calculator (Section III-A) and the
   delay-based channel shaper (Section III-B), the no-shaping and static-split policies.
@@ -11,9 +11,17 @@
 The real asyncio shaper on byte streams is :mod:`delivery.shaper`.
 """
 
-from .simulator import SimConfig, SimResult, ShapingSimulator, simulate
-from .sincon import (AdaptiveLimitCalculator, ChannelShaper, ShaperConfig, ShapingError,
-                     SinconConfig)
+from .simulator import ShapingSimulator, SimConfig, SimResult, simulate
+from .sincon import AdaptiveLimitCalculator, ChannelShaper, ShaperConfig, ShapingError, SinconConfig
 
-__all__ = ["AdaptiveLimitCalculator", "ChannelShaper", "ShaperConfig", "ShapingError",
-           "SinconConfig", "SimConfig", "SimResult", "ShapingSimulator", "simulate"]
+__all__ = [
+                     "AdaptiveLimitCalculator",
+                     "ChannelShaper",
+                     "ShaperConfig",
+                     "ShapingError",
+                     "ShapingSimulator",
+                     "SimConfig",
+                     "SimResult",
+                     "SinconConfig",
+                     "simulate",
+]

@@ -1,4 +1,4 @@
-"""``smart/Shaping-v0``: an agent sets the control channels' throughput limits (issue 7).
+"""``smart/Shaping-v0``: an agent sets the control channels' throughput limits.
 
 A thin gymnasium wrapper over :class:`envs.shaping.simulator.ShapingSimulator` (no gymnasium
 there). Where Sincon's adaptive limit calculator (Section III-A) sets the limits by its
@@ -58,7 +58,8 @@ times are the episode's duration when no setup completed).
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
@@ -67,7 +68,7 @@ from gymnasium import spaces
 from .simulator import DIRECTIONS, ShapingSimulator, SimConfig
 from .sincon import ExternalLimits, ShapingError
 
-__all__ = ["ShapingEnv", "jain_index", "REWARD_DEFAULTS"]
+__all__ = ["REWARD_DEFAULTS", "ShapingEnv", "jain_index"]
 
 REWARD_DEFAULTS = {"setup_weight": 0.5, "setup_ref_s": 0.1, "max_penalty": 5.0}
 
@@ -83,7 +84,7 @@ class ShapingEnv(gym.Env):
     __doc__ = __doc__
     metadata: dict[str, Any] = {"render_modes": []}
 
-    def __init__(self, tenants: int = 2, switches_per_tenant: int = 10,
+    def __init__(self, tenants: int = 4, switches_per_tenant: int = 10,
                  duration_s: float = 5.0, period_s: float = 0.1,
                  sim: Mapping[str, Any] | None = None, min_limit_share: float = 1e-3,
                  usage_cap: float = 4.0, queue_ref_s: float = 1.0,

@@ -1,7 +1,8 @@
 """The network hypervisor's processing as the shared resource of the control channels
 (``SimConfig.server = "hypervisor"`` in :mod:`envs.shaping.simulator`).
 
-What the paper gives (Yoo et al., seeds/001):
+What the paper gives (Sincon, Yoo et al., "Adaptive Control Channel Traffic Shaping for
+Virtualized SDN in Clouds"):
 
 * Sincon is "a part of the NH" (Section III); "a control channel is a TCP connection with a
   queue" and the NH has two operations per channel, channel_read (packets from the tenant
@@ -39,14 +40,14 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
 from .sincon import ShapingError
 
-__all__ = ["HypervisorConfig", "IOThreadPool", "SERVERS"]
+__all__ = ["SERVERS", "HypervisorConfig", "IOThreadPool"]
 
 #: the shared resource of the channels of one direction: the link (transmission at ``G``)
 #: or the hypervisor's I/O threads (this module)

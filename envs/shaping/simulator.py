@@ -68,19 +68,32 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
 from envs.seeding import rng
 
 from .hypervisor import SERVERS, HypervisorConfig, IOThreadPool
-from .sincon import (ChannelShaper, LimitPolicy, ShaperConfig, ShapingError, SinconConfig,
-                     make_policy)
+from .sincon import (
+    ChannelShaper,
+    LimitPolicy,
+    ShaperConfig,
+    ShapingError,
+    SinconConfig,
+    make_policy,
+)
 
-__all__ = ["TrafficConfig", "SimConfig", "SimResult", "ShapingSimulator",
-           "DIRECTIONS", "simulate"]
+__all__ = [
+    "DIRECTIONS",
+    "ShapingSimulator",
+    "SimConfig",
+    "SimResult",
+    "TrafficConfig",
+    "simulate",
+]
 
 DIRECTIONS = ("read", "write")
 READ, WRITE = 0, 1
@@ -178,7 +191,7 @@ class SimConfig:
         self.sincon_config()
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any] | None = None, **overrides: Any) -> "SimConfig":
+    def from_dict(cls, d: Mapping[str, Any] | None = None, **overrides: Any) -> SimConfig:
         """Build from plain (nested) dicts; unknown keys are an error naming them."""
         data = {**dict(d or {}), **overrides}
         return _build(cls, data, "SimConfig")

@@ -28,10 +28,23 @@ from typing import Protocol
 
 import numpy as np
 
-__all__ = ["ShapingError", "SinconConfig", "ShaperConfig", "AdaptiveLimitCalculator",
-           "RateMeter", "ChannelShaper", "SHAPER_MODELS", "LimitPolicy", "NoShaping",
-           "StaticSplit", "SinconLimits", "ExternalLimits", "make_policy", "POLICY_NAMES",
-           "CheckResult"]
+__all__ = [
+    "POLICY_NAMES",
+    "SHAPER_MODELS",
+    "AdaptiveLimitCalculator",
+    "ChannelShaper",
+    "CheckResult",
+    "ExternalLimits",
+    "LimitPolicy",
+    "NoShaping",
+    "RateMeter",
+    "ShaperConfig",
+    "ShapingError",
+    "SinconConfig",
+    "SinconLimits",
+    "StaticSplit",
+    "make_policy",
+]
 
 
 class ShapingError(ValueError):
@@ -62,8 +75,8 @@ class SinconConfig:
     names gamma but gives no value). The default 0.1 is a fine step: limits never shrink
     except through the reset (6), so a coarse step hands bursting channels more than they
     use and empties the pool sooner (more resets). With the default workload and 4 tenants
-    the mean setup time is lowest at the smallest step tried (``README``: 0.1 / 0.25 / 0.5 /
-    1.0); 0.5 was the earlier default.
+    the mean setup time is lowest at the smallest step tried (0.1 / 0.25 / 0.5 / 1.0;
+    ``python shaping.py sim.sincon.gamma=...`` runs the comparison).
     """
 
     global_throughput: float            # G, bytes/s of the link between NH and controllers
@@ -167,7 +180,7 @@ class ShaperConfig:
       waits ``max(0, level - L * burst_s) / L``. A channel under its limit over the last
       window sees no delay; past it the delay grows with the excess, so a backlogged channel
       runs at exactly ``L``.
-    * ``model="power"`` (the previous reading): after ``b`` bytes the next processing waits
+    * ``model="power"`` (the alternative reading): after ``b`` bytes the next processing waits
       ``b / L * min((r / L) ** exponent, max_ratio)`` with ``r`` the metered throughput. It
       delays even a channel far under its limit (``b / L * r / L``), and a backlogged
       channel whose meter still reads above ``L`` (after its limit fell) runs *below* ``L``
@@ -200,7 +213,7 @@ class RateMeter:
     """Throughput processed by one channel: an exponentially weighted rate with time
     constant ``tau`` (for a steady stream of ``R`` bytes/s it reads ``R``)."""
 
-    __slots__ = ("tau", "rate", "t")
+    __slots__ = ("rate", "t", "tau")
 
     def __init__(self, tau: float) -> None:
         self.tau = float(tau)
@@ -228,7 +241,7 @@ class ChannelShaper:
     are never dropped: the caller queues them. A limit of ``inf`` (or >= ``bypass_at``)
     means no shaping (delay 0)."""
 
-    __slots__ = ("cfg", "meter", "bypass_at", "level", "t_level")
+    __slots__ = ("bypass_at", "cfg", "level", "meter", "t_level")
 
     def __init__(self, cfg: ShaperConfig | None = None, bypass_at: float = math.inf) -> None:
         self.cfg = cfg or ShaperConfig()

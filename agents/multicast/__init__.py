@@ -1,4 +1,0 @@
-"""Solvers and baselines of the multicast sub-problem (``seeds/004``): Theorem 1,
-Algorithm 1 / Corollary 3 (:mod:`.solver`), the baselines of Section VII (:mod:`.baselines`),
-the learning contract's suite (:mod:`.suite`) and the Figs. 8-11 reproduction
-(:mod:`.experiment`)."""

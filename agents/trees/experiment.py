@@ -1,0 +1,242 @@
+"""The reproduction of Figs. 8-11 of Optimal Multicast (Zhu et al., Section VII):
+``python trees.py`` (Hydra, ``configs/trees.yaml``; MLflow experiment ``smart-dsmd-trees``).
+
+* Fig. 8: total receiving rate against the number of hypervisors (2..14) for the path of
+  Theorem 1, a star, a binary and a ternary tree, at the profiled input rate (0.8 Gbps). Two
+  accountings: objective (1) (tunnel streams only, Theorem 1's model) and the paper's
+  evaluation accounting, where each receiving hypervisor's switch also sends one stream to
+  its local VM (Section VII-A: "at most two output streams for each OvS: one to the host
+  attached to it and the other to the next OvS") and the VMs' rates are summed.
+* Figs. 9-10: the cluster of Section VII-B (100 service nodes with background load, 100
+  groups joining one after another); per scheme, the CDF of each group's mean per-stream
+  receiving rate over its input rate (Fig. 9) and the CDF of the service nodes' workloads
+  after all groups (Fig. 10; the group-added part is plotted beside the total).
+* Fig. 11: the same two CDFs for Algorithm 1 under several ``lambda``.
+
+Each run writes CSV tables (``fig8.csv``, ``groups.csv``, ``workloads.csv``,
+``summary.csv``), PNG plots and an MLflow run (metrics ``<scheme>/<metric>``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+from omegaconf import DictConfig, OmegaConf
+
+from envs.seeding import rng
+from envs.trees.groups import (
+    ClusterSpec,
+    ClusterState,
+    GroupSpec,
+    background_loads,
+    generate_groups,
+)
+from envs.trees.switch import SwitchModel, switch_from_spec
+from envs.trees.tree import evaluate_tree, objective1
+
+from ..plots import _save
+from .baselines import SCHEMES, small_group_trees
+
+__all__ = ["cluster_tables", "fig8_table", "run_sequence", "run_trees", "summarize"]
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def fig8_table(switch: SwitchModel, hypervisors: Sequence[int], rate_gbps: float
+               ) -> pd.DataFrame:
+    """Fig. 8: one row per (topology, n)."""
+    rows = []
+    for n in hypervisors:
+        for name, tree in small_group_trees(int(n)).items():
+            vm = evaluate_tree(tree, switch, rate_gbps, local_delivery=True).delivered
+            rows.append({"topology": name, "hypervisors": int(n),
+                         "receiving_rate_gbps": float(vm.sum()),
+                         "objective1_gbps": objective1(tree, switch, rate_gbps),
+                         "height": tree.height()})
+    return pd.DataFrame(rows)
+
+
+def run_sequence(scheme: str, cluster: ClusterSpec, groups: GroupSpec,
+                 switch: SwitchModel, seed: int) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Place one seed's group sequence with ``scheme``; per-group rows and per-node
+    workloads. Background loads and groups depend on ``seed`` only, so every scheme sees
+    the same sequence."""
+    if scheme not in SCHEMES:
+        raise KeyError(f"unknown scheme {scheme!r}; known: {sorted(SCHEMES)}")
+    state = ClusterState(cluster, switch, background_loads(cluster, rng(seed, "background")))
+    seq = generate_groups(groups, rng(seed, "sessions"))  # the stream name seeds the draws
+    pick = rng(seed, "scheme", scheme)
+    make = SCHEMES[scheme]()
+    rows = []
+    for i, (n, r) in enumerate(zip(seq.n, seq.rate_gbps)):
+        p = state.place(make(state, int(n), float(r), pick), float(r))
+        rows.append({"scheme": scheme, "seed": seed, "group": i, "hypervisors": int(n),
+                     "rate_gbps": float(r), **dataclasses.asdict(p)})
+    loads = pd.DataFrame({"scheme": scheme, "seed": seed,
+                          "service_node": np.arange(cluster.num_service_nodes),
+                          "background_gbps": state.initial, "workload_gbps": state.loads,
+                          "added_gbps": state.loads - state.initial})
+    return pd.DataFrame(rows), loads
+
+
+def cluster_tables(schemes: Sequence[str], cluster: ClusterSpec, groups: GroupSpec,
+                   switch: SwitchModel, seeds: Sequence[int], label: str = ""
+                   ) -> tuple[pd.DataFrame, pd.DataFrame]:
+    grp, loads = [], []
+    for s in seeds:
+        for name in schemes:
+            t0 = time.perf_counter()
+            a, b = run_sequence(name, cluster, groups, switch, int(s))
+            grp.append(a.assign(setting=label))
+            loads.append(b.assign(setting=label))
+            _say(f"  {label or name} seed {s}: {len(a)} groups in "
+                 f"{time.perf_counter() - t0:.2f} s, mean ratio {a.ratio.mean():.3f}, "
+                 f"mean k {a.k.mean():.1f}")
+    return pd.concat(grp, ignore_index=True), pd.concat(loads, ignore_index=True)
+
+
+def summarize(groups: pd.DataFrame, loads: pd.DataFrame, by: str) -> pd.DataFrame:
+    """Per ``by`` (scheme or lambda): the numbers behind Figs. 9-11."""
+    g = groups.groupby(by, sort=False)
+    out = pd.DataFrame({
+        "mean_ratio": g.ratio.mean(), "full_ratio_frac": g.ratio.apply(lambda x: (
+            x >= 1 - 1e-9).mean()), "median_ratio": g.ratio.median(),
+        "mean_objective": g.objective.mean(), "mean_throughput_gbps": g.throughput.mean(),
+        "mean_k": g.k.mean(), "mean_height": g.height.mean()})
+    lg = loads.groupby(by, sort=False)
+    out["workload_std_gbps"] = lg.workload_gbps.std(ddof=0)
+    out["workload_max_gbps"] = lg.workload_gbps.max()
+    out["added_std_gbps"] = lg.added_gbps.std(ddof=0)
+    out["added_max_gbps"] = lg.added_gbps.max()
+    return out.reset_index()
+
+
+def _cdf(ax: Any, values: np.ndarray, label: str) -> None:
+    v = np.sort(np.asarray(values, dtype=float))
+    ax.step(v, np.arange(1, len(v) + 1) / len(v), where="post", label=label)
+
+
+def _cdf_figure(frames: dict[str, pd.DataFrame], cols: Sequence[tuple[str, str]], path: Path,
+                title: str) -> Path:
+    fig, axes = plt.subplots(1, len(cols), figsize=(5.2 * len(cols), 3.8), squeeze=False)
+    for ax, (col, xlabel) in zip(axes[0], cols):
+        for label, df in frames.items():
+            _cdf(ax, df[col].to_numpy(), label)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("CDF")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    return _save(fig, path, title)
+
+
+def fig8_plot(df: pd.DataFrame, path: Path) -> Path:
+    fig, axes = plt.subplots(1, 2, figsize=(10.4, 3.8))
+    for ax, col, ylabel in ((axes[0], "receiving_rate_gbps",
+                             "Total receiving rate at VMs (Gbps)"),
+                            (axes[1], "objective1_gbps", "Objective (1): total sending (Gbps)")):
+        for name, g in df.groupby("topology", sort=False):
+            ax.plot(g.hypervisors, g[col], marker="o", label=name)
+        ax.set_xlabel("Number of hypervisors")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    return _save(fig, path, "Fig. 8: point-to-point logical multicast")
+
+
+def _tuples(node: DictConfig) -> dict[str, Any]:
+    """A config group as keyword arguments, lists as tuples (the specs are frozen)."""
+    return {k: tuple(v) if isinstance(v, list) else v
+            for k, v in OmegaConf.to_container(node, resolve=True).items()}
+
+
+def run_trees(cfg: DictConfig) -> dict[str, Any]:
+    """The whole reproduction for ``cfg`` (``configs/trees.yaml``)."""
+    from agents.tracking import tracked_run
+
+    out = Path(str(cfg.out_dir))
+    out.mkdir(parents=True, exist_ok=True)
+    switch = switch_from_spec(str(cfg.switch))
+    cluster = ClusterSpec(**_tuples(cfg.cluster))
+    groups = GroupSpec(**_tuples(cfg.groups))
+    seeds = [int(s) for s in cfg.seeds]
+    figures = set(cfg.figures)
+    t0 = time.perf_counter()
+    tables: dict[str, pd.DataFrame] = {}
+    plots: list[Path] = []
+    with tracked_run(cfg, run_name=f"trees__{cfg.switch}",
+                     tags={"task": "trees"}) as mlog:
+        _say(f"trees: switch {cfg.switch}; figures {sorted(figures)}; seeds {seeds}")
+        if "fig8" in figures:
+            df = fig8_table(switch, list(cfg.fig8.hypervisors), float(cfg.fig8.rate_gbps))
+            tables["fig8"] = df
+            plots.append(fig8_plot(df, out / "fig8_point_to_point.png"))
+            last = df[df.hypervisors == df.hypervisors.max()].set_index("topology")
+            mlog.metrics({f"fig8/{t}/receiving_rate_gbps": float(v)
+                          for t, v in last.receiving_rate_gbps.items()})
+        if figures & {"fig9", "fig10"}:
+            grp, loads = cluster_tables(list(cfg.schemes), cluster, groups, switch, seeds)
+            tables["groups"], tables["workloads"] = grp, loads
+            summ = summarize(grp, loads, "scheme")
+            tables["summary"] = summ
+            frames = {s: grp[grp.scheme == s] for s in cfg.schemes}
+            lframes = {s: loads[loads.scheme == s] for s in cfg.schemes}
+            plots.append(_cdf_figure(frames, [("ratio", "Output rate per stream / input rate")],
+                                     out / "fig9_ratio_cdf.png",
+                                     f"Fig. 9 (lambda = {cluster.lam:g})"))
+            plots.append(_cdf_figure(lframes, [("workload_gbps", "Workload per service node "
+                                                "(Gbps)"), ("added_gbps", "Added by the "
+                                                "groups (Gbps)")],
+                                     out / "fig10_workload_cdf.png", "Fig. 10"))
+            for _, row in summ.iterrows():
+                mlog.metrics({f"{row.scheme}/{c}": float(row[c]) for c in summ.columns
+                              if c != "scheme"})
+        if "fig11" in figures:
+            parts_s, parts_l = [], []
+            for lam in cfg.lambdas:
+                c = dataclasses.replace(cluster, lam=float(lam))
+                a, b = cluster_tables(["algorithm1"], c, groups, switch, seeds,
+                                      label=f"lambda={float(lam):g}")
+                parts_s.append(a.assign(lam=float(lam)))
+                parts_l.append(b.assign(lam=float(lam)))
+            s11, l11 = pd.concat(parts_s), pd.concat(parts_l)
+            tables["fig11_groups"], tables["fig11_workloads"] = s11, l11
+            summ11 = summarize(s11, l11, "lam")
+            tables["fig11_summary"] = summ11
+            plots.append(_cdf_figure(
+                {f"lambda={v:g}": s11[s11.lam == v] for v in s11.lam.unique()},
+                [("ratio", "Output rate per stream / input rate")], out / "fig11a_lambda.png",
+                "Fig. 11(a): Algorithm 1 under lambda"))
+            plots.append(_cdf_figure(
+                {f"lambda={v:g}": l11[l11.lam == v] for v in l11.lam.unique()},
+                [("workload_gbps", "Workload per service node (Gbps)"),
+                 ("added_gbps", "Added by the groups (Gbps)")], out / "fig11b_lambda.png",
+                "Fig. 11(b): Algorithm 1 under lambda"))
+            for _, row in summ11.iterrows():
+                mlog.metrics({f"lambda{row.lam:g}/{c}": float(row[c]) for c in summ11.columns
+                              if c != "lam"})
+        for name, df in tables.items():
+            mlog.table(df, out / f"{name}.csv")
+        for p in plots:
+            mlog.artifact(p, "plots")
+        head = {name: tables[name].round(4).to_dict(orient="records")
+                for name in ("summary", "fig11_summary") if name in tables}
+        (out / "headline.json").write_text(json.dumps(head, indent=2))
+        mlog.text(json.dumps(head, indent=2), "headline.json")
+    _say(f"trees done in {time.perf_counter() - t0:.1f} s; results in {out}")
+    for name in ("summary", "fig11_summary"):
+        if name in tables:
+            _say(tables[name].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    return {"tables": tables, "plots": plots, "out_dir": out}

@@ -1,0 +1,129 @@
+"""Install what you use: the policy server and the controller adapters (``pip install
+'.[serve]'``) import neither torch, Ray, gymnasium, MLflow nor the training package
+``agents``, and run on the bundle runtime alone (:mod:`serving.bundle`, ONNX Runtime)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+#: what the serve group must not need (top-level module names)
+TRAINING_STACK = ("torch", "ray", "agents", "gymnasium", "mlflow")
+
+_BLOCKER = textwrap.dedent("""
+    import importlib.abc
+    import sys
+
+    BLOCKED = {blocked!r}
+
+    class Blocker(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in BLOCKED:
+                raise ImportError(f"{{name}} is blocked: the serve group does not install it")
+            return None
+
+    sys.meta_path.insert(0, Blocker())
+""")
+
+_SERVE = textwrap.dedent("""
+    import sys
+
+    import numpy as np
+
+    import envs
+    import serving
+    import serving.adapter
+    import serving.app
+    import serving.online_adapter
+    import serving.scenario
+    from fastapi.testclient import TestClient
+
+    from serving.app import ServerSettings, create_app
+    from serving.bundle import load_bundle
+    from serving.online_schemas import OnlineSessionCreate
+    from serving.schemas import SessionCreate, request_body
+
+    bundle_dir = {bundle!r}
+    app = create_app(ServerSettings(bundle=bundle_dir, auth=False, watch=False,
+                                    freeze_gc=False))
+    with TestClient(app) as client:  # the lifespan loads the bundle
+        policy = client.get("/v1/policy").json()
+        assert policy["loaded"] and policy["hash"], policy
+    bundle = load_bundle(bundle_dir)
+    scores = bundle(np.zeros(bundle.layout.size, np.float32))
+    assert scores.shape == (bundle.layout.num_topics + 1,), scores.shape
+    assert np.isfinite(scores).all()
+    loaded = sorted({{m.split(".")[0] for m in sys.modules}} & set({blocked!r}))
+    assert not loaded, loaded
+    print("serve group ok:", bundle.layout, scores.shape)
+""")
+
+
+def _script(blocked: tuple[str, ...], bundle: Path) -> str:
+    return _BLOCKER.format(blocked=blocked) + _SERVE.format(blocked=blocked, bundle=str(bundle))
+
+
+def test_serving_runs_without_the_training_stack():
+    """In a fresh interpreter where torch, Ray, ``agents``, gymnasium and MLflow cannot be
+    imported: ``serving`` and its server and adapters import, the app starts and loads
+    ``checkpoints/default``, the bundle scores an observation, and none of the blocked
+    packages was imported."""
+    script = _script(TRAINING_STACK, ROOT / "checkpoints" / "default")
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "serve group ok" in r.stdout
+
+
+def _uv() -> list[str]:
+    for cmd in ([sys.executable, "-m", "uv"], [shutil.which("uv") or "uv"]):
+        try:
+            r = subprocess.run([*cmd, "--version"], capture_output=True, check=False)
+            if r.returncode == 0:
+                return cmd
+        except OSError:
+            pass
+    pytest.skip("uv is not installed")
+
+
+@pytest.mark.slow
+def test_serve_group_installs_without_torch_and_ray(tmp_path):
+    """``uv pip install '.[serve]'`` (the lock as constraints) into a new virtual environment:
+    torch, Ray, gymnasium and MLflow are not installed, and the server, the adapters, the
+    bundle runtime and ``serve.py``'s configuration work there (run from outside the
+    repository, so the installed package is what is imported)."""
+    uv = _uv()
+    venv = tmp_path / "venv"
+    py = venv / "bin" / "python"
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    subprocess.run([*uv, "venv", "-q", "--python", sys.executable, str(venv)], check=True,
+                   env=env, timeout=300)
+    r = subprocess.run([*uv, "pip", "install", "-q", "--python", str(py), "-c",
+                        str(ROOT / "requirements.lock"), f"{ROOT}[serve]"],
+                       capture_output=True, text=True, env=env, timeout=1200, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    absent = ("torch", "ray", "gymnasium", "mlflow")
+    probe = ("import importlib.util as u; "
+             f"print([m for m in {absent!r} if u.find_spec(m) is not None])")
+    out = subprocess.run([str(py), "-c", probe], cwd=tmp_path, capture_output=True,
+                         text=True, env=env, timeout=120, check=False)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+    # the installed package (cwd outside the repository), agents blocked as well
+    script = _script(TRAINING_STACK, ROOT / "checkpoints" / "default")
+    r = subprocess.run([str(py), "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                       env=env, timeout=600, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    where = subprocess.run([str(py), "-c", "import serving; print(serving.__file__)"],
+                           cwd=tmp_path, capture_output=True, text=True, env=env, check=False)
+    assert str(venv) in where.stdout, where.stdout + where.stderr
+    # serve.py's Hydra configuration composes (it prints the job config without serving)
+    r = subprocess.run([str(py), str(ROOT / "serve.py"), "--cfg", "job"], cwd=tmp_path,
+                       capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert r.returncode == 0 and "bundle:" in r.stdout, r.stdout + r.stderr
