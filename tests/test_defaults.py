@@ -159,9 +159,7 @@ def test_bundle_and_policy_defaults_equal_the_environments():
     env = _defaults(DSMDEnv.__init__)
     pol = _defaults(ActorPolicy.__init__)
     assert (pol["order"], pol["decoding"]) == (env["order"], env["decoding"])
-    try:
-        from agents.bundle_export import export_bundle
-    except ImportError:  # the exporter needs the training extras
-        pytest.skip("agents.bundle_export is not importable here")
+    from agents.bundle_export import export_bundle
+
     exp = _defaults(export_bundle)
     assert (exp["order"], exp["decoding"]) == (env["order"], env["decoding"])
