@@ -1,4 +1,5 @@
-"""Ablation table from MLflow: `python ablation.py study=NAME` (Hydra; configs/ablation_table.yaml)."""
+"""Ablation table from MLflow: `python ablation.py study=NAME`
+(Hydra; configs/ablation_table.yaml)."""
 
 import hydra
 from omegaconf import DictConfig

@@ -116,9 +116,10 @@ def run_episodes(policies: Sequence[EnvPolicy], env_id: str, env_kwargs: Mapping
             for s in seeds:
                 t0 = time.perf_counter()
                 ret, steps, info = 0.0, 0, {}
-                for _, _, r, _, _, _, info in play_episode(pol, env, s):
+                for _, _, r, _, _, _, step_info in play_episode(pol, env, s):
                     ret += r
                     steps += 1
+                    info = step_info  # the last step's info carries the episode metrics
                 row = {"policy": pol.name, "seed": int(s), "return": ret, "steps": steps,
                        "time_s": time.perf_counter() - t0}
                 row.update({k: float(v) for k, v in info.get("episode_metrics", {}).items()})

@@ -146,8 +146,8 @@ def online_cost(instances: Sequence[DSMDInstance], channels: Sequence[np.ndarray
     elif initial_channel is not None:
         prev_z = np.zeros((instances[0].num_nodes, instances[0].num_topics), dtype=bool)
     total = 0.0
-    for inst, ch in zip(instances, channels):
-        ch = np.asarray(ch, dtype=np.int64)
+    for inst, plan in zip(instances, channels):
+        ch = np.asarray(plan, dtype=np.int64)
         if ch.size and ch.min() < 0:
             raise ValueError("a plan assigns every type a channel (no -1)")
         snap = evaluate(inst, ch)
@@ -226,7 +226,8 @@ def solve_online_oracle(instances: Sequence[DSMDInstance], w_violation: float,
             f"{size['slacks']} slacks, {size['subscribe']} subscription changes, "
             f"{size['moves']} moves")
     N, K = instances[0].num_nodes, instances[0].num_topics
-    sigma = float(max(1, max(inst.necessary_bps for inst in instances)))
+    peak = max(inst.necessary_bps for inst in instances)
+    sigma = float(max(1, peak))
     initial = {int(g): int(c) for g, c in (initial_channel or {}).items()}
     z_init: np.ndarray | None = None
     if initial_instance is not None:

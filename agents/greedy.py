@@ -85,9 +85,9 @@ class GreedyLocalSearch(Policy):
         multicast = np.flatnonzero(d > 1)
         moves = 0
         # 2. free moves, biggest relief first
-        for m in multicast[np.argsort(-(relief_bw[multicast] + relief_cpu[multicast]),
-                                      kind="stable")]:
-            m = int(m)
+        for row in multicast[np.argsort(-(relief_bw[multicast] + relief_cpu[multicast]),
+                                        kind="stable")]:
+            m = int(row)
             state.move(m, UNASSIGNED)
             topics, deltas = self._best_topics(state, m)
             if deltas[0] == f[m] * d[m]:  # zero redundancy
@@ -106,7 +106,7 @@ class GreedyLocalSearch(Policy):
             while heap and (bw_over > 0 or cpu_over > 0):
                 if time.perf_counter() - t0 > self.time_limit_s:
                     break
-                score, m = heapq.heappop(heap)
+                _score, m = heapq.heappop(heap)
                 w_bw, w_cpu = (1.0 if bw_over > 0 else 0.0), (1.0 if cpu_over > 0 else 0.0)
                 relief = w_bw * relief_bw[m] + w_cpu * relief_cpu[m]
                 if relief <= 0:
@@ -149,10 +149,10 @@ class GreedyLocalSearch(Policy):
         for _ in range(self.passes):
             passes += 1
             improved = False
-            for m in order:
+            for row in order:
                 if time.perf_counter() - t0 > self.time_limit_s:
                     return passes
-                m = int(m)
+                m = int(row)
                 cur = int(state.channel[m])
                 v0, t_0 = violation(state), state.total_traffic
                 state.move(m, UNASSIGNED)

@@ -139,7 +139,7 @@ def tune_online(cfg: DictConfig, ds: TraceDataset) -> Tuning:
     candidates = [s.name for s in statics] + list(best.values())
     best_online = str(means[candidates].idxmin())
     fam_of = {name: fam for fam, name in best.items()}
-    for fam, name in best.items():
+    for _fam, name in best.items():
         print(f"[online] tuned on validation: {name} (cost {means[name]:.4f})", flush=True)
     ceiling = None
     settings = [s for v in families.values() for s in v]

@@ -25,7 +25,7 @@ class Policy(ABC):
 
     name: str = "policy"
 
-    def reset(self, seed: int | None = None) -> None:
+    def reset(self, seed: int | None = None) -> None:  # noqa: B027 a no-op default, not abstract: stateless policies do not override it
         """Forget state carried across instances (e.g. Alcor's hysteresis)."""
 
     @abstractmethod

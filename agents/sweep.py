@@ -60,7 +60,7 @@ def run_sweep(cfg: DictConfig) -> dict[str, Any]:
                          f"{row.policy}/ctrl_traffic_mbps": row.ctrl_traffic_mbps,
                          f"{row.policy}/sent_msgs_per_s": row.sent_msgs_per_s,
                          f"{row.policy}/max_node_mbps": row.max_node_mbps},
-                        step=int(round(100 * row.multicast_share)))
+                        step=round(100 * row.multicast_share))
         mid = summary[(summary["multicast_share"] - 0.5).abs() < 1e-9]
         if len(mid):
             text = format_table(mid.drop(columns=["multicast_share"]))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 from omegaconf import DictConfig
@@ -42,7 +42,8 @@ def make_dsmd_env(env_ctx: Any):
 
 class DSMDTask:
     rllib_env = "smart-dsmd"  # agents.training.RLLIB_ENV_NAME
-    curve_panels = None  # the static trainer's panels (agents.plots.DSMD_CURVE_PANELS)
+    # None: the static trainer's panels (agents.plots.DSMD_CURVE_PANELS)
+    curve_panels: ClassVar[list[tuple[str, list[str]]] | None] = None
 
     def __init__(self, cfg: DictConfig, out: Path) -> None:
         self.cfg, self.out = cfg, out

@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import matplotlib
 
@@ -140,7 +140,8 @@ def evaluate_env_baselines(cfg: DictConfig) -> dict[str, Any]:
 class EpisodeTask:
     """A sub-problem environment as a training task (module docstring)."""
 
-    curve_panels = [("Episode return", ["train/episode_return_mean", "val/return"])]
+    curve_panels: ClassVar[list[tuple[str, list[str]]] | None] = [
+        ("Episode return", ["train/episode_return_mean", "val/return"])]
 
     def __init__(self, cfg: DictConfig, out: Path) -> None:
         from .algorithms import action_mode

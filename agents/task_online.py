@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import pandas as pd
@@ -55,7 +55,7 @@ def make_online_env(env_ctx: Any):
 class OnlineTask:
     rllib_env = "smart-dsmd-online"
     act_dim = 3
-    curve_panels = [
+    curve_panels: ClassVar[list[tuple[str, list[str]]] | None] = [
         ("Training episode return", ["train/episode_return_mean"]),
         ("Validation: mean interval cost", ["val/cost"]),
         ("Validation: node traffic / necessary", ["val/redundancy_ratio"]),

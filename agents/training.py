@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import pandas as pd
@@ -72,7 +72,7 @@ class TrainingTask(Protocol):
     act_dim: int          # the action's width (the score module's output)
     run_name: str
     tags: dict[str, str]
-    curve_panels: list[tuple[str, list[str]]] | None
+    curve_panels: ClassVar[list[tuple[str, list[str]]] | None]
 
     def env_creator(self) -> Callable[[Any], Any]: ...
 

@@ -7,6 +7,7 @@ OpenMP thread variables, which only take effect if it runs before numpy is loade
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
@@ -70,7 +71,7 @@ def _cpu_model() -> str:
 def _git(*args: str) -> str | None:
     try:
         out = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True,
-                             timeout=10)
+                             timeout=10, check=False)
         return out.stdout.strip() if out.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         return None
@@ -84,10 +85,8 @@ def machine_info() -> dict[str, Any]:
     versions = {"python": platform.python_version(), "numpy": np.__version__,
                 "scipy": scipy.__version__}
     for mod in ("gymnasium", "pyarrow"):
-        try:
+        with contextlib.suppress(ImportError):
             versions[mod] = __import__(mod).__version__
-        except ImportError:
-            pass
     return {
         "timestamp": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "processor": platform.processor(),

@@ -65,7 +65,7 @@ def synthetic(m: int, n: int, k: int, seed: int = SEED) -> DSMDInstance:
     dests = [g.choice(n, size=int(g.integers(1, 6)), replace=False) for _ in range(m)]
     rates = np.rint(10.0 ** g.uniform(5.0, 7.0, m)).astype(np.int64)
     fanout_sum = sum(len(d) for d in dests)
-    cpu = int(round(m + 0.3 * (fanout_sum - m)))
+    cpu = round(m + 0.3 * (fanout_sum - m))
     return DSMDInstance.from_sets(dests, rates, BIG, k, BIG, cpu, num_nodes=n,
                                   name=f"synthetic M={m} N={n} K={k}")
 

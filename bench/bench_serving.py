@@ -96,6 +96,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 ALLOWED_CORES = sorted(os.sched_getaffinity(0))  # before pin_one_core() narrows it
@@ -112,7 +113,6 @@ import shutil  # noqa: E402
 import tempfile  # noqa: E402
 from collections.abc import Callable, Iterator, Sequence  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
-from typing import Any
 
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
@@ -632,7 +632,7 @@ async def roundtrip(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, 
 
 def policy_decided(body: bytes) -> bool:
     doc = json.loads(body)
-    ds = doc["decisions"] if "decisions" in doc else [doc]
+    ds = doc.get("decisions", [doc])
     return all(d["source"] == "policy" for d in ds)
 
 
@@ -640,7 +640,7 @@ async def open_loop(port: int, reqs: Sequence[bytes], rate: float, duration: flo
                     conns: int) -> dict[str, Any]:
     """Open-loop load: request i scheduled at t0 + i / rate, sent on the first free
     keep-alive connection; latency from the scheduled time."""
-    n = max(1, int(round(rate * duration)))
+    n = max(1, round(rate * duration))
     sched, sent, done = np.zeros(n), np.full(n, np.nan), np.full(n, np.nan)
     ok = np.zeros(n, bool)
     failures: list[str] = []

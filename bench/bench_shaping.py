@@ -164,7 +164,8 @@ def main() -> None:
     sim = bench_simulator()
     env = bench_env()
     real = bench_real()
-    rows = [[f"simulator ({r['server']}), 4 tenants, {r['policy']}", fmt_stats(r["time_s"], "{:.3f}") + " s",
+    rows = [[f"simulator ({r['server']}), 4 tenants, {r['policy']}",
+             fmt_stats(r["time_s"], "{:.3f}") + " s",
              f"{r['messages_per_s']:,.0f} msg/s, {r['sim_s_per_wall_s']:.1f} sim-s/s"]
             for r in sim]
     rows.append(["Shaping-v0 (default kwargs), random actions",

@@ -179,7 +179,7 @@ def spawn(impl: str, scenario: str, seed: int, segment: int, profile: Path | Non
     if profile is not None:
         cmd += ["--profile-out", str(profile)]
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE.parent,
-                       env=dict(os.environ, PYTHONWARNINGS="ignore"))
+                       env=dict(os.environ, PYTHONWARNINGS="ignore"), check=False)
     for line in p.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])

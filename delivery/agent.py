@@ -40,6 +40,7 @@ running. Many agents can share one process and one event loop (``delivery.agent_
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
@@ -113,7 +114,7 @@ class Record:
     def __init__(self, path: Path, fsync: bool = False) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self._f = open(path, "a", buffering=1 << 16)
+        self._f = open(path, "a", buffering=1 << 16)  # noqa: SIM115 kept open for appends until close()
         if self._f.tell() > 0:  # a crash mid-line: end the torn line, so that the next line
             with open(path, "rb") as f:  # is not glued to it (and lost with it)
                 f.seek(-1, os.SEEK_END)
@@ -174,7 +175,8 @@ class Counters:
     rx_messages_rpc: int = 0
     rx_messages_mq: int = 0
     not_for_me: int = 0                # MQ messages for other nodes (redundant traffic)
-    outcomes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OUTCOME_NAMES.values(), 0))
+    outcomes: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(OUTCOME_NAMES.values(), 0))
     subscribes: int = 0
     unsubscribes: int = 0
     replies_collected: int = 0
@@ -254,10 +256,8 @@ class MessageAgent(pb_grpc.MessageAgentServicer):
         with self._sub_guard:
             consumers, self._consumers = dict(self._consumers), {}
         for c in consumers.values():
-            try:
+            with contextlib.suppress(Exception):  # already closed by a broker restart, ...
                 c.close()
-            except Exception:  # already closed by a broker restart, ...
-                pass
 
     def _recover(self) -> None:
         rows, local_subs = read_record(self.record.path)
@@ -430,10 +430,8 @@ class MessageAgent(pb_grpc.MessageAgentServicer):
                 self.record.subscription(topic, "deleted", until)
             except Exception as e:
                 log.warning("node %d: unsubscribe %s: %s", self.node_id, topic, e)
-                try:
+                with contextlib.suppress(Exception):
                     consumer.close()
-                except Exception:
-                    pass
 
     # ------------------------------------------------------------------ RPC servicer
     async def Push(self, request: Any, context: Any) -> Any:
@@ -548,8 +546,6 @@ class PulsarClients:
     def close(self) -> None:
         with self._lock:
             for c in self._clients.values():
-                try:
+                with contextlib.suppress(Exception):
                     c.close()
-                except Exception:
-                    pass
             self._clients.clear()

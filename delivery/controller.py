@@ -138,7 +138,8 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         self._dispatch = threading.RLock()  # see _dispatching
         self._outbox: dict[int, list] = defaultdict(list)     # to push at the next flush
         self._pending: dict[int, list] = defaultdict(list)    # unreachable nodes' messages
-        self._pending_infos: dict[int, list] = defaultdict(list)  # and their (channel, SubscribeInfo)
+        # and the unreachable nodes' (channel, SubscribeInfo) pairs
+        self._pending_infos: dict[int, list] = defaultdict(list)
         self._reprogramming: set[int] = set()                  # nodes whose queue is in flight
         self._latest: dict[tuple, Any] = {}                   # resource -> newest message
         self._acked: dict[int, int] = defaultdict(int)        # node -> last result_seq
@@ -499,7 +500,7 @@ class Controller(pb_grpc.ControllerRepliesServicer):
                                                  timeout=self.cfg.push_timeout_s)
                  for n in list(self.agents)}
         taken = 0
-        for n, fut in calls.items():
+        for _n, fut in calls.items():
             try:
                 taken += self._on_reply(fut.result())
             except grpc.RpcError:

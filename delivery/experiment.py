@@ -188,9 +188,9 @@ def _plots(tables: dict[str, pd.DataFrame], out: Path, scenario: str) -> list[Pa
     if "fig9" in tables:
         df = tables["fig9"]
         fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
-        for ax, (col, title, k) in zip(axes, panels):
-            for pol, g in df.groupby("policy", sort=False):
-                g = g.sort_values("vpcs")
+        for ax, (col, _title, k) in zip(axes, panels):
+            for pol, grp in df.groupby("policy", sort=False):
+                g = grp.sort_values("vpcs")
                 if col == "delay_p95_ms":
                     lo = (g[col] - g["delay_p50_ms"]).clip(lower=0)
                     hi = (g["delay_max_ms"] - g[col]).clip(lower=0)
@@ -206,7 +206,7 @@ def _plots(tables: dict[str, pd.DataFrame], out: Path, scenario: str) -> list[Pa
     if "fig10" in tables:
         df = tables["fig10"]
         fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
-        for ax, (col, title, k) in zip(axes, panels):
+        for ax, (col, _title, k) in zip(axes, panels):
             for pol, g in df.groupby("policy", sort=False):
                 ax.plot(np.arange(len(g)), g[col] * k, marker="o", label=pol)
             ax.set_xlabel("interval of the replay")

@@ -28,6 +28,7 @@ asks the policy server), with a policy server (``serve.py``) started for the run
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -158,7 +159,7 @@ def _start_agents(spec: RunSpec, nodes: list[int], ports: list[int], store_url: 
         f = workdir / f"agents-{i}.json"
         f.write_text(json.dumps(sp))
         ready = workdir / f"agents-{i}.ready"
-        logf = open(workdir / f"agents-{i}.log", "w")
+        logf = open(workdir / f"agents-{i}.log", "w")  # noqa: SIM115 the host's log; _stop_agents closes it
         p = subprocess.Popen([sys.executable, "-m", "delivery.agent_host", "--spec", str(f),
                               "--ready", str(ready)], cwd=ROOT, stdout=logf,
                              stderr=subprocess.STDOUT)
@@ -184,10 +185,8 @@ def _stop_agents(procs: list) -> float:
     cpu = 0.0
     for p, _, _ in procs:
         if p.poll() is None:
-            try:
+            with contextlib.suppress(OSError):
                 cpu += cpu_seconds(p.pid)
-            except OSError:
-                pass
             p.send_signal(signal.SIGTERM)
     for p, _, logf in procs:
         try:
@@ -226,7 +225,7 @@ def _replay(spec: RunSpec, ctl: Controller, adapter, policy: ChannelPolicy,
     rows = np.flatnonzero(np.isin(parsed.message_window, spec.windows))
     msgs = messages_from_trace(tr, rows)
     wins = parsed.message_window[rows]
-    trace_start = parsed.t0_ns + first * int(round(parsed.interval_s * 1e9))
+    trace_start = parsed.t0_ns + first * round(parsed.interval_s * 1e9)
     cpu0, wall0, epoch0 = cpu_seconds(), time.perf_counter(), time.time()
     timeline: list[dict[str, Any]] = []
     next_flush = last_say = wall0

@@ -30,6 +30,9 @@ DROPPED_LOG_MESSAGES: tuple[tuple[str, str], ...] = (
     ("ray.tune.utils.util", "Install gputil"),
     # torch's ONNX exporter: one line per torchvision operator it skips (torchvision unused)
     ("torch.onnx._internal.exporter._registration", "torchvision is not installed"),
+    # httpx, at INFO under Hydra's logging set-up: one line per request of the testbed's
+    # adapter polling its policy server (the testbed prints its own progress)
+    ("httpx", "HTTP Request: "),
 )
 
 

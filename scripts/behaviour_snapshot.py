@@ -73,7 +73,7 @@ def online_godaddy(out: dict) -> None:
     cfg = _cfg("train", ["env=online", "logger=none", "progress=false"])
     ds = open_online_dataset(cfg)
     cost = OnlineCost.from_dict(to_dict(cfg.env.cost))
-    tid = [r.id for r in ds.traces("test")][0]
+    tid = ds.traces("test")[0].id
     specs = [DeciderSpec.make(n, "static") for n in ("rpc", "vita", "greedy")]
     specs.append(DeciderSpec.make("tuned", "online_greedy", headroom=0.2, horizon=4.0,
                                   alpha=0.5))
@@ -118,7 +118,8 @@ TABLE_RUNS = {
               [("summary", "summary.csv"), ("groups", "sessions.csv" if _OLD else "groups.csv"),
                ("fig8", "fig8.csv")]),
     "shaping": ("shaping.py", ["tenants=[1,2]", "fig5_tenants=2", "seeds=1",
-                               "sim.duration_s=2"], [("runs", "runs.csv"), ("summary", "summary.csv")]),
+                               "sim.duration_s=2"],
+                [("runs", "runs.csv"), ("summary", "summary.csv")]),
 }
 
 

@@ -64,7 +64,7 @@ print(n)
 
 
 def sh(*args: str, check: bool = True) -> str:
-    out = subprocess.run(list(args), capture_output=True, text=True)
+    out = subprocess.run(list(args), capture_output=True, text=True, check=False)
     if check and out.returncode != 0:
         raise RuntimeError(f"{' '.join(args)} failed ({out.returncode}): {out.stderr.strip()}")
     return out.stdout

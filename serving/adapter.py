@@ -27,6 +27,7 @@ message is kept and written as a trace (``messages.parquet``, the simulator's fo
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
@@ -36,7 +37,7 @@ import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -47,9 +48,12 @@ from envs.dsmd.parser import BatchKey, IntervalEstimate, MessageParser, TypeCata
 from envs.dsmd.topology import Topology
 from envs.dsmd.traces import write_trace
 
-from .bundle import BUNDLE_FILES, BundleError, load_bundle
+from .bundle import BUNDLE_FILES, BundleError, PolicyBundle, load_bundle
 from .schemas import ControllerIn, DecideBatchRequest, NodeIn, SessionCreate, TypeIn, request_body
 from .session import Decision, Session, SessionSpec
+
+if TYPE_CHECKING:
+    import httpx
 
 __all__ = ["MODES", "AdapterDecision", "AdapterError", "CircuitBreaker", "ControllerAdapter"]
 
@@ -65,8 +69,8 @@ class _Unavailable(Exception):
     pass
 
 
-def send(client: Any, breaker: CircuitBreaker, retries: int, method: str, path: str,
-         body: Any) -> Any:
+def send(client: httpx.Client | None, breaker: CircuitBreaker, retries: int, method: str,
+         path: str, body: Any) -> httpx.Response:
     """One request with ``retries`` retries through the circuit ``breaker``: the first
     answer below 500 (the breaker counts it a success), else ``_Unavailable`` (no client,
     open circuit, timeouts, refused connections, 5xx)."""
@@ -97,7 +101,7 @@ def send(client: Any, breaker: CircuitBreaker, retries: int, method: str, path: 
     raise _Unavailable(err)
 
 
-def get_bytes(client: Any, path: str, timeout_s: float) -> bytes:
+def get_bytes(client: httpx.Client | None, path: str, timeout_s: float) -> bytes:
     """``GET path`` on the adapter's HTTP client: the body, ``AdapterError`` on a non-200
     answer, ``_Unavailable`` when there is no client or the server cannot be reached."""
     import httpx
@@ -177,14 +181,15 @@ class ControllerAdapter:
         self.session_id: str | None = None
         self._synced = False  # the server's session equals the local copy
         self._registered = 0  # catalogue types known to the local copy
-        self._cached: tuple = (None, 0)  # cached mode: (loaded bundle, its version), swapped whole
+        # cached mode: (loaded bundle, its version), swapped whole
+        self._cached: tuple[PolicyBundle | None, int] = (None, 0)
         self.policy_version = 0  # remote mode: the version of the last server answer
         self._last_refresh = -float("inf")
         self._refresher: threading.Thread | None = None
         self.cache_dir = Path(cache_dir) if cache_dir else None
-        self._log = open(decision_log, "a") if decision_log else None
+        self._log = open(decision_log, "a") if decision_log else None  # noqa: SIM115 till close()
         self._messages: list[Message] | None = [] if trace_log else None
-        self._client = None
+        self._client: httpx.Client | None = None
         if base_url is not None:
             import httpx
 
@@ -263,7 +268,8 @@ class ControllerAdapter:
     def channel_of(self, type_id: int) -> int:
         return int(self.local.channel[self.local.slot(type_id)])
 
-    def _decide_remote(self, types, replan, parallel) -> list[AdapterDecision]:
+    def _decide_remote(self, types: Sequence[int] | None, replan: bool,
+                       parallel: bool) -> list[AdapterDecision]:
         try:
             self._ensure_session()
             body = request_body(DecideBatchRequest(
@@ -281,10 +287,11 @@ class ControllerAdapter:
         return [AdapterDecision(d["type"], d["channel"], d["source"], d.get("reason"),
                                 self.policy_version) for d in r["decisions"]]
 
-    def _ensure_session(self) -> None:
-        """(Re-)create the server's session from the local copy when they may differ."""
+    def _ensure_session(self) -> str:
+        """(Re-)create the server's session from the local copy when they may differ;
+        returns the server's session id."""
         if self._synced and self.session_id is not None:
-            return
+            return self.session_id
         snap = self.local.snapshot()
         body = request_body(SessionCreate(
             nodes=[NodeIn(**n) for n in snap["nodes"]],
@@ -296,20 +303,20 @@ class ControllerAdapter:
                    for t in snap["types"]]))
         old = self.session_id
         r = self._request("POST", "/v1/sessions", body)
-        self.session_id, self._synced = r["session_id"], True
+        sid: str = r["session_id"]
+        self.session_id, self._synced = sid, True
         if old is not None:
-            try:
+            with contextlib.suppress(_Unavailable, AdapterError):
                 self._request("DELETE", f"/v1/sessions/{old}", None, expect_json=False)
-            except (_Unavailable, AdapterError):
-                pass
+        return sid
 
     def _request(self, method: str, path: str, body: Any, expect_json: bool = True) -> Any:
         r = send(self._client, self.breaker, self.retries, method, path, body)
         if r.status_code == 404 and "/sessions/" in path and method != "DELETE":
             self._synced = False  # the server lost the session (restart): re-create it
-            self._ensure_session()
-            return self._request(method, path.replace(path.split("/")[3],
-                                                      self.session_id), body, expect_json)
+            sid = self._ensure_session()
+            return self._request(method, path.replace(path.split("/")[3], sid), body,
+                                 expect_json)
         if r.status_code >= 400:
             raise AdapterError(f"{method} {path}: HTTP {r.status_code}: {r.text[:500]}")
         return r.json() if expect_json else None
@@ -356,7 +363,7 @@ class ControllerAdapter:
         return True
 
     @property
-    def policy(self):
+    def policy(self) -> PolicyBundle | None:
         """Cached mode: the bundle deciding now (None: none yet, heuristic decisions)."""
         return self._cached[0]
 
@@ -395,7 +402,7 @@ class ControllerAdapter:
     def __enter__(self) -> ControllerAdapter:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 

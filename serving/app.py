@@ -26,6 +26,7 @@ import logging
 import secrets
 import uuid
 import zipfile
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,7 @@ from fastapi import Depends, FastAPI, HTTPException, Request, Response, Security
 from fastapi.responses import JSONResponse
 from fastapi.security import APIKeyHeader
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from envs.dsmd import kernels
 from envs.dsmd.errors import DSMDError
@@ -58,6 +60,7 @@ from .schemas import (
     SessionCreated,
     SessionOut,
     SessionUpdate,
+    TypeIn,
 )
 from .session import FALLBACKS, Decision, Session, SessionError, SessionSpec
 
@@ -123,10 +126,10 @@ def _errors(*codes: int) -> dict:
 class BodyLimit:
     """Pure ASGI: 413 for a body over ``limit`` bytes (declared or streamed)."""
 
-    def __init__(self, app, limit: int) -> None:
+    def __init__(self, app: ASGIApp, limit: int) -> None:
         self.app, self.limit = app, limit
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         for k, v in scope.get("headers", []):
@@ -139,7 +142,7 @@ class BodyLimit:
                     return await self._reject(scope, receive, send)
         seen = 0
 
-        async def _receive():
+        async def _receive() -> Message:
             nonlocal seen
             msg = await receive()
             if msg["type"] == "http.request":
@@ -153,7 +156,7 @@ class BodyLimit:
         except _TooLarge:
             await self._reject(scope, receive, send)
 
-    async def _reject(self, scope, receive, send):
+    async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
         resp = JSONResponse({"detail": f"request body larger than {self.limit} bytes"}, 413)
         await resp(scope, receive, send)
 
@@ -162,7 +165,7 @@ class _TooLarge(Exception):
     pass
 
 
-def _check_channels(types, num_topics: int) -> None:
+def _check_channels(types: Iterable[TypeIn], num_topics: int) -> None:
     for i, t in enumerate(types):
         if t.channel is not None and t.channel > num_topics:
             raise HTTPException(422, [{"loc": ["body", "types", i, "channel"],
@@ -194,7 +197,7 @@ def create_app(settings: ServerSettings | None = None, *,
         return p
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         watcher = None
         # the simulator's compiled loops (loaded from their on-disk cache, or compiled on a
         # fresh install) before the first request, not inside it
@@ -252,7 +255,7 @@ def create_app(settings: ServerSettings | None = None, *,
         return s
 
     @app.exception_handler(SessionError)
-    async def _session_error(request: Request, exc: SessionError):
+    async def _session_error(request: Request, exc: SessionError) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, 409)
 
     def policy_out(p: LoadedPolicy | None) -> PolicyOut:
@@ -288,7 +291,7 @@ def create_app(settings: ServerSettings | None = None, *,
 
     @app.get("/v1/health/ready", response_model=HealthOut, tags=["health"],
              responses={503: {"model": HealthOut, "description": "No policy loaded"}})
-    async def ready():
+    async def ready() -> HealthOut | JSONResponse:
         loaded = store.current() is not None
         ok = loaded or not cfg.require_policy
         body = HealthOut(status="ok" if ok else "unavailable", policy_loaded=loaded,

@@ -50,8 +50,8 @@ class LocalServer:
         if self.cpu is not None:
             cmd = ["taskset", "-c", self.cpu, *cmd]
         t0 = time.perf_counter()
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL,
-                                     stderr=open(self.log_file, "a"))
+        with open(self.log_file, "a") as err:  # the child keeps its own copy of the file
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
@@ -84,5 +84,5 @@ class LocalServer:
     def __enter__(self) -> LocalServer:
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 __all__ = ["MetricsMiddleware", "ServerMetrics"]
 
@@ -50,16 +51,16 @@ def _reason_label(reason: str | None) -> str:
 class MetricsMiddleware:
     """Pure ASGI: counts and times every HTTP request by its route template."""
 
-    def __init__(self, app, metrics: ServerMetrics) -> None:
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
         self.app, self.metrics = app, metrics
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         t0 = time.perf_counter()
         status = {"code": 500}
 
-        async def _send(message):
+        async def _send(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
             await send(message)

@@ -34,6 +34,7 @@ duration) that :func:`envs.dsmd.dataset.import_traces` takes, and whose trace lo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -229,7 +230,7 @@ class OnlineAdapter:
                     self._lose(err)
         elif self._synced:
             try:
-                r = self._send(self._unsent + [msg], {})
+                r = self._send([*self._unsent, msg], {})
                 self._unsent = []
                 placed = {p["type"]: p["channel"] for p in r["placed"]}
                 if r["types"][-1] != need[0] or set(placed) != set(need):
@@ -272,10 +273,8 @@ class OnlineAdapter:
         old = self.session_id
         self.session_id = self._request("POST", "/v1/online/sessions", body)["session_id"]
         if old is not None:
-            try:
+            with contextlib.suppress(_Unavailable, _Lost, AdapterError):
                 self._request("DELETE", f"/v1/online/sessions/{old}", None, expect_json=False)
-            except (_Unavailable, _Lost, AdapterError):
-                pass
         for w, (plan, msgs, placed) in enumerate(self._history):
             self._restore(w, plan, msgs, placed)
         self._synced = True
@@ -374,5 +373,5 @@ class OnlineAdapter:
     def __enter__(self) -> OnlineAdapter:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

@@ -27,7 +27,7 @@ import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TypeVar
 
 import numpy as np
 from fastapi import Depends, FastAPI, HTTPException, Request, Response
@@ -49,13 +49,17 @@ from .online_schemas import (
     OnlineSessionCreate,
     OnlineSessionCreated,
     OnlineSessionOut,
+    PlacedOut,
     PlanIn,
+    PlannedOut,
     PlanOut,
 )
 from .online_session import MessageRejected, OnlineSession, Plan, StateConflict, signature_scenario
 from .schemas import ErrorOut, PolicySwap
 
 __all__ = ["OnlineEntry", "add_online_routes"]
+
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -111,11 +115,11 @@ def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Cal
     app.state.online_sessions, app.state.online_store = sessions, store
 
     @app.exception_handler(StateConflict)
-    async def _conflict(request: Request, exc: StateConflict):
+    async def _conflict(request: Request, exc: StateConflict) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, 409)
 
     @app.exception_handler(MessageRejected)
-    async def _rejected(request: Request, exc: MessageRejected):
+    async def _rejected(request: Request, exc: MessageRejected) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, 422)
 
     def entry(session_id: str) -> OnlineEntry:
@@ -138,8 +142,8 @@ def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Cal
             s.set_decider(p.decider())
             e.policy_version = p.version
 
-    async def locked(e: OnlineEntry, fn: Callable[[], Any]) -> Any:
-        def run():
+    async def locked(e: OnlineEntry, fn: Callable[[], _T]) -> _T:
+        def run() -> _T:
             with e.lock:
                 return fn()
         return await asyncio.to_thread(run)
@@ -154,7 +158,7 @@ def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Cal
                                dataset=m.get("dataset"))
 
     def plan_out(e: OnlineEntry, p: Plan) -> PlanOut:
-        return PlanOut(window=p.window, plan=[{"type": t, "channel": c, "expected_rate_bps": r}
+        return PlanOut(window=p.window, plan=[PlannedOut(type=t, channel=c, expected_rate_bps=r)
                                               for t, c, r in zip(p.types.tolist(),
                                                                  p.channels.tolist(),
                                                                  p.rates.tolist())],
@@ -293,10 +297,10 @@ def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Cal
             r = s.submit(msgs, given=given)
             return MessagesOut(window=window, types=r.types.tolist(),
                                channels=r.channels.tolist(),
-                               placed=[{"type": p.type_id, "channel": p.channel,
-                                        "message_id": p.message_id,
-                                        "previous_channel": p.previous_channel,
-                                        "rate_bps": p.rate_bps, "source": p.source}
+                               placed=[PlacedOut(type=p.type_id, channel=p.channel,
+                                                 message_id=p.message_id,
+                                                 previous_channel=p.previous_channel,
+                                                 rate_bps=p.rate_bps, source=p.source)
                                        for p in r.placed],
                                policy_version=e.policy_version)
         return await locked(e, run)

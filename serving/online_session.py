@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 
@@ -68,6 +69,10 @@ __all__ = [
     "signature_scenario",
 ]
 
+#: who decided a plan or a placement: the session's decider (labelled "policy" or
+#: "fallback" by :meth:`OnlineSession.set_decider`) or a decision made elsewhere ("given")
+DecisionSource = Literal["policy", "fallback", "given"]
+
 #: the knobs of the fallback decider: the knob executor with no headroom, re-planning
 #: every type on the last estimate (the online greedy)
 FALLBACK_KNOBS = {"headroom": 0.0, "horizon": float("inf"), "alpha": 1.0}
@@ -77,7 +82,8 @@ def fallback_decider(cost: OnlineCost | None = None, knob_map: KnobMap | None = 
                      ) -> OnlineDecider:
     """The decider used where no online policy is available (the adapter's fallback): the
     knob executor with :data:`FALLBACK_KNOBS`."""
-    d = (knob_map or KnobMap()).decider(dict(FALLBACK_KNOBS), cost or OnlineCost())
+    d: OnlineDecider = (knob_map or KnobMap()).decider(dict(FALLBACK_KNOBS),
+                                                       cost or OnlineCost())
     d.name = "fallback"
     return d
 
@@ -104,7 +110,7 @@ class Plan:
     types: np.ndarray
     channels: np.ndarray
     rates: np.ndarray
-    source: str  # "policy", "fallback" or "given" (decided elsewhere)
+    source: DecisionSource  # "policy", "fallback" or "given" (decided elsewhere)
     knobs: dict[str, float] | None = None
     observation: np.ndarray | None = None
 
@@ -122,7 +128,7 @@ class Placed:
     message_id: int
     previous_channel: int
     rate_bps: int
-    source: str  # "policy", "fallback" or "given"
+    source: DecisionSource
 
 
 @dataclass(frozen=True, eq=False)
@@ -169,7 +175,7 @@ class OnlineSession:
     def __init__(self, spec: ScenarioSpec, topology: Topology, *,
                  decider: OnlineDecider | None = None, cost: OnlineCost | None = None,
                  batch_key: BatchKey = "hosts", start_ns: int | None = None,
-                 name: str = "live", source: str = "policy") -> None:
+                 name: str = "live", source: DecisionSource = "policy") -> None:
         self.spec, self.topology = spec, topology
         self.live = LiveTrace(spec, topology, batch_key, start_ns, name)
         self.cost = cost or OnlineCost()
@@ -198,7 +204,8 @@ class OnlineSession:
         """The realised terms of the last closed interval."""
         return self.sim.last
 
-    def set_decider(self, decider: OnlineDecider | None, source: str = "policy") -> None:
+    def set_decider(self, decider: OnlineDecider | None,
+                    source: DecisionSource = "policy") -> None:
         """Decide with ``decider`` from the next boundary on (a policy swap)."""
         if decider is not None:
             decider.reset()
@@ -230,6 +237,7 @@ class OnlineSession:
         channel = sim.channel.copy()  # the view's table: the plan and placements go here
         view = OnlineView(sim.trace, w, channel, sim.hindsight, sim.last)
         knobs = obs = None
+        source: DecisionSource
         if given is not None:
             types, chans, rates = (np.asarray(a, np.int64) for a in given)
             source, decider = "given", None
@@ -287,6 +295,7 @@ class OnlineSession:
         for t, c in given.items():
             if not 0 <= c <= k:
                 raise MessageRejected(f"type {t}: channel {c} outside 0..{k}")
+        label: DecisionSource
         who, label = (decider, "fallback") if decider is not None else (iv.decider,
                                                                          iv.plan.source)
         types, todo = self._todo(iv, messages)
@@ -344,7 +353,8 @@ class OnlineSession:
         return out
 
     def _place(self, iv: _Interval, todo: list[tuple[int, int]], messages: Sequence[Message],
-               given: dict[int, int], who: OnlineDecider | None, label: str) -> list[Placed]:
+               given: dict[int, int], who: OnlineDecider | None,
+               label: DecisionSource) -> list[Placed]:
         """``OnlineSimulator._place`` for this batch's types: the expected load is the plan
         at its expected rates plus the types placed before (this interval), each new one
         at ``8 size / T`` of its first message; the types still to come are not in it (the
@@ -365,6 +375,7 @@ class OnlineSession:
         state = CostState(tr.instance(types, rates), start)
         k = self.spec.num_topics
         out = []
+        src: DecisionSource
         for j, (t, i) in enumerate(todo):
             row = plan.types.size + len(before) + j
             prev = int(iv.channel[t]) if t < iv.channel.size else UNASSIGNED
@@ -400,6 +411,7 @@ class OnlineSession:
         replay.finish()
         self._open = None
         inst = self.sim.trace.realised(iv.plan.window)
+        assert inst.catalog_index is not None  # filled in DSMDInstance.__post_init__
         terms = {k: (int(v) if isinstance(v, (int, np.integer)) else float(v))
                  for k, v in res.as_dict().items()}
         return Closed(iv.plan.window, terms, inst.catalog_index.copy(),

@@ -68,7 +68,7 @@ class LiveTrace:
         self.spec, self.topology, self.name = spec, topology, name
         self.catalog = TypeCatalog(topology, batch_key)
         self.interval_s = float(spec.interval_s)
-        self.step_ns = int(round(self.interval_s * 1e9))
+        self.step_ns = round(self.interval_s * 1e9)
         self.t0: int | None = None if start_ns is None else int(start_ns)
         self.closed = 0  # intervals closed; the open one is ``closed``
         self.last_ns: int | None = None

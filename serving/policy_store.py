@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from envs.dsmd.observation import ObservationLayout
+
 from .bundle import BundleError, PolicyBundle, load_bundle
 
 __all__ = ["BundleError", "BundleWatcher", "LoadedPolicy", "PolicyStore"]
@@ -38,7 +40,7 @@ class LoadedPolicy:
     loaded_at: float
 
     @property
-    def layout(self):
+    def layout(self) -> ObservationLayout:
         return self.bundle.layout
 
     @property

@@ -58,8 +58,11 @@ class SessionError(DSMDError):
 class ScoringPolicy(Protocol):
     """What the engine needs from a policy (a loaded :class:`serving.bundle.PolicyBundle`)."""
 
-    layout: ObservationLayout
-    metadata: dict
+    @property
+    def layout(self) -> ObservationLayout: ...
+
+    @property
+    def metadata(self) -> dict: ...
 
     @property
     def decoding(self) -> str: ...
@@ -171,8 +174,8 @@ class Session:
         with the same destinations. All or nothing. Returns the number of new types."""
         new: list[tuple[int, np.ndarray]] = []
         seen = set()
-        for tid, nodes in types:
-            tid = int(tid)
+        for raw_id, nodes in types:
+            tid = int(raw_id)
             if tid < 0:
                 raise SessionError(f"type {tid}: ids must be >= 0")
             try:

@@ -22,10 +22,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import no_broker
-
-pulsar = pytest.importorskip("pulsar")
-
 from delivery import broker as broker_mod
 from delivery.broker import (
     BrokerStartError,
@@ -34,6 +30,9 @@ from delivery.broker import (
     PortInUseError,
     PulsarStandalone,
 )
+from tests.conftest import no_broker
+
+pulsar = pytest.importorskip("pulsar")
 
 # one Pulsar broker JVM at a time: every broker test runs on the same xdist worker
 pytestmark = pytest.mark.xdist_group("pulsar")

@@ -18,7 +18,8 @@ from .conftest import instances, random_instance
 def hand_instance() -> DSMDInstance:
     # m0 -> {0,1} at 10, m1 -> {1,2} at 20, m2 -> {3} at 5; K = 2
     return DSMDInstance.from_sets([[0, 1], [1, 2], [3]], [10, 20, 5], [40, 40, 40, 40], 2,
-                                  controller_bw_bps=40, controller_cpu=3, messages=np.array([2, 1, 4]))
+                                  controller_bw_bps=40, controller_cpu=3,
+                                  messages=np.array([2, 1, 4]))
 
 
 def test_hand_case_shared_topic():

@@ -162,7 +162,10 @@ def test_bursts_raise_the_load_as_fig10():
     starts = [b["start_s"] for b in burst.meta["events"]["bursts"]]
     assert starts, "no burst drawn"
     s = starts[0]
-    peak = lambda ds: np.count_nonzero((_seconds(ds) >= s + 130) & (_seconds(ds) < s + 170))
+
+    def peak(ds):
+        return np.count_nonzero((_seconds(ds) >= s + 130) & (_seconds(ds) < s + 170))
+
     # the 0.95 phase against the 0.5 base load
     assert 1.5 < peak(burst) / peak(base) < 2.5
 
@@ -216,13 +219,19 @@ def test_migrations_move_vms_and_make_new_destination_sets():
     t, t0 = ds.trace, off.trace
     np.testing.assert_array_equal(t.timestamp_ns, t0.timestamp_ns)
     np.testing.assert_array_equal(t.resource_id, t0.resource_id)
-    sets = lambda tr: {tuple(tr.hosts_of(i)) for i in range(len(tr))}
+
+    def sets(tr):
+        return {tuple(tr.hosts_of(i)) for i in range(len(tr))}
+
     assert sets(t) - sets(t0)
     # every unicast message goes to its VM's node at that time, replaying the events
     topo = ds.topology
     node = {int(v): int(n) for v, n in zip(topo.vm_ids, topo.node_ids[topo.vm_node])}
     sec = _seconds(ds)
-    epoch_start = lambda x: np.ceil((x - 5.0) / 10.0) * 10.0  # first epoch with mid >= x
+
+    def epoch_start(x):  # first epoch with mid >= x
+        return np.ceil((x - 5.0) / 10.0) * 10.0
+
     order = sorted(moves, key=lambda m: m["time_s"])
     k = 0
     for i in np.flatnonzero(t.resource_id >= UNICAST):
@@ -255,7 +264,7 @@ def test_creation_burst_is_create_of_ports_and_subnets_on_new_nodes():
                            deletions_per_hour=0.0, creation_s=60.0, creation_boost=10.0)
     ds = generate_dynamic(_tiny(), dyn, 2, 600.0)
     made = ds.meta["events"]["creations"]
-    assert made and set(e["vpc_id"] for e in made) <= set(ds.meta["initially_inactive_vpc_ids"])
+    assert made and {e["vpc_id"] for e in made} <= set(ds.meta["initially_inactive_vpc_ids"])
     sec, t, topo = _seconds(ds), ds.trace, ds.topology
     moved = 0
     for ev in made:
@@ -299,8 +308,11 @@ def test_named_specs_and_overrides():
 def test_same_spec_same_bytes_other_seed_differs(built, tmp_path):
     again = build_dataset(_small_spec(), tmp_path / "a")
     other = build_dataset(_small_spec(seed=1), tmp_path / "b")
-    sha = lambda ds: [json.loads(ds.manifest_path.read_text())["traces"][i]["sha256"]
-                      for i in range(len(ds))]
+
+    def sha(ds):
+        return [json.loads(ds.manifest_path.read_text())["traces"][i]["sha256"]
+                for i in range(len(ds))]
+
     assert sha(again) == sha(built)
     assert again.root.name == built.root.name
     assert other.root.name != built.root.name

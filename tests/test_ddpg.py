@@ -71,7 +71,7 @@ def test_priorities_follow_td_errors_of_the_sampled_transitions(algo):
     leaves = algo.replay.tree.leaves(idx)
     # the stored priority of every sampled transition is (|td| + eps)^alpha (the last
     # occurrence wins for a transition sampled twice)
-    last = {i: t for i, t in zip(idx, td)}
+    last = dict(zip(idx, td))
     expected = np.array([(last[i] + algo.replay.eps) ** algo.replay.alpha for i in idx])
     np.testing.assert_allclose(leaves, expected, rtol=1e-6)
     assert algo.updates_done >= 1

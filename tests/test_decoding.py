@@ -38,8 +38,8 @@ def test_fits_is_exactly_the_feasibility_of_the_move(inst, seed, reserve):
     check = _bound_ok if reserve else (lambda s: s.metrics().feasible)
     if not check(state):
         return
-    for m in rng.permutation(inst.num_types):
-        m = int(m)
+    for row in rng.permutation(inst.num_types):
+        m = int(row)
         for c in range(inst.num_topics + 1):
             state.move(m, c)
             ok = check(state)

@@ -56,10 +56,10 @@ def test_ties_are_broken_at_random_not_towards_rpc():
 
 def test_episode_decides_every_type_and_reports_metrics(tiny_problems):
     env = DSMDEnv(problems=tiny_problems, split="test", decoding="argmax")  # all on RPC
-    obs, info = env.reset(seed=0)
+    _, info = env.reset(seed=0)
     n = info["num_types"]
     for i in range(n):
-        obs, r, term, trunc, info = env.step(np.eye(env.action_space.shape[0])[0])
+        _, _, term, trunc, info = env.step(np.eye(env.action_space.shape[0])[0])
         assert term == (i == n - 1) and not trunc
     assert info["assigned_types"] == n and info["rpc_types"] == n
     for key in ("controller_traffic_bps", "total_node_traffic_bps", "max_node_traffic_bps",
@@ -78,7 +78,8 @@ def test_reward_forms(form, tiny_problems):
     rng = np.random.default_rng(1)
     rewards, done = [], False
     while not done:
-        _, r, done, _, info = env.step(rng.uniform(-1, 1, env.action_space.shape).astype(np.float32))
+        action = rng.uniform(-1, 1, env.action_space.shape).astype(np.float32)
+        _, r, done, _, _ = env.step(action)
         rewards.append(r)
     final = eq2_terms(env.state, cfg)["value"]
     if form == "delta":  # telescopes: return = Eq. 2 of the final assignment - Eq. 2 of empty
@@ -101,7 +102,7 @@ def test_reward_terms_follow_eq2(tiny_problems):
     t2 = eq2_terms(s, RewardConfig())
     assert t2["objective"] == pytest.approx(100 / (1 + 1.0))  # RPC-only: total == necessary
     assert t2["node_penalty"] == pytest.approx(50 * np.maximum(ratio - 1, 0).sum())
-    with pytest.raises(DSMDError, match="reward.form"):
+    with pytest.raises(DSMDError, match=r"reward\.form"):
         RewardConfig(form="sometimes")
 
 
@@ -125,8 +126,8 @@ def test_paper_observation_layout(tiny_problems):
     obs, *_ = env.step(a)
     assert obs[sl["x"]][inst.catalog_index[second]] == 1.0
     nodes = obs[sl["nodes"]]
-    np.testing.assert_allclose(nodes, np.maximum(1 - env.state.node_traffic / inst.node_capacity_bps, -1),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        nodes, np.maximum(1 - env.state.node_traffic / inst.node_capacity_bps, -1), rtol=1e-6)
 
 
 def test_observation_builder_is_shared_with_policies(tiny_problems):

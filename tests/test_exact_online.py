@@ -113,7 +113,7 @@ def test_oracle_equals_brute_force(seed):
 
 def test_oracle_never_worse_than_any_plan():
     rng = np.random.default_rng(100)
-    for trial in range(6):
+    for _trial in range(6):
         n, k = int(rng.integers(2, 5)), int(rng.integers(1, 3))
         insts = random_sequence(rng, 3, n, k, per_interval=4)
         w = (float(rng.choice([0.5, 5.0])), float(rng.choice([0.01, 0.3])),

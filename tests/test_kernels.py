@@ -4,6 +4,8 @@ and the pending least costs kept under moves."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -60,7 +62,7 @@ def test_first_fit_searches_past_the_first_candidates():
     inst = DSMDInstance.from_sets(dests, rng.integers(1, 10**6, m), 10**7, k, 10**12, 10**6,
                                   num_nodes=n)
     deep = none = 0
-    for trial in range(300):
+    for _trial in range(300):
         state = _random_state(inst, rng, free_share=0.6)
         free = np.flatnonzero(state.channel == UNASSIGNED)
         m = int(rng.choice(free))
@@ -118,7 +120,7 @@ def test_observation_rows_fill_any_split_as_observe_many(inst, seed, progress, c
         builder.observe(other, None, 0.0)
     edges = sorted({0, free.size, *(min(c, free.size) for c in cuts)})
     got = np.full_like(want, np.nan)
-    for lo, hi in reversed(list(zip(edges, edges[1:]))):
+    for lo, hi in reversed(list(itertools.pairwise(edges))):
         fill(lo, hi, got[lo:hi])
     np.testing.assert_array_equal(got, want)
 

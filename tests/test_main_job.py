@@ -45,7 +45,8 @@ def test_main_job_tiny_end_to_end(tmp_path, capsys):
     assert (ex["status"] == "optimal").any()
     for _, row in pw[(pw.policy != "exact") & (pw.feasible == True)].iterrows():  # noqa: E712
         if row["instance"] in ex.index and ex.loc[row["instance"], "status"] == "optimal":
-            assert ex.loc[row["instance"], "total_node_traffic_bps"] <= row["total_node_traffic_bps"]
+            assert (ex.loc[row["instance"], "total_node_traffic_bps"]
+                    <= row["total_node_traffic_bps"])
     # the MLflow run holds the config, command line, tables and plot
     client = MlflowClient(tracking_uri=str(cfg.logger.tracking_uri))
     run = client.get_run(res["run_id"])
@@ -201,7 +202,8 @@ def test_multirun_sweep_is_one_query(tmp_path):
            f"logger.tracking_uri={uri}", f"logger.artifact_location={tmp_path / 'art'}",
            f"paths.data_dir={tmp_path / 'data'}",
            f"hydra.sweep.dir={tmp_path / 'sweep'}", "+tags.study=seeds"]
-    r = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600,
+                       check=False)
     assert r.returncode == 0, r.stderr[-3000:]
     client = MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name("smart-dsmd")

@@ -124,7 +124,7 @@ def test_deciders_cannot_see_the_future():
 
 def test_bad_placement_and_weights_are_refused():
     tr = _hand_trace()
-    with pytest.raises(DSMDError, match="outside 0..2"):
+    with pytest.raises(DSMDError, match=r"outside 0\.\.2"):
         run_online(tr, Scripted({}, {0: 3, 1: 1, 2: 0}))
     with pytest.raises(DSMDError, match="w_move"):
         OnlineCost(w_move=-1)

@@ -80,6 +80,7 @@ def _train(tmp_path: Path, overrides: list[str]) -> dict:
         ray.shutdown()
 
 
+@pytest.mark.slow  # DDPG on tiny_online with validation and export: about a minute
 def test_train_online_end_to_end(tmp_path, capsys):
     """The main job's path on tiny_online: tuning on validation, the tuned teacher's
     demonstrations, DDPG on the training traces with validation from the cloned start, the

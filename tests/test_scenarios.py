@@ -64,7 +64,8 @@ def test_same_seed_same_trace_other_seed_differs():
     np.testing.assert_array_equal(a.trace.size_bytes, b.trace.size_bytes)
     np.testing.assert_array_equal(a.trace.hosts, b.trace.hosts)
     np.testing.assert_array_equal(a.trace.timestamp_ns, b.trace.timestamp_ns)
-    assert len(a.trace) != len(c.trace) or not np.array_equal(a.trace.size_bytes, c.trace.size_bytes)
+    assert (len(a.trace) != len(c.trace)
+            or not np.array_equal(a.trace.size_bytes, c.trace.size_bytes))
 
 
 def test_generated_trace_is_valid_and_consistent(tiny_dataset):

@@ -335,7 +335,8 @@ def test_serving_imports_neither_rllib_nor_torch():
     code = ("import sys, serving.app, serving.adapter, serving.local, serve; "
             "bad = [m for m in ('ray', 'torch') if m in sys.modules]; "
             "assert not bad, bad")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       check=False)
     assert r.returncode == 0, r.stderr
 
 

@@ -19,8 +19,8 @@ from envs.shaping.env import ShapingEnv, jain_index
 from envs.shaping.simulator import ShapingSimulator
 from envs.shaping.sincon import ShapingError
 
-KW = dict(tenants=2, switches_per_tenant=4, duration_s=1.0, period_s=0.1,
-          sim={"edge_switches": 2})
+KW = {"tenants": 2, "switches_per_tenant": 4, "duration_s": 1.0, "period_s": 0.1,
+      "sim": {"edge_switches": 2}}
 
 
 def test_check_env():

@@ -13,9 +13,9 @@ from envs.shaping.hypervisor import HypervisorConfig, IOThreadPool
 from envs.shaping.simulator import ShapingSimulator, SimConfig, simulate
 from envs.shaping.sincon import ShapingError
 
-SMALL = dict(tenants=2, switches_per_tenant=5, edge_switches=2, duration_s=2.0,
-             server="hypervisor")
-QUIET = dict(setup_rate_hz=0.0, read={"burst_rate_hz": 0.0}, write={"burst_rate_hz": 0.0})
+SMALL = {"tenants": 2, "switches_per_tenant": 5, "edge_switches": 2, "duration_s": 2.0,
+         "server": "hypervisor"}
+QUIET = {"setup_rate_hz": 0.0, "read": {"burst_rate_hz": 0.0}, "write": {"burst_rate_hz": 0.0}}
 
 
 def _run(cfg: SimConfig, policy: str, seed: int = 0, offers=()) -> ShapingSimulator:
@@ -112,7 +112,7 @@ def test_bad_hypervisor_config_is_named():
         SimConfig.from_dict(server="cpu")
     with pytest.raises(ShapingError, match="io_threads"):
         SimConfig.from_dict(hypervisor={"io_threads": 0})
-    with pytest.raises(ShapingError, match="SimConfig.hypervisor: unknown keys"):
+    with pytest.raises(ShapingError, match=r"SimConfig\.hypervisor: unknown keys"):
         SimConfig.from_dict(hypervisor={"threads": 2})
     with pytest.raises(ShapingError, match="message_s or byte_s"):
         HypervisorConfig(message_s=0.0, byte_s=0.0)
@@ -131,9 +131,9 @@ def test_env_runs_on_the_hypervisor_and_observes_what_waits_for_it():
 
     from envs.shaping.env import ShapingEnv
 
-    kw = dict(tenants=2, switches_per_tenant=4, duration_s=1.0, period_s=0.1,
-              sim={"edge_switches": 2, "server": "hypervisor", "global_throughput": 2e5,
-                   "hypervisor": {"io_threads": 1, "message_s": 2e-3, "byte_s": 0.0}})
+    kw = {"tenants": 2, "switches_per_tenant": 4, "duration_s": 1.0, "period_s": 0.1,
+          "sim": {"edge_switches": 2, "server": "hypervisor", "global_throughput": 2e5,
+                  "hypervisor": {"io_threads": 1, "message_s": 2e-3, "byte_s": 0.0}}}
     env = ShapingEnv(**kw)
     check_env(env, skip_render_check=True)
     obs, _ = env.reset(seed=1)

@@ -1,6 +1,7 @@
-"""The generic sub-problem trainer (:class:`agents.task_episodes.EpisodeTask` through :func:`agents.training.run_training`) end to end on a toy
-environment defined here (this module is also its suite): real RLlib DDPG with
-demonstrations, a real local MLflow store, and the exported ONNX actor run by ONNX Runtime."""
+"""The generic sub-problem trainer (:class:`agents.task_episodes.EpisodeTask` through
+:func:`agents.training.run_training`) end to end on a toy environment defined here (this
+module is also its suite): real RLlib DDPG with demonstrations, a real local MLflow store,
+and the exported ONNX actor run by ONNX Runtime."""
 
 from __future__ import annotations
 

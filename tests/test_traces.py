@@ -210,7 +210,7 @@ def test_edge_cases_found_in_review(tmp_path, good):
     with pytest.raises(TraceError) as e:
         read_trace(_write(tmp_path, t), topo)
     assert (e.value.row, e.value.field) == (3, "hosts") and "null node id" in str(e.value)
-    big = pa.array([2**63 + 5] + trace.size_bytes[1:].tolist(), pa.uint64())
+    big = pa.array([2**63 + 5, *trace.size_bytes[1:].tolist()], pa.uint64())
     with pytest.raises(TraceError) as e:
         read_trace(_write(tmp_path, _replace(_table(trace), "size_bytes", big)), topo)
     assert (e.value.row, e.value.field) == (0, "size_bytes")

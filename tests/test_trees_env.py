@@ -141,7 +141,7 @@ def test_algorithm1_baseline_is_algorithm1_and_reward_is_objective3() -> None:
         n, r = u.group
         avail = u.cluster.available(r)
         want = algorithm1(n, r, u.cluster.weights(), u.switch, u.cluster_spec.lam, avail)
-        order, lam_eff = u.decode(pol.act(obs, u))
+        _order, lam_eff = u.decode(pol.act(obs, u))
         assert lam_eff == u.cluster_spec.lam
         loads = u.cluster.loads.copy()
         obs, rew, done, _, info = env.step(pol.act(obs, u))

@@ -169,7 +169,7 @@ def test_k_search_beyond_m_le_n() -> None:
     """Theorem 2's 'WLOG m <= n' would miss this optimum: relays add streams."""
     w = np.zeros(6)
     res = algorithm1(3, 0.05, w, SWITCH, 0.0)
-    assert res.k == 6 > 3
+    assert res.k == 6  # more than m = 3
 
 
 # ---- closed forms ----

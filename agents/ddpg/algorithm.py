@@ -117,24 +117,23 @@ class DDPGConfig(SACConfig):
                  random_warmup_steps=NotProvided, updates_per_step=NotProvided,
                  fast_connectors=NotProvided, **kwargs) -> DDPGConfig:
         super().training(**kwargs)
-        for k, v in dict(twin_q=twin_q, policy_delay=policy_delay, noise_type=noise_type,
-                         ou_theta=ou_theta, ou_sigma=ou_sigma, architecture=architecture,
-                         demo_fraction=demo_fraction, bc_weight=bc_weight,
-                         bc_pretrain_steps=bc_pretrain_steps,
-                         critic_warmup_updates=critic_warmup_updates,
-                         per_channel_hiddens=per_channel_hiddens, channel_blocks=channel_blocks,
-                         exploration_noise=exploration_noise,
-                         exploration_noise_final=exploration_noise_final,
-                         exploration_noise_steps=exploration_noise_steps,
-                         target_noise=target_noise, target_noise_clip=target_noise_clip,
-                         critic_weight_decay=critic_weight_decay,
-                         fcnet_hiddens=fcnet_hiddens, prioritized_replay=prioritized_replay,
-                         per_alpha=per_alpha, per_beta=per_beta, per_beta_final=per_beta_final,
-                         per_beta_steps=per_beta_steps, per_eps=per_eps,
-                         buffer_capacity=buffer_capacity,
-                         random_warmup_steps=random_warmup_steps,
-                         updates_per_step=updates_per_step,
-                         fast_connectors=fast_connectors).items():
+        settings = {"twin_q": twin_q, "policy_delay": policy_delay, "noise_type": noise_type,
+                    "ou_theta": ou_theta, "ou_sigma": ou_sigma, "architecture": architecture,
+                    "demo_fraction": demo_fraction, "bc_weight": bc_weight,
+                    "bc_pretrain_steps": bc_pretrain_steps,
+                    "critic_warmup_updates": critic_warmup_updates,
+                    "per_channel_hiddens": per_channel_hiddens, "channel_blocks": channel_blocks,
+                    "exploration_noise": exploration_noise,
+                    "exploration_noise_final": exploration_noise_final,
+                    "exploration_noise_steps": exploration_noise_steps,
+                    "target_noise": target_noise, "target_noise_clip": target_noise_clip,
+                    "critic_weight_decay": critic_weight_decay, "fcnet_hiddens": fcnet_hiddens,
+                    "prioritized_replay": prioritized_replay, "per_alpha": per_alpha,
+                    "per_beta": per_beta, "per_beta_final": per_beta_final,
+                    "per_beta_steps": per_beta_steps, "per_eps": per_eps,
+                    "buffer_capacity": buffer_capacity, "random_warmup_steps": random_warmup_steps,
+                    "updates_per_step": updates_per_step, "fast_connectors": fast_connectors}
+        for k, v in settings.items():
             if v is not NotProvided:
                 setattr(self, k, v)
         return self
@@ -346,7 +345,7 @@ class DDPG(SAC):
         """``n`` training minibatches of ``batch_size`` rows, concatenated: each is replay rows
         (one PER sample for all ``n``) then demonstration rows. Returns the columns, the
         replay indices, and the rows of the columns that hold them (for the TD errors)."""
-        n_demo = (int(round(batch_size * self.config.demo_fraction))
+        n_demo = (round(batch_size * self.config.demo_fraction)
                   if self.demos is not None else 0)
         n_rep = batch_size - n_demo
         b = self.replay.sample(n_rep * n, beta=beta)

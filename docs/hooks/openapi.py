@@ -70,7 +70,7 @@ def render(spec: dict[str, Any]) -> str:
                 op = ops[method]
                 tags.setdefault((op.get("tags") or ["other"])[0], []).append((path, method, op))
     lines += ["## Endpoints", "", "| method | path | summary |", "| --- | --- | --- |"]
-    for tag, ops in tags.items():
+    for _tag, ops in tags.items():
         for path, method, op in ops:
             lines.append(f"| `{method.upper()}` | [`{path}`](#{_op_id(op, method, path)}) | "
                          f"{_cell(op.get('summary'))} |")
@@ -131,7 +131,7 @@ def _fields_table(schema: dict, schemas: dict) -> list[str]:
         default = f"`{_json(p['default'])}`" if "default" in p else ""
         out.append(f"| `{name}` | {_type(p)} | {'yes' if name in required else 'no'} | "
                    f"{default} | {_cell(_describe(p))} |")
-    return out + [""]
+    return [*out, ""]
 
 
 def _schema_section(name: str, schema: dict, schemas: dict) -> list[str]:

@@ -85,6 +85,7 @@ def evaluate(inst: DSMDInstance, channel: np.ndarray) -> CostSnapshot:
     _check_channels(inst, channel)
     n, k = inst.num_nodes, inst.num_topics
     f, d, msgs = inst.rate_bps, inst.fanout, inst.messages
+    assert msgs is not None  # filled in DSMDInstance.__post_init__
     rpc = channel == RPC
     mq = channel > 0
     assigned = channel >= 0
@@ -206,6 +207,7 @@ class CostState:
         self._ratio: tuple[int, np.ndarray] | None = None
         self._rate = inst.rate_bps.tolist()
         self._fan = inst.fanout.tolist()
+        assert inst.messages is not None  # filled in DSMDInstance.__post_init__
         self._msgs = inst.messages.tolist()
         ptr = inst.dest_ptr
         self._dest = [inst.dest_idx[ptr[i]:ptr[i + 1]] for i in range(m)]
@@ -261,7 +263,7 @@ class CostState:
         b, pend = self.node_traffic, self.pending_node
         track = pend is not None
         if c == RPC:
-            _k.rpc_shift(b, dest, f, pend if track else b, track)
+            _k.rpc_shift(b, dest, f, pend if pend is not None else b, track)
             self.controller_bw += f * d
             self.controller_cpu += d
             self.total_traffic += f * d
@@ -270,7 +272,7 @@ class CostState:
         else:  # current subscribers get f, new subscribers the whole topic
             r_old, s_old = int(self.topic_rate[c]), int(self.topic_subscribers[c])
             fresh = _k.topic_add(b, self.sub_count[c], dest, f, r_old, s_old,
-                                 pend if track else b, track)
+                                 pend if pend is not None else b, track)
             self.topic_rate[c] = r_old + f
             self.topic_subscribers[c] = s_old + fresh
             self.topic_types[c] += 1
@@ -289,7 +291,7 @@ class CostState:
         b, pend = self.node_traffic, self.pending_node
         track = pend is not None
         if c == RPC:
-            _k.rpc_shift(b, dest, -f, pend if track else b, track)
+            _k.rpc_shift(b, dest, -f, pend if pend is not None else b, track)
             self.controller_bw -= f * d
             self.controller_cpu -= d
             self.total_traffic -= f * d
@@ -298,7 +300,7 @@ class CostState:
         else:  # leaving subscribers lose the whole topic, the remaining ones f
             r_old, s_old = int(self.topic_rate[c]), int(self.topic_subscribers[c])
             gone = _k.topic_remove(b, self.sub_count[c], dest, f, r_old,
-                                   pend if track else b, track)
+                                   pend if pend is not None else b, track)
             self.topic_rate[c] = r_old - f
             self.topic_subscribers[c] = s_old - gone
             self.topic_types[c] -= 1
@@ -339,7 +341,8 @@ class CostState:
         return self.channel_costs(m)[0]
 
     def node_peak_if(self, m: int, c: int) -> float:
-        """max_n b(n)/s(n) over the nodes whose traffic changes if unassigned ``m`` goes to ``c``."""
+        """max_n b(n)/s(n) over the nodes whose traffic changes if unassigned ``m`` goes to
+        ``c``."""
         f, dest = self._rate[m], self._dest[m]
         cap = self.inst.node_capacity_bps
         b = self.node_traffic
@@ -398,8 +401,11 @@ class CostState:
         # with reserve, a node's traffic is counted with its pending least cost (a lower
         # bound of its final traffic, m's own f included: on a subscribed destination f
         # moves from pending to b)
-        b = self.node_traffic
-        return _k.nodes_fit(b, self.pending_node if reserve else b, reserve,
+        b = pend = self.node_traffic
+        if reserve:
+            assert self.pending_node is not None  # set by _controller_fits(reserve=True)
+            pend = self.pending_node
+        return _k.nodes_fit(b, pend, reserve,
                             self.inst.inv_capacity, self.sub_count[c], self._dest[m],
                             self._rate[m], c == RPC, int(self.topic_rate[c]),
                             int(self.topic_subscribers[c]))
@@ -411,8 +417,10 @@ class CostState:
         topic_ok = self._controller_fits(m, False, True)
         if not (rpc_ok or topic_ok):
             return -1
+        pend = self.pending_node
+        assert pend is not None  # set by _controller_fits(reserve=True)
         return int(_k.first_fit(_k.as_scores(scores), int(skip), self.node_traffic,
-                                self.pending_node, self.inst.inv_capacity, self.sub_count,
+                                pend, self.inst.inv_capacity, self.sub_count,
                                 self._dest[m], self._rate[m], self.topic_rate,
                                 self.topic_subscribers, rpc_ok, topic_ok))
 

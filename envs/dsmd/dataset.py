@@ -180,7 +180,7 @@ class DatasetSpec:
 def _split_counts(n: int, fractions: tuple[float, float, float]) -> list[int]:
     cuts = np.rint(np.cumsum(fractions) * n).astype(int)
     cuts[-1] = n
-    counts = np.diff(np.concatenate([[0], cuts])).tolist()
+    counts: list[int] = np.diff(np.concatenate([[0], cuts])).tolist()
     wanted = [j for j, f in enumerate(fractions) if f > 0]
     if n >= len(wanted):
         for j in wanted:
@@ -400,7 +400,8 @@ def _check_trace_entry(path: Path, t: Any, i: int, seen: dict[str, str],
     if not isinstance(t, dict):
         raise DatasetError(path, f"expected an object, got {type(t).__name__}",
                            field=f"traces[{i}]")
-    tid = t.get("id") if isinstance(t.get("id"), str) else f"#{i}"
+    raw_id = t.get("id")
+    tid = raw_id if isinstance(raw_id, str) else f"#{i}"
     _check_keys(path, t, _ENTRY_KEYS, trace=tid)
     if not t["id"]:
         raise DatasetError(path, "empty trace id", trace=tid, field="id")
@@ -658,7 +659,7 @@ def import_traces(root: str | Path, name: str, traces: Mapping[str, Iterable[str
                            field="id")
     counts = [sum(e["split"] == s for e in entries) for s in SPLITS]
     spec = DatasetSpec(name=name, scenario=scen.name, num_traces=len(entries),
-                       duration_s=max(max(e["duration_s"] for e in entries), 1e-9),
+                       duration_s=max(*(e["duration_s"] for e in entries), 1e-9),
                        seed=0, split=tuple(c / len(entries) for c in counts),
                        time_split=scen.split, dynamics=DynamicsSpec.off())
     doc = {"format_version": FORMAT_VERSION, "name": name, "kind": "imported",

@@ -232,7 +232,7 @@ class Schedule:
 
 
 def _epochs(duration_s: float, epoch_s: float) -> tuple[np.ndarray, np.ndarray]:
-    n = max(int(math.ceil(duration_s / epoch_s - 1e-9)), 1)
+    n = max(math.ceil(duration_s / epoch_s - 1e-9), 1)
     start = np.arange(n) * epoch_s
     return start, np.minimum(epoch_s, duration_s - start)
 
@@ -289,7 +289,7 @@ def _lifecycles(dyn: DynamicsSpec, seed: int, spec: ScenarioSpec, topo: Topology
     if not dyn.lifecycles:
         return mult, phase, np.zeros(0, dtype=np.int64)
     g = rng(seed, spec.name, "dynamics", "lifecycles")
-    n_off = min(int(round(dyn.inactive_fraction * num_vpcs)), num_vpcs - 1)
+    n_off = min(round(dyn.inactive_fraction * num_vpcs), num_vpcs - 1)
     inactive = np.sort(g.choice(num_vpcs, size=n_off, replace=False)).astype(np.int64)
     mult[:, inactive] = 0.0
     unborn = inactive.tolist()

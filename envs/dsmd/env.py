@@ -78,7 +78,7 @@ _REWARD_KEYS = {k: f"reward/{k}" for k in ("objective", "controller_bw_penalty",
 
 class DSMDEnv(gym.Env):
     __doc__ = __doc__
-    metadata: dict[str, Any] = {"render_modes": []}
+    metadata: dict[str, Any] = {"render_modes": []}  # noqa: RUF012 (gym.Env: not a ClassVar)
 
     def __init__(self, scenario: str | ScenarioSpec = "tiny", *, split: str = "train",
                  windows: list[int] | None = None, observation: str = "channel",
@@ -175,8 +175,9 @@ class DSMDEnv(gym.Env):
         for k, v in terms.items():
             info[_REWARD_KEYS[k]] = v
         obs = d.observe()
-        info.update(window=self.window, type=m, channel=c,
-                    catalog_type=int(self.inst.catalog_index[m]))
+        catalog = self.inst.catalog_index
+        assert catalog is not None  # filled in DSMDInstance.__post_init__
+        info.update(window=self.window, type=m, channel=c, catalog_type=int(catalog[m]))
         return obs, float(reward), done, False, info
 
     # ------------------------------------------------------------------ helpers

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, SupportsInt, cast
 
 import numpy as np
 
@@ -48,7 +49,7 @@ class DSMDInstance:
     catalog_index: np.ndarray | None = None  # (M,) index in the scenario's type catalogue
     interval_s: float = 1.0
     name: str = ""
-    _cache: dict = field(default_factory=dict, repr=False)
+    _cache: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         m = self.rate_bps.size
@@ -64,12 +65,13 @@ class DSMDInstance:
     def from_sets(cls, destinations: Sequence[Sequence[int]], rates_bps: Sequence[int],
                   node_capacity_bps: Sequence[int] | int, num_topics: int,
                   controller_bw_bps: int, controller_cpu: int, num_nodes: int | None = None,
-                  **kw) -> DSMDInstance:
+                  **kw: Any) -> DSMDInstance:
         """Build from Python lists (tests, hand-made examples)."""
         dests = [np.unique(np.asarray(d, dtype=np.int64)) for d in destinations]
         n = num_nodes if num_nodes is not None else (
             int(max((d.max() for d in dests if d.size), default=-1)) + 1)
-        cap = (np.full(n, int(node_capacity_bps), np.int64)
+        # of the declared types only the int is a scalar (np.isscalar narrows to numpy scalars)
+        cap = (np.full(n, int(cast(SupportsInt, node_capacity_bps)), np.int64)
                if np.isscalar(node_capacity_bps) else np.asarray(node_capacity_bps, np.int64))
         lens = np.array([d.size for d in dests], dtype=np.int64)
         ptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
@@ -154,14 +156,16 @@ class DSMDInstance:
     def fanout(self) -> np.ndarray:
         if "fanout" not in self._cache:
             self._cache["fanout"] = np.diff(self.dest_ptr)
-        return self._cache["fanout"]
+        fanout: np.ndarray = self._cache["fanout"]
+        return fanout
 
     @property
     def type_of_entry(self) -> np.ndarray:
         """For each entry of ``dest_idx``, the type it belongs to."""
         if "row" not in self._cache:
             self._cache["row"] = np.repeat(np.arange(self.num_types), self.fanout)
-        return self._cache["row"]
+        row: np.ndarray = self._cache["row"]
+        return row
 
     def destinations(self, m: int) -> np.ndarray:
         return self.dest_idx[self.dest_ptr[m]:self.dest_ptr[m + 1]]
@@ -177,22 +181,28 @@ class DSMDInstance:
         """sum_m f(m) |D(m)|: the node traffic with no redundancy (a lower bound)."""
         if "necessary" not in self._cache:
             self._cache["necessary"] = int(np.dot(self.rate_bps, self.fanout))
-        return self._cache["necessary"]
+        necessary: int = self._cache["necessary"]
+        return necessary
 
     @property
     def inv_capacity(self) -> np.ndarray:
         """1 / s(n), float64."""
         if "inv_cap" not in self._cache:
             self._cache["inv_cap"] = 1.0 / self.node_capacity_bps
-        return self._cache["inv_cap"]
+        inv_cap: np.ndarray = self._cache["inv_cap"]
+        return inv_cap
 
     @property
     def messages_per_s(self) -> np.ndarray:
+        assert self.messages is not None  # filled in __post_init__
         return self.messages / self.interval_s
 
     def subset(self, types: np.ndarray) -> DSMDInstance:
         """The instance restricted to ``types`` (same nodes, capacities and K)."""
         types = np.asarray(types, dtype=np.int64)
+        # filled in __post_init__
+        assert self.messages is not None and self.vpc is not None
+        assert self.config is not None and self.catalog_index is not None
         lens = self.fanout[types]
         ptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
         idx = np.concatenate([self.destinations(t) for t in types]) if types.size else \
@@ -208,7 +218,8 @@ class DSMDInstance:
                         node_capacity_bps: np.ndarray | int | None = None) -> DSMDInstance:
         cap = self.node_capacity_bps
         if node_capacity_bps is not None:
-            cap = (np.full(self.num_nodes, int(node_capacity_bps), np.int64)
+            # of the declared types only the int is a scalar (np.isscalar narrows to numpy scalars)
+            cap = (np.full(self.num_nodes, int(cast(SupportsInt, node_capacity_bps)), np.int64)
                    if np.isscalar(node_capacity_bps) else np.asarray(node_capacity_bps, np.int64))
         return DSMDInstance(self.num_nodes, self.num_topics, cap,
                             int(controller_bw_bps or self.controller_bw_bps),

@@ -19,7 +19,10 @@ NumPy's fixed cost per call, not the arithmetic, would dominate the in-process d
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
+import numpy.typing as npt
 from numba import njit
 
 __all__ = [
@@ -323,7 +326,7 @@ def first_fit(scores: np.ndarray, skip: int, b: np.ndarray, pend: np.ndarray, in
     # the rest in a stable descending sort (NaN last in both)
     for i in range(k1):
         if i < 4:
-            c = -1
+            c: int = -1
             for t in range(k1):
                 if not tried[t] and (c < 0 or scores[t] > scores[c]
                                      or (scores[c] != scores[c] and scores[t] == scores[t])):
@@ -364,7 +367,7 @@ def argmax_ties(a: np.ndarray) -> tuple[int, int]:
     best = -1
     for i in range(a.shape[0]):
         x = a[i]
-        if x == x and (best < 0 or x > a[best]):
+        if x == x and (best < 0 or x > a[best]):  # noqa: PLR0124 (x == x is False for NaN)
             best = i
     if best < 0:
         return 0, 0
@@ -390,7 +393,7 @@ def argmax_ties_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
 
-def as_scores(a) -> np.ndarray:
+def as_scores(a: npt.ArrayLike) -> np.ndarray:
     """Channel scores as a contiguous 1-D float32/float64 array (what the kernels take)."""
     a = np.asarray(a).reshape(-1)
     if a.dtype not in _FLOATS or not a.flags.c_contiguous:
@@ -398,17 +401,12 @@ def as_scores(a) -> np.ndarray:
     return a
 
 
-_warm = False
-
-
+@functools.cache
 def warm_up() -> None:
     """Compile (or load from the on-disk cache) every kernel with the argument types the
     simulator uses, so that the first real call does not pay for it (the policy server calls
     this while starting, the controller adapter when it is made). Loading from the cache is
     much faster than compiling on a fresh install; later calls return at once."""
-    global _warm
-    if _warm:
-        return
     i64 = np.zeros(3, np.int64)
     row = np.zeros((2, 3), np.int32)
     dest = np.array([0, 2], np.int64)
@@ -436,4 +434,3 @@ def warm_up() -> None:
     argmax_ties(np.zeros(3, np.float64))
     argmax_ties_rows(np.zeros((2, 3), np.float32))
     argmax_ties_rows(np.zeros((2, 3), np.float64))
-    _warm = True

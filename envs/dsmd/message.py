@@ -6,7 +6,7 @@ becomes training data for the next offline run."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Sequence, Sized
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,7 +17,7 @@ from .traces import CONFIG_NAMES, OPERATION_NAMES, Trace
 __all__ = ["Message", "messages_from_trace", "messages_to_trace", "table1_problem"]
 
 
-def table1_problem(configuration_type: str, operation_type: str, hosts) -> str | None:
+def table1_problem(configuration_type: str, operation_type: str, hosts: Sized) -> str | None:
     """The first Table I field of a message that is wrong (configuration type, operation
     type, destination hosts), said in words, or None: the one rule the simulator's
     :class:`Message` and the delivery runtime's wire check (``delivery.wire``) share."""

@@ -99,6 +99,7 @@ class ObservationBuilder:
             raise DSMDError(
                 f"instance has N={inst.num_nodes}, K={inst.num_topics} but the observation "
                 f"layout expects N={layout.num_nodes}, K={layout.num_topics}")
+        assert inst.catalog_index is not None  # filled in DSMDInstance.__post_init__
         if inst.num_types and int(inst.catalog_index.max()) >= layout.catalog_size:
             raise DSMDError(
                 f"instance type {int(inst.catalog_index.max())} is outside the observation "
@@ -177,13 +178,16 @@ class ObservationBuilder:
                                      state.node_traffic, inst.inv_capacity, self._seen,
                                      self._blocks)
         blocks = self._blocks.copy()  # a later observe() refreshes the builder's own
-        args = (state.sub_count, inst.dest_ptr, inst.dest_idx)
-        rest = (inst.rate_bps, state.topic_subscribers, state.topic_rate, inst.num_nodes, cb, cp,
-                float(progress), peak, inst.controller_bw_bps, inst.controller_cpu, blocks)
+        sub_count, dest_ptr, dest_idx = state.sub_count, inst.dest_ptr, inst.dest_idx
+        rate_bps, subscribers, rate = inst.rate_bps, state.topic_subscribers, state.topic_rate
+        num_nodes, prog = inst.num_nodes, float(progress)
+        bw_cap, cpu_cap = inst.controller_bw_bps, inst.controller_cpu
 
         def fill(lo: int, hi: int, out: np.ndarray) -> None:
             # every row by the kernel observe() uses: the same float32 values
-            _k.channel_observation_rows(out, *args, ms[lo:hi], *rest)
+            _k.channel_observation_rows(out, sub_count, dest_ptr, dest_idx, ms[lo:hi], rate_bps,
+                                        subscribers, rate, num_nodes, cb, cp, prog, peak,
+                                        bw_cap, cpu_cap, blocks)
         return fill
 
     def _controller(self, state: CostState) -> tuple[float, float]:

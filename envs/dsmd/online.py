@@ -143,7 +143,7 @@ class OnlineTrace:
     first_window: np.ndarray  # (M,) interval of each type's first message
     sizes: np.ndarray  # (R,) bytes of every message of the trace
     node_capacity_bps: np.ndarray
-    _cache: dict = field(default_factory=dict, repr=False)
+    _cache: dict[tuple[str, int], Any] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_dataset(cls, dataset: Dataset, spec: ScenarioSpec, name: str = "",
@@ -151,7 +151,7 @@ class OnlineTrace:
         start = dataset.meta.get("start_ns")
         dur = dataset.meta.get("duration_s")
         end = (None if start is None or dur is None
-               else int(start) + int(round(float(dur) * 1e9)))
+               else int(start) + round(float(dur) * 1e9))
         parsed = parse_trace(dataset.trace, dataset.topology, spec.interval_s, batch_key,
                              start_ns=start, end_ns=end)
         seen, first_row = np.unique(parsed.message_type, return_index=True)
@@ -183,7 +183,8 @@ class OnlineTrace:
             self._cache[key] = DSMDInstance.from_estimate(
                 self.parsed.catalog, self.parsed.window(w), s.num_topics, s.controller_bw_bps,
                 s.controller_cpu, self.node_capacity_bps, name=f"{self.name}/w{w}")
-        return self._cache[key]
+        inst: DSMDInstance = self._cache[key]
+        return inst
 
     def rates(self, w: int) -> np.ndarray:
         """Algorithm 1's estimate of interval ``w`` for every type (0 where it sent nothing)."""
@@ -194,7 +195,8 @@ class OnlineTrace:
             on = self.parsed.messages[w] > 0
             r[on] = rates_bps(row[on], self.interval_s)
             self._cache[key] = r
-        return self._cache[key]
+        rates: np.ndarray = self._cache[key]
+        return rates
 
     def arrivals(self, w: int) -> tuple[np.ndarray, np.ndarray]:
         """(types with traffic in interval ``w`` in the order of their first message in it,
@@ -206,12 +208,14 @@ class OnlineTrace:
             types, first = np.unique(self.parsed.message_type[lo:hi], return_index=True)
             order = np.argsort(first, kind="stable")
             self._cache[key] = (types[order], lo + first[order])
-        return self._cache[key]
+        arrivals: tuple[np.ndarray, np.ndarray] = self._cache[key]
+        return arrivals
 
     def new_types(self, w: int) -> np.ndarray:
         """Types first seen in interval ``w``, in the order of their first message."""
         types = self.arrivals(w)[0]
-        return types[self.first_window[types] == w]
+        new: np.ndarray = types[self.first_window[types] == w]
+        return new
 
     def instance(self, types: np.ndarray, rates: np.ndarray, name: str = "") -> DSMDInstance:
         """An instance over catalogue ``types`` with the given rates (estimates, forecasts)."""
@@ -268,7 +272,8 @@ class OnlineView:
         """Current channel of ``types`` (default: every known type); -1 = never assigned."""
         known = self.known_types() if types is None else np.asarray(types, np.int64)
         self._require_seen(known, "asked for the channel of")
-        return self._channel[known].copy()
+        channel: np.ndarray = self._channel[known].copy()
+        return channel
 
     def history(self, types: np.ndarray, depth: int) -> np.ndarray:
         """Rate estimates (bit/s) of ``types`` in the ``depth`` intervals before this one,
@@ -515,11 +520,12 @@ class OnlineSimulator:
         tr, cfg = self.trace, self.cost
         inst = tr.realised(w)
         ids = inst.catalog_index
+        assert ids is not None  # filled in DSMDInstance.__post_init__
         chan = self.channel[ids]
         if (chan < 0).any():  # pragma: no cover - every realised type is planned or placed
             raise DSMDError(f"interval {w}: type {int(ids[chan < 0][0])} has no channel")
         if inst.num_types == 0:  # nothing sent: nothing decided, nothing paid, state kept
-            vals = dict.fromkeys(INTERVAL_FIELDS, 0)
+            vals: dict[str, float] = dict.fromkeys(INTERVAL_FIELDS, 0)
             vals.update(window=w, cost=0.0, redundancy_ratio=1.0, feasible=1,
                         planned_types=planned, subscriptions=0 if self._subs is None
                         else int(self._subs.sum()))

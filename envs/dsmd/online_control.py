@@ -26,12 +26,11 @@ import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from .errors import DSMDError
-from .online import NewType, OnlineCost, OnlineView, Placement
+from .online import NewType, OnlineCost, OnlineDecider, OnlineView, Placement
 
 __all__ = [
     "DEFAULT_EXECUTOR",
@@ -100,7 +99,8 @@ def load_executor(path: str) -> type:
     if not cls:
         raise DSMDError(f"executor must be 'module:Class', got {path!r}")
     try:
-        return getattr(importlib.import_module(mod), cls)
+        executor: type = getattr(importlib.import_module(mod), cls)
+        return executor
     except (ImportError, AttributeError) as e:
         raise DSMDError(f"cannot load executor {path!r}: {e}") from None
 
@@ -160,9 +160,10 @@ class KnobMap:
         return np.array([min(headroom / self.max_headroom, 1.0), h, f],
                         np.float32).clip(0.0, 1.0)
 
-    def decider(self, knobs: dict[str, float], cost: OnlineCost) -> Any:
+    def decider(self, knobs: dict[str, float], cost: OnlineCost) -> OnlineDecider:
         fc = "last" if knobs["alpha"] >= 1.0 else "ewma"
-        return load_executor(self.executor)(cost=cost, forecast=fc, **knobs)
+        executor: OnlineDecider = load_executor(self.executor)(cost=cost, forecast=fc, **knobs)
+        return executor
 
 
 class KnobPolicy:
@@ -174,7 +175,7 @@ class KnobPolicy:
     def __init__(self, act: Callable[[np.ndarray], np.ndarray], knob_map: KnobMap,
                  cost: OnlineCost | None = None, name: str = "learned") -> None:
         self.act, self.map, self.cost, self.name = act, knob_map, cost or OnlineCost(), name
-        self._exec: Any = None
+        self._exec: OnlineDecider | None = None
         self.knobs_used: list[dict[str, float]] = []
 
     def reset(self, seed: int | None = None) -> None:
@@ -188,8 +189,8 @@ class KnobPolicy:
     def plan(self, view: OnlineView) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         k = self.knobs(view)
         self.knobs_used.append(k)
-        self._exec = self.map.decider(k, self.cost)
-        return self._exec.plan(view)
+        ex = self._exec = self.map.decider(k, self.cost)
+        return ex.plan(view)
 
     def place(self, view: OnlineView, new: NewType, placement: Placement) -> int:
         if self._exec is None:

@@ -47,7 +47,8 @@ the trace id.
 ``dataset`` (a name in ``configs/dataset`` or a :class:`TraceDataset`), ``split``,
 ``cost`` (dict of :class:`OnlineCost`), ``max_intervals``, ``warmup``, ``executor``
 (``"module:Class"``, constructed with ``cost=`` and the knobs), ``max_headroom``,
-``max_horizon``, ``features`` (the observation values read; the others are 0), ``cache_dir``, ``traces`` (prebuilt :class:`OnlineTrace` list).
+``max_horizon``, ``features`` (the observation values read; the others are 0), ``cache_dir``,
+``traces`` (prebuilt :class:`OnlineTrace` list).
 
 ## Version history
 * v0: initial version.
@@ -66,12 +67,13 @@ from gymnasium import spaces
 from .errors import DSMDError
 from .online import OnlineCost, OnlineSimulator, OnlineTrace
 from .online_control import OBS_SIZE, KnobMap, load_executor
+from .parser import BatchKey
 from .problems import DATASETS_DIR
 
 __all__ = ["OBS_SIZE", "DSMDOnlineEnv", "load_online_traces"]
 
 def load_online_traces(dataset: Any, split: str, cache_dir: str | Path | None = DATASETS_DIR,
-                       limit: int | None = None, batch_key: str = "hosts"
+                       limit: int | None = None, batch_key: BatchKey = "hosts"
                        ) -> list[OnlineTrace]:
     """The parsed traces of ``split`` of a dataset (a name, a path or a TraceDataset)."""
     from .dataset import TraceDataset, build_dataset, load_dataset_spec, open_dataset
@@ -91,7 +93,7 @@ def load_online_traces(dataset: Any, split: str, cache_dir: str | Path | None = 
 
 
 class DSMDOnlineEnv(gym.Env):
-    metadata = {"render_modes": []}
+    metadata: dict[str, Any] = {"render_modes": []}  # noqa: RUF012 (gym.Env: not a ClassVar)
 
     def __init__(self, dataset: Any = "tiny_online", split: str = "train",
                  cost: dict | OnlineCost | None = None, max_intervals: int | None = None,
@@ -126,7 +128,8 @@ class DSMDOnlineEnv(gym.Env):
         return self.knob_map.knobs(action)
 
     # ------------------------------------------------------------------ API
-    def reset(self, *, seed: int | None = None, options: dict | None = None):
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None
+              ) -> tuple[np.ndarray, dict[str, Any]]:
         super().reset(seed=seed)
         options = options or {}
         i = options.get("trace")
@@ -143,7 +146,8 @@ class DSMDOnlineEnv(gym.Env):
         self._steps = 0
         return self._observe(), {"trace": self.trace.name, "window": self.sim.window}
 
-    def step(self, action):
+    def step(self, action: np.ndarray
+             ) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
         if self.sim is None:
             raise DSMDError("call reset() before step()")
         if self.sim.done:
@@ -158,4 +162,5 @@ class DSMDOnlineEnv(gym.Env):
         return self._observe(), -float(res["cost"]), terminated, truncated, info
 
     def _observe(self) -> np.ndarray:
+        assert self.sim is not None  # set by reset()
         return self.knob_map.observe(self.sim.view())

@@ -235,7 +235,7 @@ def parse_trace(trace: Trace, topology: Topology, interval_s: float,
     t0 = int(trace.timestamp_ns[0]) if start_ns is None else int(start_ns)
     if trace.timestamp_ns[0] < t0:
         raise TraceError(None, "timestamp", "message before the trace's start time", 0)
-    step = int(round(interval_s * 1e9))
+    step = round(interval_s * 1e9)
     win = (trace.timestamp_ns - t0) // step
     n_win = int(win[-1]) + 1
     if end_ns is not None:

@@ -96,7 +96,7 @@ def build_problems(spec: ScenarioSpec, cache_dir: str | Path | None = DATASETS_D
                    batch_key: BatchKey = "hosts") -> ProblemSet:
     ds = scenario_dataset(spec, cache_dir)
     start = ds.meta.get("start_ns")
-    end = None if start is None else int(start) + int(round(float(ds.meta["duration_s"]) * 1e9))
+    end = None if start is None else int(start) + round(float(ds.meta["duration_s"]) * 1e9)
     parsed = parse_trace(ds.trace, ds.topology, spec.interval_s, batch_key, start_ns=start,
                          end_ns=end)
     busy = np.flatnonzero(parsed.messages.sum(axis=1) > 0).tolist()
@@ -104,7 +104,8 @@ def build_problems(spec: ScenarioSpec, cache_dir: str | Path | None = DATASETS_D
 
 
 @lru_cache(maxsize=8)
-def _cached(name: str, overrides: tuple, cache_dir: str | None, batch_key: str) -> ProblemSet:
+def _cached(name: str, overrides: tuple, cache_dir: str | None,
+            batch_key: BatchKey) -> ProblemSet:
     return build_problems(load_scenario(name, **dict(overrides)), cache_dir, batch_key)
 
 

@@ -36,11 +36,14 @@ class RewardConfig:
 
     def __post_init__(self) -> None:
         if self.objective not in ("normalized", "gbps"):
-            raise DSMDError(f"reward.objective must be 'normalized' or 'gbps', got {self.objective!r}")
+            raise DSMDError("reward.objective must be 'normalized' or 'gbps', "
+                            f"got {self.objective!r}")
         if self.node_term not in ("per_node", "aggregate"):
-            raise DSMDError(f"reward.node_term must be 'per_node' or 'aggregate', got {self.node_term!r}")
+            raise DSMDError("reward.node_term must be 'per_node' or 'aggregate', "
+                            f"got {self.node_term!r}")
         if self.form not in ("delta", "dense", "terminal"):
-            raise DSMDError(f"reward.form must be 'delta', 'dense' or 'terminal', got {self.form!r}")
+            raise DSMDError("reward.form must be 'delta', 'dense' or 'terminal', "
+                            f"got {self.form!r}")
 
 
 def eq2_terms(state: CostState, cfg: RewardConfig) -> dict[str, float]:
@@ -58,8 +61,10 @@ def eq2_terms(state: CostState, cfg: RewardConfig) -> dict[str, float]:
         node = max(ratio_sum - inst.num_nodes, 0.0)
     terms = {
         "objective": cfg.kappa / (1.0 + obj),
-        "controller_bw_penalty": cfg.beta * max(state.controller_bw / inst.controller_bw_bps - 1.0, 0.0),
-        "controller_cpu_penalty": cfg.beta * max(state.controller_cpu / inst.controller_cpu - 1.0, 0.0),
+        "controller_bw_penalty":
+            cfg.beta * max(state.controller_bw / inst.controller_bw_bps - 1.0, 0.0),
+        "controller_cpu_penalty":
+            cfg.beta * max(state.controller_cpu / inst.controller_cpu - 1.0, 0.0),
         "node_penalty": cfg.beta * node,
     }
     terms["value"] = (terms["objective"] - terms["controller_bw_penalty"]

@@ -114,7 +114,8 @@ class ScenarioSpec:
         if not 0.2 < self.top_share < 1.0:
             problems.append(f"top_share must be in (0.2, 1), got {self.top_share}")
         if abs(sum(self.split) - 1.0) > 1e-9 or min(self.split) < 0:
-            problems.append(f"split must be three non-negative fractions summing to 1: {self.split}")
+            problems.append("split must be three non-negative fractions summing to 1: "
+                            f"{self.split}")
         if self.phases and abs(sum(d for d, _ in self.phases) - self.duration_s) > 1e-6:
             problems.append("phase durations must add up to duration_s")
         if problems:
@@ -161,8 +162,10 @@ class ScenarioSpec:
         return hashlib.blake2b(blob, digest_size=6).hexdigest()
 
     def total_rate_bps(self) -> float:
-        return (self.rate_per_vpc_bps * self.num_vpcs if self.rate_per_vpc_bps is not None
-                else float(self.peak_rate_bps))
+        if self.rate_per_vpc_bps is not None:
+            return self.rate_per_vpc_bps * self.num_vpcs
+        assert self.peak_rate_bps is not None  # __post_init__: exactly one of the two is given
+        return float(self.peak_rate_bps)
 
     def phase_table(self) -> list[tuple[float, float]]:
         return list(self.phases) if self.phases else [(self.duration_s, 1.0)]
@@ -215,7 +218,8 @@ def _sizes(g: np.random.Generator, n: int, spec: ScenarioSpec) -> np.ndarray:
     alpha, low, high = pareto_params(spec.mean_size_bytes, spec.top_share, spec.size_range)
     u = g.random(n)
     x = low * (1.0 - u * (1.0 - (low / high) ** alpha)) ** (-1.0 / alpha)
-    return np.maximum(np.rint(x), 1).astype(np.int64)
+    sizes: np.ndarray = np.maximum(np.rint(x), 1).astype(np.int64)
+    return sizes
 
 
 # ---------------------------------------------------------------------- topology
@@ -326,7 +330,8 @@ class _Placement:
         return cls(vm_node, ptr, nodes)
 
 
-def _gather_csr(indptr: np.ndarray, values: np.ndarray, rows: np.ndarray):
+def _gather_csr(indptr: np.ndarray, values: np.ndarray, rows: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray]:
     lens = indptr[rows + 1] - indptr[rows]
     out_ptr = np.concatenate([[0], np.cumsum(lens)])
     idx = np.repeat(indptr[rows] - out_ptr[:-1], lens) + np.arange(out_ptr[-1])

@@ -29,7 +29,7 @@ cast on read. ``timestamp`` may be any Arrow timestamp unit; it is read as nanos
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 
 import pyarrow as pa
 
@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 
-class ConfigurationType(str, Enum):
+class ConfigurationType(StrEnum):
     """Configuration types (Table I ``configuration_type``; Alcor GoalState resources)."""
 
     VPC = "VPC"
@@ -56,7 +56,7 @@ class ConfigurationType(str, Enum):
     GATEWAY = "GATEWAY"
 
 
-class OperationType(str, Enum):
+class OperationType(StrEnum):
     """Operation types (Table I ``operation_type``)."""
 
     CREATE = "CREATE"

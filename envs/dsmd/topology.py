@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -28,7 +29,7 @@ class Topology:
     vm_ids: np.ndarray  # uint32 (V,)
     vm_node: np.ndarray  # int64 (V,), node *index* of each VM
     vm_vpc: np.ndarray  # uint32 (V,)
-    _vpc_cache: dict = field(default_factory=dict, repr=False, compare=False)
+    _vpc_cache: dict[str, dict[int, int]] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         ids = np.asarray(self.node_ids)
@@ -46,7 +47,9 @@ class Topology:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_arrays(cls, node_ids, bandwidth_bps, vm_ids, vm_node_ids, vm_vpc) -> Topology:
+    def from_arrays(cls, node_ids: npt.ArrayLike, bandwidth_bps: npt.ArrayLike,
+                    vm_ids: npt.ArrayLike, vm_node_ids: npt.ArrayLike,
+                    vm_vpc: npt.ArrayLike) -> Topology:
         node_ids = np.asarray(node_ids, dtype=np.uint32)
         order = np.argsort(node_ids, kind="stable")
         node_ids = node_ids[order]

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -92,7 +93,8 @@ class Trace:
         for name in ("message_id", "request_id", "vpc_id", "timestamp_ns", "configuration_type",
                      "operation_type", "resource_id", "size_bytes"):
             if getattr(self, name).shape != (n,):
-                raise TraceError(path, name, f"expected {n} values, got {getattr(self, name).shape}")
+                raise TraceError(path, name,
+                                 f"expected {n} values, got {getattr(self, name).shape}")
         if self.hosts_indptr.shape != (n + 1,) or self.hosts_indptr[0] != 0 \
                 or self.hosts_indptr[-1] != self.hosts.size:
             raise TraceError(path, "hosts", "inconsistent list offsets")
@@ -127,11 +129,11 @@ class Trace:
             row_of = np.repeat(np.arange(n), fan)
             # duplicates inside one row: sort by (row, host)
             order = np.lexsort((self.hosts, row_of))
-            h, r = self.hosts[order], row_of[order]
-            dup = np.flatnonzero((h[1:] == h[:-1]) & (r[1:] == r[:-1]))
+            h, hr = self.hosts[order], row_of[order]
+            dup = np.flatnonzero((h[1:] == h[:-1]) & (hr[1:] == hr[:-1]))
             if dup.size:
                 i = int(dup[0])
-                raise TraceError(path, "hosts", f"node {int(h[i])} listed twice", int(r[i]))
+                raise TraceError(path, "hosts", f"node {int(h[i])} listed twice", int(hr[i]))
             if topology is not None:
                 idx = topology.node_index(self.hosts)
                 bad = np.flatnonzero(idx < 0)
@@ -222,10 +224,11 @@ class Trace:
                    out["size_bytes"], offsets, values.astype(np.uint32))
 
 
-def _int_column(col: pa.Array, name: str, dtype, hi: int | None, path) -> np.ndarray:
+def _int_column(col: pa.Array, name: str, dtype: npt.DTypeLike, hi: int | None,
+                path: str | Path | None) -> np.ndarray:
     if not pa.types.is_integer(col.type):
         raise TraceError(path, name, f"expected an integer, got {col.type}")
-    arr = col.to_numpy()
+    arr: np.ndarray = col.to_numpy()
     if arr.dtype == np.uint64 and dtype != np.uint64 and arr.size and arr.max() > 2**63 - 1:
         r = int(np.argmax(arr))
         raise TraceError(path, name, f"value {int(arr[r])} does not fit in int64", r)

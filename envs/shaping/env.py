@@ -82,7 +82,7 @@ def jain_index(x: np.ndarray) -> float:
 
 class ShapingEnv(gym.Env):
     __doc__ = __doc__
-    metadata: dict[str, Any] = {"render_modes": []}
+    metadata: dict[str, Any] = {"render_modes": []}  # noqa: RUF012 as gymnasium.Env declares it
 
     def __init__(self, tenants: int = 4, switches_per_tenant: int = 10,
                  duration_s: float = 5.0, period_s: float = 0.1,
@@ -103,7 +103,7 @@ class ShapingEnv(gym.Env):
             raise ShapingError(f"ShapingEnv: unknown reward keys {unknown}; known: "
                                f"{sorted(REWARD_DEFAULTS)}")
         self.reward_cfg = {**REWARD_DEFAULTS, **dict(reward or {})}
-        self.steps = int(round(duration_s / period_s))
+        self.steps = round(duration_s / period_s)
         if self.steps < 1 or not math.isclose(self.steps * period_s, duration_s):
             raise ShapingError(f"ShapingEnv: duration_s {duration_s} must be a positive "
                                f"multiple of period_s {period_s}")
@@ -139,7 +139,8 @@ class ShapingEnv(gym.Env):
         return np.clip(2.0 * u - 1.0, -1.0, 1.0).astype(np.float32)
 
     # ---- gymnasium -----------------------------------------------------------------------
-    def reset(self, *, seed: int | None = None, options: dict | None = None):
+    def reset(self, *, seed: int | None = None,
+              options: dict[str, Any] | None = None) -> tuple[np.ndarray, dict[str, Any]]:
         super().reset(seed=seed)
         episode_seed = int(self.np_random.integers(0, 2**31 - 1))
         self.policies = (ExternalLimits(self.n, self.g), ExternalLimits(self.n, self.g))
@@ -149,7 +150,7 @@ class ShapingEnv(gym.Env):
         self._last_open = 0.0
         return self._obs(), {"episode_seed": episode_seed}
 
-    def step(self, action: np.ndarray):
+    def step(self, action: np.ndarray) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
         if self.sim is None:
             raise ShapingError("ShapingEnv: call reset() before step()")
         if self.t >= self.steps:

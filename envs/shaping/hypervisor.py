@@ -95,7 +95,8 @@ class IOThreadPool:
     """One direction's I/O threads. ``order``: the channels in connection order (channel
     ``order[i]`` is bound to thread ``i % io_threads``)."""
 
-    def __init__(self, cfg: HypervisorConfig, order: Sequence[int], num_channels: int) -> None:
+    def __init__(self, cfg: HypervisorConfig, order: Sequence[int] | np.ndarray,
+                 num_channels: int) -> None:
         order = [int(c) for c in order]
         if sorted(order) != list(range(num_channels)):
             raise ShapingError(f"IOThreadPool: order must be a permutation of "

@@ -14,8 +14,8 @@ and the evaluation of Section IV).
   spread evenly over its switches): bursts of control messages per channel and direction
   (Poisson burst times, geometric burst sizes, uniform message sizes: statistics, echo,
   port status), plus flow setups (``setup_rate_hz`` per tenant; the default 20 stands for
-  the paper's 20 TCP connections opening one new flow per second each): a flow setup is a packet-in
-  on the source edge switch's write channel; once the controller has it (plus
+  the paper's 20 TCP connections opening one new flow per second each): a flow setup is a
+  packet-in on the source edge switch's write channel; once the controller has it (plus
   ``controller_delay_s``) it sends flow-mods on the read channels of the path (``edge_rules``
   rules on each edge switch, one on each of ``path_hops`` inner switches). The *forwarding
   setup time* is the packet-in's arrival to the delivery of the setup's last flow-mod.
@@ -56,9 +56,9 @@ delay (arrival to delivery, also per channel and per tenant), forwarding setup t
 per tenant), Section II-B's max / min channel throughput, the offered load and the share of
 saturated bins (both relative to ``G``), the busy share of the shared resource (link, or the
 mean over the I/O threads; over ``duration_s``, so above 1 when a backlog drains after the
-traffic ends) and, on the hypervisor, the mean batch per visit. Fig. 5's metric: the standard deviation
-across channels of per-channel throughput in each bin, averaged over the bins in which every
-tenant has started (:meth:`SimResult.throughput_std`).
+traffic ends) and, on the hypervisor, the mean batch per visit. Fig. 5's metric: the standard
+deviation across channels of per-channel throughput in each bin, averaged over the bins in
+which every tenant has started (:meth:`SimResult.throughput_std`).
 
 No gymnasium here (the env wraps it: :mod:`envs.shaping.env`).
 """
@@ -70,11 +70,14 @@ import math
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 from envs.seeding import rng
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 from .hypervisor import SERVERS, HypervisorConfig, IOThreadPool
 from .sincon import (
@@ -149,7 +152,8 @@ class SimConfig:
 
     def sincon_config(self) -> SinconConfig:
         try:
-            return SinconConfig(global_throughput=self.global_throughput, **dict(self.sincon))
+            params: dict[str, Any] = dict(self.sincon)
+            return SinconConfig(global_throughput=self.global_throughput, **params)
         except TypeError as e:
             raise ShapingError(f"SimConfig.sincon: {e}; keys are SinconConfig's fields "
                                "except global_throughput") from None
@@ -202,22 +206,27 @@ class SimConfig:
         return out
 
 
-def _build(cls: type, data: Mapping[str, Any], where: str) -> Any:
+_DC = TypeVar("_DC", bound="DataclassInstance")
+
+
+def _build(cls: type[_DC], data: Mapping[str, Any], where: str) -> _DC:
     known = {f.name: f for f in fields(cls)}
     unknown = sorted(set(data) - set(known))
     if unknown:
         raise ShapingError(f"{where}: unknown keys {unknown}; known: {sorted(known)}")
     kw: dict[str, Any] = {}
-    nested = {"read": TrafficConfig, "write": TrafficConfig, "shaper": ShaperConfig,
-              "hypervisor": HypervisorConfig}
+    nested: dict[str, type[DataclassInstance]] = {
+        "read": TrafficConfig, "write": TrafficConfig, "shaper": ShaperConfig,
+        "hypervisor": HypervisorConfig}
     for k, v in data.items():
+        val = v
         if k in nested and isinstance(v, Mapping):
-            v = _build(nested[k], v, f"{where}.{k}")
+            val = _build(nested[k], v, f"{where}.{k}")
         elif isinstance(v, (list, tuple)) and not is_dataclass(v):
-            v = tuple(v)
+            val = tuple(v)
         elif k == "sincon":
-            v = dict(v or {})
-        kw[k] = v
+            val = dict(v or {})
+        kw[k] = val
     return cls(**kw)
 
 
@@ -245,8 +254,8 @@ class SimResult:
     def window(self) -> slice:
         """Bins from the last tenant's start to the end of the traffic."""
         p = self.cfg.period_s
-        return slice(int(math.ceil(self.cfg.measure_from_s / p - 1e-9)),
-                     int(round(self.cfg.duration_s / p)))
+        return slice(math.ceil(self.cfg.measure_from_s / p - 1e-9),
+                     round(self.cfg.duration_s / p))
 
     def throughput(self, direction: str) -> np.ndarray:
         """Per-channel throughput (bytes/s) per bin of the measurement window, ``[N, bins]``."""
@@ -382,7 +391,7 @@ class ShapingSimulator:
                 raise ShapingError("policy must be a name or a (read, write) pair")
             self.policy_name = pols[0].name
         self.policies = pols
-        self.bins = int(math.ceil(cfg.duration_s / cfg.period_s)) + 1
+        self.bins = math.ceil(cfg.duration_s / cfg.period_s) + 1
         self.links = [_Link(n, g, p, cfg.shaper, self.bins) for p in pols]
         self.now = 0.0
         self._seq = 0
@@ -524,6 +533,7 @@ class ShapingSimulator:
         processes the whole batch (:mod:`envs.shaping.hypervisor`); each message is
         delivered when its processing ends, the thread is free after the batch."""
         pool = self.links[d].pool
+        assert pool is not None   # only with server="hypervisor"
         if pool.busy[th]:
             return
         got = pool.take(th)

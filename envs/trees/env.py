@@ -55,7 +55,7 @@ holds ``episode_metrics``: ``objective_gbps`` (sum of (3)), ``mean_ratio``,
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import gymnasium as gym
 import numpy as np
@@ -79,12 +79,13 @@ __all__ = ["MulticastTreeEnv", "lam_multiplier"]
 
 def lam_multiplier(a: float) -> float:
     """``(1 + a) 2^a``: 0 at ``a = -1``, 1 at ``a = 0``, 4 at ``a = 1`` (increasing)."""
-    return (1.0 + a) * 2.0 ** a
+    m: float = (1.0 + a) * 2.0 ** a
+    return m
 
 
 class MulticastTreeEnv(gym.Env):
     __doc__ = __doc__
-    metadata: dict[str, Any] = {"render_modes": []}
+    metadata: dict[str, Any] = {"render_modes": []}  # noqa: RUF012 as gymnasium.Env declares it
 
     def __init__(self, num_service_nodes: int = 16, groups_per_episode: int = 30,
                  hypervisors: Sequence[int] = (10, 100),
@@ -94,10 +95,13 @@ class MulticastTreeEnv(gym.Env):
                  variant: str = "exact", exclude_below: float = -0.9,
                  reward_scale: float | None = None) -> None:
         super().__init__()
-        self.cluster_spec = ClusterSpec(int(num_service_nodes), tuple(background_gbps),
+        # the specs check that each range is a (low, high) pair
+        self.cluster_spec = ClusterSpec(int(num_service_nodes),
+                                        cast("tuple[float, float]", tuple(background_gbps)),
                                         float(capacity_gbps), float(alpha), float(lam))
-        self.group_spec = GroupSpec(int(groups_per_episode), tuple(hypervisors),
-                                    tuple(rate_gbps))
+        self.group_spec = GroupSpec(int(groups_per_episode),
+                                    cast("tuple[int, int]", tuple(hypervisors)),
+                                    cast("tuple[float, float]", tuple(rate_gbps)))
         if variant not in ("exact", "paper"):
             raise MulticastError(f"variant must be 'exact' or 'paper', got {variant!r}")
         if not -1.0 <= exclude_below < 1.0:
@@ -132,7 +136,8 @@ class MulticastTreeEnv(gym.Env):
         extra = [(n - nlo) / max(nhi - nlo, 1), (r - rlo) / max(rhi - rlo, 1e-12),
                  self.t / len(self.groups)]
         obs = np.concatenate([self.cluster.loads / self.cluster_spec.capacity_gbps, extra])
-        return np.clip(obs, 0.0, 1.0).astype(np.float32)
+        out: np.ndarray = np.clip(obs, 0.0, 1.0).astype(np.float32)
+        return out
 
     # -- action coding ---------------------------------------------------------------------
     def encode(self, ordered_ids: Sequence[int], knob: float = 0.0) -> np.ndarray:

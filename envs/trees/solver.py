@@ -42,6 +42,7 @@ is its public name among the solvers and baselines.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import overload
 
 import numpy as np
 
@@ -107,9 +108,15 @@ def theorem1_path(n: int) -> MulticastTree:
     return kary_tree(n, 1)
 
 
-def max_degree(n: int, k: np.ndarray | int) -> np.ndarray | int:
-    """``D = ceil((n + k - 2) / k)`` (Lemma 2), elementwise."""
-    return -(-(n + np.asarray(k) - 2) // np.asarray(k))
+@overload
+def max_degree(n: int, k: np.ndarray) -> np.ndarray: ...
+@overload
+def max_degree(n: int, k: int) -> np.integer: ...
+def max_degree(n: int, k: np.ndarray | int) -> np.ndarray | np.integer:
+    """``D = ceil((n + k - 2) / k)`` (Lemma 2), elementwise (a NumPy integer for an int
+    ``k``)."""
+    d: np.ndarray | np.integer = -(-(n + np.asarray(k) - 2) // np.asarray(k))
+    return d
 
 
 def _plan(n: int, k: int) -> tuple[int, int]:
@@ -200,7 +207,8 @@ def k_values(n: int, r: float, sorted_weights: np.ndarray, switch: SwitchModel, 
     else:
         f_d1 = np.where(d > 1, np.minimum(switch.g_many(np.maximum(d - 1, 1)), r), 0.0)
         thr = x * d * f_d + (ks - x) * (d - 1) * f_d1
-    return thr - lam * np.cumsum(sorted_weights)
+    objective: np.ndarray = thr - lam * np.cumsum(sorted_weights)
+    return objective
 
 
 @dataclass(frozen=True, eq=False)

@@ -70,7 +70,8 @@ class MulticastTree:
     def receivers(self) -> np.ndarray:
         """Indices of the receiving hypervisors (every hypervisor but the source)."""
         idx = np.flatnonzero(~self.service)
-        return idx[idx != 0]
+        out: np.ndarray = idx[idx != 0]
+        return out
 
     def out_degrees(self) -> np.ndarray:
         return np.bincount(self.parent[1:], minlength=self.num_nodes).astype(np.int64)
