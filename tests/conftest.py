@@ -56,7 +56,8 @@ def random_instance(seed: int, n: int = 30, m: int = 60, k: int = 5) -> DSMDInst
                                   num_nodes=n)
 
 
-def _export_tiny_bundle(directory, problems, seed: int, num_topics: int | None = None):
+def _export_tiny_bundle(directory, problems, seed: int, num_topics: int | None = None,
+                        overwrite: bool = False):
     """A seeded (untrained) actor for the tiny scenario, exported as a policy bundle."""
     import torch
 
@@ -70,18 +71,31 @@ def _export_tiny_bundle(directory, problems, seed: int, num_topics: int | None =
     actor = mlp(layout.size, [32, 32], k + 1, torch.nn.Tanh())
     sig = problems.signature() | {"num_topics": k}
     return export_bundle(actor, layout, sig, directory, decoding="feasible",
-                         extra={"algorithm": f"test-seed{seed}"})
+                         extra={"algorithm": f"test-seed{seed}"}, overwrite=overwrite)
 
 
 @pytest.fixture(scope="session")
-def tiny_bundles(tmp_path_factory, tiny_problems):
-    """Two tiny-scenario bundles (different weights) and one for another K (mismatched)."""
-    root = tmp_path_factory.mktemp("bundles")
-    a = _export_tiny_bundle(root / "a", tiny_problems, 0)
-    b = _export_tiny_bundle(root / "b", tiny_problems, 1)
-    bad = _export_tiny_bundle(root / "other_k", tiny_problems, 2,
-                              num_topics=tiny_problems.spec.num_topics + 1)
-    return {"a": a, "b": b, "mismatched": bad}
+def tiny_bundles(tmp_path_factory, worker_id, tiny_problems):
+    """Two tiny-scenario bundles (different weights) and one for another K (mismatched).
+
+    Exported once per test session (the exporter's first call costs seconds): under
+    pytest-xdist the workers share one directory beside their own temporary roots, the first
+    to take its lock exports and the others read. Tests only read them."""
+    from filelock import FileLock
+
+    if worker_id == "master":  # no xdist: this process's own directory
+        root = tmp_path_factory.mktemp("bundles")
+    else:
+        root = tmp_path_factory.getbasetemp().parent / "tiny-bundles"
+    paths = {"a": root / "a", "b": root / "b", "mismatched": root / "other_k"}
+    with FileLock(str(root) + ".lock"):
+        if not (root / "complete").exists():
+            _export_tiny_bundle(paths["a"], tiny_problems, 0, overwrite=True)
+            _export_tiny_bundle(paths["b"], tiny_problems, 1, overwrite=True)
+            _export_tiny_bundle(paths["mismatched"], tiny_problems, 2, overwrite=True,
+                                num_topics=tiny_problems.spec.num_topics + 1)
+            (root / "complete").touch()
+    return paths
 
 
 def no_broker(reason: str) -> None:

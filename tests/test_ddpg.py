@@ -13,6 +13,9 @@ from ray.rllib.core.columns import Columns  # noqa: E402
 
 from agents.ddpg.algorithm import DDPGConfig  # noqa: E402
 
+# one worker builds the module's Ray algorithm once, rather than every worker its own
+pytestmark = pytest.mark.xdist_group("ddpg")
+
 
 @pytest.fixture(scope="module")
 def algo():
