@@ -10,6 +10,7 @@ quiet()  # known third-party log noise off, before Ray and torch load (envs/quie
 
 
 def settings_from(cfg: DictConfig):
+    from serving.announce import DEFAULT_TOPIC
     from serving.app import ServerSettings
 
     def keys(v) -> list[str]:
@@ -18,6 +19,16 @@ def settings_from(cfg: DictConfig):
         items = v.split(",") if isinstance(v, str) else list(v)
         return [str(k).strip() for k in items if str(k).strip()]
 
+    ann = cfg.get("announce") or {}
+    unknown = sorted(set(ann) - {"url", "topic", "send_timeout_s"})
+    if unknown:
+        raise ValueError(f"announce.{unknown[0]}: unknown setting (announce takes url, topic "
+                         "and send_timeout_s)")
+    try:
+        send_timeout_s = float(ann.get("send_timeout_s", 2.0))
+    except (TypeError, ValueError):
+        raise ValueError(f"announce.send_timeout_s must be a number of seconds, got "
+                         f"{ann.get('send_timeout_s')!r}") from None
     return ServerSettings(bundle=cfg.bundle, online_bundle=cfg.get("online_bundle"),
                           api_keys=keys(cfg.api_keys),
                           admin_keys=keys(cfg.admin_keys), auth=bool(cfg.auth),
@@ -28,7 +39,10 @@ def settings_from(cfg: DictConfig):
                           require_policy=bool(cfg.require_policy),
                           freeze_gc=bool(cfg.freeze_gc),
                           batch_threads=None if cfg.get("batch_threads") is None
-                          else int(cfg.batch_threads))
+                          else int(cfg.batch_threads),
+                          announce_url=ann.get("url"),
+                          announce_topic=ann.get("topic", DEFAULT_TOPIC),
+                          announce_send_timeout_s=send_timeout_s)
 
 
 @hydra.main(config_path="configs", config_name="serve", version_base="1.3")

@@ -24,6 +24,10 @@ assignment's cost is unchanged. It is on for policies that re-plan from scratch 
 (VITA's and IDCS's per-VPC topics, which ``first_channel`` also uses for new types) keeps
 them: renaming its topics gives more SubscribeInfos in the Fig. 10 scenario, not fewer.
 ``relabel=True/False`` overrides the policy's choice.
+
+**Channel health.** The controller's failover planning uses the scenario's C_b and C_p, and
+every change of channel health (:meth:`delivery.controller.Controller.health`) is set on the
+adapter's session, so the policy server and the adapter see it.
 """
 
 from __future__ import annotations
@@ -78,6 +82,12 @@ class ControlPlane:
         self.controller, self.adapter, self.policy = controller, adapter, policy
         self.relabel = bool(getattr(policy, "relabel_topics", False)
                             if relabel is None else relabel)
+        spec = adapter.local.spec
+        # failover plans within the scenario's C_b and C_p where the controller's failover
+        # configuration leaves them unset, and the channel health reaches the session
+        controller.set_capacities(float(spec.controller_bw_bps), float(spec.controller_cpu))
+        if hasattr(adapter, "set_channel_health"):
+            controller.on_health(adapter.set_channel_health)
         cat = adapter.parser.catalog
         ids = cat.topology.node_ids
         self._hosts_of = lambda t: ids[cat.destinations[t]].tolist()

@@ -32,18 +32,51 @@ result makes the controller re-send the resource's latest message to that node o
 already holds a newer state of the resource, and a re-sent newest message could overtake the
 MQ messages still in flight to it, which would then be dropped in turn.
 
+**Durable outbox** (``outbox``, on by default). :meth:`Controller.send_many` writes every
+accepted message to the store's outbox (one transaction, with a CRC-32 and one row per
+destination) before it returns; a destination row goes when that node's packed reply
+(Section VI-C) reports the message applied, a duplicate or superseded. :meth:`Controller.start`
+recovers from the store: its timestamps start above every stored one, the channels, hosts and
+subscriptions come back, the SubscribeInfos of the last switch are sent again, and every
+unconfirmed message is re-delivered over RPC to the nodes that have not confirmed it (agents
+drop what they already hold, Section VI-B). A row whose CRC or encoding is bad is logged with
+its timestamp, counted (``stats.outbox_corrupt``) and kept.
+
+**Channel failover** (``failover``, Stemflow Section IV's fast failure reaction). A probe
+thread (:class:`delivery.health.MqHealth`) declares the MQ channel down within
+``FailoverConfig.detection_bound_s``. The controller then moves the MQ types to RPC as far as
+the controller's capacities C_b and C_p allow (:func:`delivery.health.plan_failover`, Eq. 1's
+controller constraints, oldest waiting type first), re-planning every ``replan_period_s``;
+unacknowledged publishes of a moved type go over RPC in timestamp order, the other types'
+messages wait, and channel changes are deferred. When the probe succeeds again it pushes what
+RPC holds, publishes what waited (oldest first), applies the deferred channels and puts the
+types back on their topics. In the other direction, a node whose RPC endpoint is unreachable
+for ``relay_after_s`` gets its queued messages relayed on the topic it is subscribed to with
+the fewest subscribers (each other subscriber receives one redundant copy, ``not_for_me``),
+and MQ messages a node that still answers RPC has not confirmed for ``confirm_timeout_s``,
+while no MQ result came from it, are re-sent over RPC. Every decision is a log line, a
+counter in :class:`ControllerStats` and an event in :meth:`Controller.health` (passed to the
+listeners of :meth:`Controller.on_health`: the control plane forwards it to the adapter's
+session).
+
+**Per-tenant fairness** (``shaping``, off by default): Sincon's shaper (Section III) per
+tenant class on the sending path (:class:`delivery.fairness.TenantShaper`), after the outbox.
+
 The controller counts what it sends (bytes and messages per channel, SubscribeInfo and
 fences), which the testbed reports beside the process CPU time.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import itertools
 import logging
+import re
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,11 +85,22 @@ import grpc
 
 from envs.dsmd.message import Message
 
+from .fairness import TenantShaper, TenantShapingConfig
+from .health import ConfigError, FailoverConfig, MqHealth, RateWindow, plan_failover
 from .rpc import pb, pb_grpc
 from .store import MetadataStore, SubscriptionChange
-from .wire import Payloads, encode, envelope, fence_envelope, resource_key
+from .wire import (
+    Payloads,
+    WireError,
+    check_config,
+    encode,
+    envelope,
+    fence_envelope,
+    open_envelope,
+    resource_key,
+)
 
-__all__ = ["Controller", "ControllerConfig", "ControllerStats", "topic_name"]
+__all__ = ["ConfigError", "Controller", "ControllerConfig", "ControllerStats", "topic_name"]
 
 log = logging.getLogger(__name__)
 RPC = 0
@@ -67,8 +111,20 @@ def topic_name(prefix: str, t: int) -> str:
     return f"{prefix}-t{t}"
 
 
+def topic_channel(prefix: str, topic: str) -> int | None:
+    """The MQ channel of a topic name of ``prefix`` (the inverse of :func:`topic_name`)."""
+    m = re.fullmatch(re.escape(prefix) + r"-t(\d+)", topic)
+    return int(m.group(1)) if m else None
+
+
 @dataclass
 class ControllerConfig:
+    """The controller's settings. ``failover`` and ``shaping`` take a mapping or their
+    config class (validated: :class:`ConfigError` / ``ShapingError`` name the key).
+    ``outbox``: accepted messages are durable before :meth:`Controller.send_many` returns;
+    ``outbox_fsync``: SQLite ``synchronous=FULL`` (survives a power loss, not only a crash of
+    the process)."""
+
     pulsar_url: str
     store_url: str
     topic_prefix: str = "persistent://public/default/smart"
@@ -81,6 +137,44 @@ class ControllerConfig:
     collect_period_s: float = 1.0
     subscribe_timeout_s: float = 15.0
     payload_scale: float = 1.0
+    outbox: bool = True
+    outbox_fsync: bool = False
+    failover: FailoverConfig = field(default_factory=FailoverConfig)
+    shaping: TenantShapingConfig = field(default_factory=TenantShapingConfig)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.type in ("str",) and not isinstance(v, str):
+                raise ConfigError(f"delivery config: {f.name}: expected a string, got {v!r}")
+            if f.type == "bool" and not isinstance(v, bool):
+                raise ConfigError(f"delivery config: {f.name}: expected true or false, got {v!r}")
+            if f.type in ("int", "float"):
+                if isinstance(v, bool) or not isinstance(v, int | float):
+                    raise ConfigError(f"delivery config: {f.name}: expected a number, got {v!r}")
+                if v < 0 or (f.name.endswith("_s") and f.name != "retry_backoff_s" and v <= 0):
+                    raise ConfigError(f"delivery config: {f.name}: must be positive, got {v!r}")
+        if not 0 < self.payload_scale <= 1:
+            raise ConfigError(f"delivery config: payload_scale: must be in (0, 1], got "
+                              f"{self.payload_scale!r}")
+        self.failover = FailoverConfig.from_mapping(self.failover)
+        self.shaping = TenantShapingConfig.from_mapping(self.shaping)
+
+    @classmethod
+    def from_mapping(cls, m: Mapping[str, Any]) -> ControllerConfig:
+        """Build from a mapping (a Hydra/YAML ``delivery:`` block); an unknown or missing key
+        is a :class:`ConfigError` naming it."""
+        if not isinstance(m, Mapping):
+            raise ConfigError(f"delivery config: expected a mapping, got {type(m).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(m) - names)
+        if unknown:
+            raise ConfigError(f"delivery config: unknown key(s) {unknown}; known: "
+                              f"{sorted(names)}")
+        missing = [k for k in ("pulsar_url", "store_url") if k not in m]
+        if missing:
+            raise ConfigError(f"delivery config: missing key(s) {missing}")
+        return cls(**dict(m))
 
 
 @dataclass
@@ -99,13 +193,27 @@ class ControllerStats:
     reprogrammed: int = 0          # messages re-sent to nodes after failures or errors
     republished: int = 0           # publishes that failed and were sent again
     channel_changes: int = 0
+    outbox_stored: int = 0         # messages made durable before they were acknowledged
+    outbox_confirmed: int = 0      # destination rows confirmed by packed replies
+    outbox_redelivered: int = 0    # (message, node) pairs re-delivered after a restart
+    outbox_corrupt: int = 0        # stored rows refused at recovery (kept in the store)
+    failovers: int = 0             # MQ outages reacted to
+    failbacks: int = 0             # recoveries (types back on their topics)
+    rerouted: int = 0              # MQ-type messages sent over RPC during an outage
+    held: int = 0                  # MQ-type messages that waited for the broker
+    relayed: int = 0               # messages relayed on a topic to a node whose RPC is down
+    relay_bytes: int = 0
+    mq_rescued: int = 0            # MQ messages re-sent over RPC to a node that missed them
+    deferred_channel_changes: int = 0
     outcomes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     errors: list[tuple[int, str, int, str]] = field(default_factory=list)
+    health_events: list[tuple[int, str, str]] = field(default_factory=list)  # (ns, event, why)
 
     def as_dict(self) -> dict:
-        d = {k: v for k, v in self.__dict__.items() if k != "errors"}
+        d = {k: v for k, v in self.__dict__.items() if k not in ("errors", "health_events")}
         d["outcomes"] = dict(self.outcomes)
         d["errors"] = len(self.errors)
+        d["health_events"] = len(self.health_events)
         return d
 
 
@@ -127,7 +235,8 @@ class Controller(pb_grpc.ControllerRepliesServicer):
                  clock: Callable[[], int] = time.time_ns) -> None:
         self.cfg = cfg
         self.agents = dict(agents)  # node id -> "host:port"
-        self.store = MetadataStore(cfg.store_url)
+        self.store = MetadataStore(cfg.store_url,
+                                   synchronous="FULL" if cfg.outbox_fsync else "NORMAL")
         self.payloads = Payloads(cfg.payload_scale)
         self.stats = ControllerStats()
         self.channel: dict[int, int] = {}
@@ -147,6 +256,33 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         self._stubs: dict[int, Any] = {}
         self._producers: dict[int, Any] = {}
         self._republish: list[tuple[int, bytes]] = []          # failed publishes
+        # publish id -> (topic, envelope, when): publishes not yet acknowledged by the broker
+        self._inflight: dict[int, tuple[int, bytes, float]] = {}
+        self._publish_ids = itertools.count()
+        self._published_cv = threading.Condition(self._lock)
+        # channel failover (see the module docstring)
+        fo = cfg.failover
+        self._rates = RateWindow(fo.rate_window_s)
+        self._capacity: tuple[float | None, float | None] = (fo.controller_bw_bps,
+                                                             fo.controller_cpu)
+        self._health: MqHealth | None = None
+        self._mq_down = False          # set by the probe thread
+        self._failed_over = False      # the outage has been reacted to
+        self._failover_types: set[int] = set()
+        self._waiting_types: set[int] = set()  # MQ types the outage plan leaves waiting
+        self._held: list[tuple[int, Any]] = []                # (type, message) waiting
+        self._deferred: tuple[dict[int, int], dict[int, tuple[int, ...]]] | None = None
+        self._health_wake = threading.Event()
+        self._health_listeners: list[Callable[[dict], None]] = []
+        self._down_since_ns = 0
+        self._unreachable_since: dict[int, float] = {}        # node -> monotonic time
+        self._relayed: dict[int, set[int]] = defaultdict(set)  # node -> timestamps relayed
+        # node -> timestamp -> (publish time, message): MQ messages it has not confirmed
+        self._mq_unconfirmed: dict[int, dict[int, tuple[float, Any]]] = defaultdict(dict)
+        self._last_mq_result: dict[int, float] = {}
+        self._shaper: TenantShaper | None = None
+        self._in_send = threading.local()
+        self._notifier = futures.ThreadPoolExecutor(1, thread_name_prefix="controller-health")
         self._client = None
         self._server: grpc.Server | None = None
         self._stop = threading.Event()
@@ -159,17 +295,110 @@ class Controller(pb_grpc.ControllerRepliesServicer):
 
         self._client = pulsar.Client(self.cfg.pulsar_url, operation_timeout_seconds=15,
                                      logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error))
+        self.recover()
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         pb_grpc.add_ControllerRepliesServicer_to_server(self, self._server)
         self.reply_port = self._server.add_insecure_port(
             f"{self.cfg.reply_host}:{self.cfg.reply_port}")
         self._server.start()
-        for target, name in ((self._reprogram_loop, "reprogram"),
-                             (self._collect_loop, "collect")):
+        if self.cfg.shaping.enabled and (self.cfg.shaping.global_throughput_Bps is not None
+                                         or self._capacity[0] is not None):
+            self._start_shaper()
+        loops = [(self._reprogram_loop, "reprogram"), (self._collect_loop, "collect")]
+        if self.cfg.failover.enabled:
+            self._health = MqHealth(self._client, f"{self.cfg.topic_prefix}-health",
+                                    self.cfg.failover, self._on_health_change,
+                                    inflight_age=self._inflight_age).start()
+            loops.append((self._failover_loop, "failover"))
+        for target, name in loops:
             t = threading.Thread(target=target, name=f"controller-{name}", daemon=True)
             t.start()
             self._threads.append(t)
         return self
+
+    def _start_shaper(self) -> None:
+        """The tenant shaper over G = ``shaping.global_throughput_Bps``, else C_b / 8."""
+        if self._shaper is None:
+            bw = self._capacity[0]
+            self._shaper = TenantShaper(self.cfg.shaping, self._release,
+                                        global_throughput_Bps=None if bw is None else bw / 8
+                                        ).start()
+
+    def recover(self) -> dict[str, int]:
+        """Rebuild the state a crash lost from the store (see the module docstring); a no-op
+        on an empty store. Returns what was recovered."""
+        st = self.store
+        with self._lock:
+            self._last_ts = max(self._last_ts, st.max_timestamp())
+        pre = self.cfg.topic_prefix
+        for t, (c, topic, hosts) in st.mapping_rows().items():
+            if c != RPC and topic != topic_name(pre, c):
+                raise ConfigError(f"store {self.cfg.store_url}: type {t} is on topic "
+                                  f"{topic!r}, but topic_prefix {pre!r} names channel {c} "
+                                  f"{topic_name(pre, c)!r}: the store of another controller?")
+            self.channel[t], self.hosts[t] = c, hosts
+        rows = st.subscription_rows()
+        last_since = max((s.since_ns for _, s in rows), default=0)
+        last_until = max((s.until_ns or 0 for _, s in rows), default=0)
+        infos = 0
+        reachable = True  # a broker away at start costs one operation timeout, not one each
+        for n, sub in rows:
+            c = topic_channel(pre, sub.topic)
+            if c is None:
+                raise ConfigError(f"store {self.cfg.store_url}: node {n} subscription topic "
+                                  f"{sub.topic!r} is not a topic of topic_prefix {pre!r}")
+            # the SubscribeInfos of the last switch may not have gone out before the crash
+            # (those of unreachable nodes waited in memory): every active subscription is
+            # sent again (idempotent at the agent), the last unsubscriptions too (with a
+            # fence each); the durable subscriptions of the last switch are made sure of
+            if sub.active:
+                self.node_topics[n].add(c)
+            elif sub.until_ns != last_until:
+                continue
+            if n not in self.agents:
+                continue
+            self._pending_infos[n].append((c, pb.SubscribeInfo(
+                url=self.cfg.pulsar_url, topic=sub.topic, subscription=sub.subscription,
+                timestamp_ns=sub.since_ns if sub.active else int(sub.until_ns or 0),
+                operation=sub.active)))
+            infos += 1
+            if sub.active and sub.since_ns == last_since and reachable:
+                reachable = self._ensure_subscription(sub.topic, sub.subscription)
+                if not reachable:
+                    log.warning("recovery: the broker did not answer; the durable "
+                                "subscriptions of the last switch are left to the agents")
+        redelivered = corrupt = 0
+        if self.cfg.outbox:
+            for row in st.outbox_unconfirmed():
+                try:
+                    if not row.intact:
+                        raise WireError(f"CRC-32 {row.crc32} does not match the body")
+                    cm = pb.ConfigMessage.FromString(row.body)
+                    check_config(cm)
+                    if cm.timestamp_ns != row.ts_ns:
+                        raise WireError(f"body timestamp {cm.timestamp_ns} != row {row.ts_ns}")
+                except Exception as e:  # DecodeError, WireError
+                    corrupt += 1
+                    log.error("outbox row ts_ns=%d (type %d) refused: %s; kept in the store, "
+                              "not delivered", row.ts_ns, row.type_id, e)
+                    continue
+                cm.reprogram = True
+                self._latest[resource_key(cm)] = cm
+                self.hosts.setdefault(row.type_id, tuple(cm.hosts))
+                for n in row.nodes:
+                    if n in self.agents:
+                        self._pending[n].append(cm)
+                        redelivered += 1
+                    else:
+                        log.warning("outbox row ts_ns=%d: node %d is not one of this "
+                                    "controller's agents; kept", row.ts_ns, n)
+        self.stats.outbox_redelivered += redelivered
+        self.stats.outbox_corrupt += corrupt
+        out = {"types": len(self.channel), "subscribe_infos": infos,
+               "redelivered": redelivered, "corrupt": corrupt}
+        if any(out.values()):
+            log.warning("recovered from %s: %s", self.cfg.store_url, out)
+        return out
 
     @property
     def reply_address(self) -> str:
@@ -177,16 +406,33 @@ class Controller(pb_grpc.ControllerRepliesServicer):
 
     def close(self) -> None:
         self._stop.set()
+        with self._lock:
+            self._published_cv.notify_all()
+        self._health_wake.set()
+        if self._shaper is not None:
+            self._shaper.close()
+        if self._health is not None:
+            self._health.close()
         for t in self._threads:
             t.join(5)
-        for p in self._producers.values():
-            try:
-                p.flush()
-                p.close()
-            except Exception:
-                pass
-        if self._client is not None:
-            self._client.close()
+        self._notifier.shutdown(wait=False, cancel_futures=True)
+        down = self._mq_down
+
+        def close_producers() -> None:
+            for p in self._producers.values():
+                try:
+                    if not down:
+                        p.flush()
+                    p.close()
+                except Exception:
+                    pass
+            if self._client is not None:
+                self._client.close()
+
+        # with the broker gone, flush and close wait for the send timeout: bounded here
+        closer = threading.Thread(target=close_producers, name="controller-close", daemon=True)
+        closer.start()
+        closer.join(10)
         if self._server is not None:
             self._server.stop(0.5).wait()
         for ch in self._channels.values():
@@ -220,10 +466,14 @@ class Controller(pb_grpc.ControllerRepliesServicer):
     def _producer(self, t: int) -> Any:
         p = self._producers.get(t)
         if p is None:
+            # with failover on, unacknowledged publishes never time out: the client sends
+            # them again, in order, once the broker is back (those of a type moved to RPC
+            # meanwhile arrive as duplicates)
             p = self._producers[t] = self._client.create_producer(
                 topic_name(self.cfg.topic_prefix, t), block_if_queue_full=True,
                 max_pending_messages=10_000, batching_enabled=True,
-                batching_max_publish_delay_ms=1)
+                batching_max_publish_delay_ms=1,
+                send_timeout_millis=0 if self.cfg.failover.enabled else 30_000)
         return p
 
     # ------------------------------------------------------------------ channels
@@ -234,6 +484,15 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         changed."""
         for t, hs in hosts.items():
             self.hosts[int(t)] = tuple(int(h) for h in hs)
+        if self._failed_over or self._mq_down:
+            # no SubscribeInfo, durable subscription or fence can be made while the broker
+            # is down: the newest channels are applied when it is back
+            old_ch, old_hosts = self._deferred or ({}, {})
+            self._deferred = ({**old_ch, **{int(t): int(c) for t, c in channels.items()}},
+                              {**old_hosts, **{int(t): self.hosts[int(t)] for t in hosts}})
+            n = sum(self.channel.get(int(t)) != int(c) for t, c in channels.items())
+            self.stats.deferred_channel_changes += n
+            return {"types": 0, "subscribe": 0, "unsubscribe": 0, "deferred": n}
         changed = {int(t): int(c) for t, c in channels.items()
                    if self.channel.get(int(t)) != int(c)}
         if not changed:
@@ -256,7 +515,7 @@ class Controller(pb_grpc.ControllerRepliesServicer):
             + [SubscriptionChange(n, topic_name(pre, c), _subscription(n), False)
                for n, c in unsubs], ts)
         self._send_subscribe_infos(subs, ts, True)
-        self.flush()  # messages decided under the old channels go out first
+        self._flush_locked()  # messages decided under the old channels go out first
         with self._lock:
             self.channel = new_channel
             self.node_topics = defaultdict(set, {n: set(v) for n, v in wanted.items()})
@@ -324,7 +583,8 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         changes a queue meanwhile, and only for nodes whose channel is ready (a node still
         down costs a 0.2 s probe, not a blocked dispatcher). Returns the number sent."""
         with self._lock:
-            nodes = [n for n, infos in self._pending_infos.items() if infos]
+            nodes = [] if self._mq_down else [n for n, infos in self._pending_infos.items()
+                                              if infos]
         sent = 0
         for n in nodes:
             self._stub(n)
@@ -355,9 +615,11 @@ class Controller(pb_grpc.ControllerRepliesServicer):
                         self.stats.fences += 1
         return sent
 
-    def _ensure_subscription(self, topic: str, subscription: str) -> None:
+    def _ensure_subscription(self, topic: str, subscription: str) -> bool:
         import pulsar
 
+        if self._mq_down:  # would wait for the operation timeout; made at recovery instead
+            return False
         try:
             c = self._client.subscribe(topic, subscription,
                                        consumer_type=pulsar.ConsumerType.Exclusive,
@@ -366,43 +628,121 @@ class Controller(pb_grpc.ControllerRepliesServicer):
             c.close()
         except Exception as e:  # the agent's own consumer holds it already, ...
             log.info("durable subscription %s on %s: %s", subscription, topic, e)
+            return "Timeout" not in str(e) and "Connect" not in str(e)
+        return True
 
     # ------------------------------------------------------------------ messages
-    @_dispatching
     def send(self, msg: Message, type_id: int) -> None:
-        """Dispatch one Table I message of type ``type_id`` by the type's current channel
-        (RPC messages leave at the next :meth:`flush`)."""
-        c = self.channel.get(int(type_id), RPC)
-        if int(type_id) not in self.hosts:
-            self.hosts[int(type_id)] = tuple(msg.hosts)
-        cm = encode(msg, type_id, self.payloads.of(msg.size_bytes))
-        with self._lock:
-            self._latest[resource_key(cm)] = cm
-            if c == RPC:
-                for n in msg.hosts:
-                    self._outbox[n].append(cm)
+        """Accept and dispatch one Table I message of type ``type_id`` (see
+        :meth:`send_many`)."""
+        self.send_many([(msg, type_id)])
+
+    def send_many(self, items: Sequence[tuple[Message, int]]) -> None:
+        """Accept messages ``(message, type id)``: durable in the outbox (one transaction)
+        when this returns, then dispatched by their types' current channels (RPC messages
+        leave at the next :meth:`flush`), through the tenant shaper when shaping is on."""
+        encoded = [(msg, int(t), encode(msg, t, self.payloads.of(msg.size_bytes)))
+                   for msg, t in items]
+        if not encoded:
+            return
+        if self.cfg.shaping.enabled and self._shaper is None:
+            self._start_shaper()  # ShapingError (nothing stored) when G is unknown
+        if self.cfg.outbox:
+            self.store.outbox_put([(cm.timestamp_ns, t, cm.vpc_id, cm.SerializeToString(),
+                                    msg.hosts) for msg, t, cm in encoded], time.time_ns())
+            self.stats.outbox_stored += len(encoded)
+        with self._dispatch:
+            self._in_send.active = True
+            try:
+                for msg, t, cm in encoded:
+                    if t not in self.hosts:
+                        self.hosts[t] = tuple(msg.hosts)
+                    self._rates.add(t, msg.size_bytes, len(msg.hosts))
+                    with self._lock:
+                        self._latest[resource_key(cm)] = cm
+                    if self._shaper is None:
+                        self._dispatch_one(t, cm)
+                    else:  # Eq. 1's controller egress of the message on its channel now
+                        fan = len(msg.hosts) if self.channel.get(t, RPC) == RPC else 1
+                        self._shaper.submit(int(msg.vpc_id), len(cm.payload) * fan, (t, cm))
+            finally:
+                self._in_send.active = False
+
+    def _release(self, items: list[tuple[int, Any]]) -> None:
+        """The tenant shaper's release: dispatch (and, from its pump thread, push at once)."""
+        with self._dispatch:
+            for t, cm in items:
+                self._dispatch_one(t, cm)
+            if not getattr(self._in_send, "active", False):
+                self._flush_locked()
+
+    def _dispatch_one(self, t: int, cm: Any) -> None:
+        """One accepted message onto its type's channel (under the dispatch lock)."""
+        c = self.channel.get(t, RPC)
+        if c != RPC and self._mq_down:
+            if t not in self._failover_types:  # over the capacities: waits for the broker
+                with self._lock:
+                    self._held.append((t, cm))
+                self.stats.held += 1
                 return
-        self._publish(c, envelope(cm))
+            c = RPC
+            self.stats.rerouted += 1
+        if c == RPC:
+            with self._lock:
+                for n in cm.hosts:
+                    self._outbox[n].append(cm)
+            return
+        self._publish(c, envelope(cm), cm)
         self.stats.mq_messages += 1
 
-    def _publish(self, t: int, data: bytes) -> None:
+    def _publish(self, t: int, data: bytes, cm: Any = None) -> None:
+        now = time.monotonic()
+        pid = next(self._publish_ids)
+        with self._lock:
+            self._inflight[pid] = (t, data, now)
+            if cm is not None and self.cfg.failover.enabled:
+                for n in cm.hosts:
+                    self._mq_unconfirmed[n][cm.timestamp_ns] = (now, cm)
         self.stats.mq_bytes += len(data)
-        self._producer(t).send_async(data, lambda res, _id: self._published(res, t, data))
+        self._producer(t).send_async(data, lambda res, _id: self._published(res, pid))
 
-    def _published(self, res: Any, t: int, data: bytes) -> None:
+    def _published(self, res: Any, pid: int) -> None:
         import pulsar
 
-        if res != pulsar.Result.Ok:  # e.g. the broker was down past the send timeout
-            log.warning("publish on topic %d failed (%s); it will be published again", t, res)
-            with self._lock:
+        with self._lock:
+            entry = self._inflight.pop(pid, None)
+            if not self._inflight:
+                self._published_cv.notify_all()
+            if entry is None:  # taken over by the RPC channel during an outage
+                return
+            t, data, _ = entry
+            if res != pulsar.Result.Ok:  # e.g. the broker was down past the send timeout
+                log.warning("publish on topic %d failed (%s); it will be published again",
+                            t, res)
                 self._republish.append((t, data))
 
-    @_dispatching
-    def flush(self) -> None:
-        """Push every queued RPC message (one batch per node, all nodes concurrently) and
-        flush the producers."""
+    def _inflight_age(self) -> float:
         with self._lock:
-            again, self._republish = self._republish, []
+            first = next(iter(self._inflight.values()), None)
+        return 0.0 if first is None else time.monotonic() - first[2]
+
+    def flush(self, wait: bool = True) -> None:
+        """Push every queued RPC message (one batch per node, all nodes concurrently) and,
+        with ``wait``, wait until the broker acknowledged every publish (or the MQ channel
+        is down)."""
+        self._flush_locked()
+        if not wait:
+            return
+        with self._lock:
+            self._published_cv.wait_for(
+                lambda: not self._inflight or self._mq_down or self._stop.is_set())
+
+    @_dispatching
+    def _flush_locked(self) -> None:
+        with self._lock:
+            again: list[tuple[int, bytes]] = []
+            if not self._mq_down:
+                again, self._republish = self._republish, []
             outbox, self._outbox = self._outbox, defaultdict(list)
             for n in list(outbox):
                 if (self._pending.get(n) or n in self._reprogramming
@@ -412,11 +752,168 @@ class Controller(pb_grpc.ControllerRepliesServicer):
             self.stats.republished += 1
             self._publish(t, data)
         self._push_all(outbox, reprogram=False)
-        for p in list(self._producers.values()):
+
+    # ------------------------------------------------------------------ failover
+    def set_capacities(self, controller_bw_bps: float | None,
+                       controller_cpu: float | None) -> None:
+        """C_b (bit/s) and C_p (messages/s) for failover planning, where the configuration
+        leaves them unset (the control plane passes its scenario's)."""
+        fo = self.cfg.failover
+        self._capacity = (fo.controller_bw_bps if fo.controller_bw_bps is not None
+                          else controller_bw_bps,
+                          fo.controller_cpu if fo.controller_cpu is not None else controller_cpu)
+        if self.cfg.shaping.enabled and self._client is not None:
+            self._start_shaper()
+
+    def on_health(self, listener: Callable[[dict], None]) -> None:
+        """Call ``listener(self.health())`` at every change of channel health."""
+        self._health_listeners.append(listener)
+
+    def health(self) -> dict:
+        """The channels' health now: the MQ channel's state and since when, the types moved
+        to RPC and those waiting, and the nodes whose RPC endpoint is unreachable (and of
+        those, the ones reached through a topic)."""
+        with self._lock:
+            return {"mq": "down" if self._mq_down else "up", "since_ns": self._down_since_ns,
+                    "rerouted": sorted(self._failover_types),
+                    "waiting": sorted(self._waiting_types | {t for t, _ in self._held}),
+                    "unreachable": sorted(self._unreachable_since),
+                    "relayed": sorted(n for n, ts in self._relayed.items() if ts)}
+
+    def _event(self, event: str, why: str) -> None:
+        """Record a health event and tell the listeners, on a thread of their own (one may
+        talk to a policy server: it never holds up delivery)."""
+        self.stats.health_events.append((time.time_ns(), event, why))
+        if self._health_listeners and not self._stop.is_set():
+            self._notifier.submit(self._notify, self.health())
+
+    def _notify(self, h: dict) -> None:
+        for f in list(self._health_listeners):
             try:
-                p.flush()
-            except Exception as e:  # the broker is down: callbacks queue them again
-                log.warning("flushing producer %s: %s", p.topic(), e)
+                f(h)
+            except Exception as e:  # a listener must not stop delivery
+                log.warning("channel-health listener %r failed: %s", f, e)
+
+    def _on_health_change(self, state: str, reason: str) -> None:
+        """MqHealth's callback (its probe thread): note it, wake the failover thread."""
+        with self._lock:
+            self._mq_down = state == MqHealth.DOWN
+            self._down_since_ns = time.time_ns()
+            self._published_cv.notify_all()
+        log.warning("MQ channel %s (%s)", state, reason)
+        self._health_wake.set()
+
+    def _failover_loop(self) -> None:
+        period = self.cfg.failover.replan_period_s
+        while not self._stop.is_set():
+            self._health_wake.wait(period)
+            self._health_wake.clear()
+            if self._stop.is_set():
+                return
+            try:
+                if self._mq_down:
+                    self._fail_over()
+                elif self._failed_over:
+                    self._fail_back()
+            except Exception:  # keep the thread: the next period tries again
+                log.exception("failover step failed")
+
+    @_dispatching
+    def _fail_over(self) -> None:
+        """(Re-)plan the outage: move what fits to RPC (Eq. 1's controller constraints,
+        oldest waiting type first) with its unacknowledged publishes and waiting messages,
+        in timestamp order; the rest waits."""
+        if not self._mq_down:
+            return
+        first = not self._failed_over
+        self._failed_over = True
+        with self._lock:
+            oldest: dict[int, int] = {}
+            for t, cm in self._held:
+                oldest.setdefault(t, cm.timestamp_ns)
+            for _, data, _ in self._inflight.values():
+                cm = open_envelope(data).config
+                if cm is not None:
+                    oldest[cm.type_id] = min(oldest.get(cm.type_id, cm.timestamp_ns),
+                                             cm.timestamp_ns)
+        mq = [t for t, c in self.channel.items() if c != RPC and t not in self._failover_types]
+        rpc = [t for t, c in self.channel.items() if c == RPC] + sorted(self._failover_types)
+        plan = plan_failover(mq, rpc, self.hosts, self._rates.rates(), *self._capacity,
+                             oldest_ns=oldest)
+        moved = set(plan.moved)
+        self._failover_types |= moved
+        self._waiting_types = set(plan.waiting)
+        taken: list[Any] = []
+        with self._lock:
+            for pid, (_, data, _) in list(self._inflight.items()):
+                cm = open_envelope(data).config
+                if cm is not None and cm.type_id in moved:
+                    del self._inflight[pid]
+                    taken.append(cm)
+            keep = []
+            for t, data in self._republish:
+                cm = open_envelope(data).config
+                if cm is not None and cm.type_id in moved:
+                    taken.append(cm)
+                else:
+                    keep.append((t, data))
+            self._republish = keep
+            taken += [cm for t, cm in self._held if t in moved]
+            self._held = [(t, cm) for t, cm in self._held if t not in moved]
+            if not self._inflight:
+                self._published_cv.notify_all()
+            for cm in sorted(taken, key=lambda m: m.timestamp_ns):
+                for n in cm.hosts:
+                    self._outbox[n].append(cm)
+            for n in {n for cm in taken for n in cm.hosts}:
+                self._outbox[n].sort(key=lambda m: m.timestamp_ns)
+        self.stats.rerouted += len(taken)
+        if first:
+            self.stats.failovers += 1
+        if first or moved:
+            bw, cpu = self._capacity
+            why = (f"types {sorted(self._failover_types)} -> RPC, {list(plan.waiting)} wait; "
+                   f"RPC load {plan.controller_bw_bps:.0f} bit/s of C_b {bw}, "
+                   f"{plan.controller_cpu:.1f} sends/s of C_p {cpu}; {len(taken)} messages "
+                   "taken over")
+            log.warning("MQ down: %s", why)
+            self._event("failover" if first else "replan", why)
+        self._flush_locked()
+
+    @_dispatching
+    def _fail_back(self) -> None:
+        """The broker is healthy again: push what RPC holds, publish what waited (oldest
+        first), put the types back on their topics and apply the deferred channels."""
+        if self._mq_down or not self._failed_over:
+            return
+        self._flush_locked()
+        with self._lock:
+            held, self._held = self._held, []
+            again, self._republish = self._republish, []
+        types = sorted(self._failover_types)
+        self._failover_types.clear()
+        self._waiting_types.clear()
+        self._failed_over = False
+        for t, data in again:
+            self.stats.republished += 1
+            self._publish(t, data)
+        for t, cm in held:
+            c = self.channel.get(t, RPC)
+            if c == RPC:
+                with self._lock:
+                    for n in cm.hosts:
+                        self._outbox[n].append(cm)
+            else:
+                self._publish(c, envelope(cm), cm)
+                self.stats.mq_messages += 1
+        self._flush_locked()
+        self.stats.failbacks += 1
+        deferred, self._deferred = self._deferred, None
+        why = f"types {types} back on their topics; {len(held)} waiting messages published"
+        log.warning("MQ up: %s", why)
+        if deferred is not None:
+            self.set_channels(*deferred)
+        self._event("failback", why)
 
     def _push_all(self, batches: dict[int, list], reprogram: bool) -> dict[int, bool]:
         ok: dict[int, bool] = {}
@@ -442,16 +939,75 @@ class Controller(pb_grpc.ControllerRepliesServicer):
             if not todo:
                 break
             time.sleep(self.cfg.retry_backoff_s * (2 ** attempt))
+        now = time.monotonic()
         with self._lock:
             for n, b in todo.items():  # unreachable after the retries: reprogram later
                 ok[n] = False
                 self._pending[n] = list(b.messages) + self._pending.get(n, [])
+                if n not in self._unreachable_since:
+                    self._unreachable_since[n] = now
+                    log.warning("node %d: RPC endpoint unreachable; its messages wait", n)
+            back = [n for n, good in ok.items() if good and n in self._unreachable_since]
+            for n in back:
+                del self._unreachable_since[n]
+                self._relayed.pop(n, None)
+        for n in todo:
+            if self._unreachable_since.get(n) == now:
+                self._event("unreachable", f"node {n}")
+        for n in back:
+            self._event("reachable", f"node {n}")
         return ok
 
     def _reprogram_loop(self) -> None:
         while not self._stop.wait(self.cfg.reprogram_period_s):
-            self.retry_subscribe_infos()
-            self.reprogram_pending()
+            try:
+                self.retry_subscribe_infos()
+                self.reprogram_pending()
+                self.relay_pending()
+            except Exception:  # keep the thread: the next period tries again
+                log.exception("reprogramming failed")
+
+    @_dispatching
+    def relay_pending(self) -> int:
+        """Relay the queued messages of nodes unreachable over RPC for ``relay_after_s`` on
+        the topic each is subscribed to with the fewest subscribers (a copy addressed to
+        that node only: the other subscribers drop it as not for them). The originals stay
+        queued (pushed later they are duplicates; a packed reply that confirms a relayed
+        message removes it). Returns the messages relayed."""
+        fo = self.cfg.failover
+        if not (fo.enabled and fo.relay) or self._mq_down:
+            return 0
+        now = time.monotonic()
+        subscribers: dict[int, int] = defaultdict(int)
+        for topics in self.node_topics.values():
+            for c in topics:
+                subscribers[c] += 1
+        sent = 0
+        with self._lock:
+            todo = {n: sorted(self._pending.get(n, []), key=lambda m: m.timestamp_ns)
+                    for n, since in self._unreachable_since.items()
+                    if now - since >= fo.relay_after_s and self.node_topics.get(n)}
+        for n, ms in todo.items():
+            c = min(self.node_topics[n], key=lambda c: (subscribers[c], c))
+            if not self._relayed[n] and ms:
+                log.warning("node %d: RPC endpoint unreachable for %.1f s; relaying its %d "
+                            "queued messages on topic %d (%d subscribers)", n,
+                            now - self._unreachable_since[n], len(ms), c, subscribers[c])
+                self._event("relay", f"node {n} via topic {c}")
+            for cm in ms:
+                if cm.timestamp_ns in self._relayed[n]:
+                    continue
+                copy = pb.ConfigMessage()
+                copy.CopyFrom(cm)
+                del copy.hosts[:]
+                copy.hosts.append(n)
+                data = envelope(copy)
+                self._publish(c, data)
+                self._relayed[n].add(cm.timestamp_ns)
+                self.stats.relayed += 1
+                self.stats.relay_bytes += len(data)
+                sent += 1
+        return sent
 
     def reprogram_pending(self) -> int:
         """Re-send the queued messages of unreachable nodes (timestamp order); returns the
@@ -492,31 +1048,87 @@ class Controller(pb_grpc.ControllerRepliesServicer):
 
     def _collect_loop(self) -> None:
         while not self._stop.wait(self.cfg.collect_period_s):
-            self.collect()
+            try:
+                self.collect()
+            except Exception:  # keep the thread: the next period tries again
+                log.exception("collecting packed replies failed")
 
     def collect(self) -> int:
-        """Collect packed replies from every agent (concurrently); returns results taken."""
+        """Collect packed replies from every agent (concurrently); returns results taken.
+        Then MQ messages that a node answering here has not confirmed for
+        ``confirm_timeout_s``, while no MQ result came from it meanwhile (its subscription
+        is not working), are re-sent to it over RPC."""
         calls = {n: self._stub(n).Collect.future(pb.CollectRequest(acknowledged=self._acked[n]),
                                                  timeout=self.cfg.push_timeout_s)
                  for n in list(self.agents)}
         taken = 0
-        for _n, fut in calls.items():
+        answered = []
+        for n, fut in calls.items():
             try:
                 taken += self._on_reply(fut.result())
+                answered.append(n)
             except grpc.RpcError:
                 continue
+        self._rescue_mq(answered)
         return taken
 
+    def _rescue_mq(self, nodes: Iterable[int]) -> int:
+        fo = self.cfg.failover
+        if not fo.enabled or self._mq_down:
+            return 0
+        now = time.monotonic()
+        rescued = 0
+        with self._lock:
+            for n in nodes:
+                waiting = self._mq_unconfirmed.get(n)
+                if not waiting:
+                    continue
+                late = [(ts, cm) for ts, (at, cm) in waiting.items()
+                        if now - at >= fo.confirm_timeout_s]
+                heard = self._last_mq_result.get(n)
+                if not late or (heard is not None and now - heard < fo.confirm_timeout_s):
+                    continue
+                for ts, cm in late:
+                    del waiting[ts]
+                    fix = pb.ConfigMessage()
+                    fix.CopyFrom(cm)
+                    fix.reprogram = True
+                    self._pending[n].append(fix)
+                rescued += len(late)
+                log.warning("node %d answers RPC but confirmed none of %d MQ messages for "
+                            "%.1f s: re-sent over RPC", n, len(late), fo.confirm_timeout_s)
+        self.stats.mq_rescued += rescued
+        return rescued
+
     def _on_reply(self, reply: Any) -> int:
+        """Take a packed reply: count its results, confirm the outbox rows of what the node
+        holds now (before the acknowledgement goes back), and queue MALFORMED fixes."""
         n = int(reply.node_id)
+        fresh = [r for r in reply.results if r.result_seq > self._acked[n]]
+        held = [int(r.timestamp_ns) for r in fresh
+                if r.outcome in (pb.APPLIED, pb.DUPLICATE, pb.OUT_OF_ORDER)]
+        if held and self.cfg.outbox:
+            self.stats.outbox_confirmed += self.store.outbox_confirm((n, ts) for ts in held)
         redo: dict[int, list] = defaultdict(list)
         taken = 0
+        now = time.monotonic()
         with self._lock:
+            if held:
+                done = set(held)
+                waiting = self._mq_unconfirmed.get(n)
+                if waiting:
+                    for ts in done & waiting.keys():
+                        del waiting[ts]
+                if self._pending.get(n) and self._relayed.get(n):
+                    self._pending[n] = [m for m in self._pending[n]
+                                        if m.timestamp_ns not in done]
             for r in reply.results:
                 if r.result_seq <= self._acked[n]:
                     continue
                 self._acked[n] = r.result_seq
                 taken += 1
+                if r.channel != "rpc" and r.outcome != pb.MALFORMED:
+                    self._last_mq_result[n] = now
                 self.stats.outcomes[pb.Outcome.Name(r.outcome)] += 1
                 if r.outcome in (pb.OUT_OF_ORDER, pb.MALFORMED):
                     self.stats.errors.append((n, pb.Outcome.Name(r.outcome), r.message_id,

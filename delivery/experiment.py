@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from envs.dsmd.problems import problems_for
 
+from .health import ConfigError
 from .testbed import RunResult, RunSpec, run_once
 
 __all__ = ["run_testbed", "speedups"]
@@ -63,7 +64,18 @@ def _spec(cfg: DictConfig, label: str, policy: str, problems, windows: list[int]
     return RunSpec(label, policy, problems, windows, time_scale=float(cfg.time_scale),
                    payload_scale=float(cfg.payload_scale), flush_ms=float(cfg.flush_ms),
                    agent_processes=int(cfg.agent_processes), adapter_mode=str(cfg.adapter_mode),
-                   server_url=server[0], api_key=server[1])
+                   server_url=server[0], api_key=server[1],
+                   controller=_controller_overrides(cfg))
+
+
+def _controller_overrides(cfg: DictConfig) -> dict[str, Any]:
+    """The ``delivery:`` block (ControllerConfig keys: outbox, failover, shaping, ...)."""
+    block = cfg.get("delivery") or {}
+    out = OmegaConf.to_container(block, resolve=True) if isinstance(block, DictConfig) \
+        else dict(block)
+    if not isinstance(out, dict):
+        raise ConfigError(f"delivery: expected a mapping, got {out!r}")
+    return {str(k): v for k, v in out.items()}
 
 
 def speedups(df: pd.DataFrame, metric: str = "delay_p95_ms", of: str = "learned"

@@ -8,17 +8,21 @@ logic of :mod:`envs.shaping.sincon` (not a copy):
   Sincon's adaptive limit calculator (Section III-A), a static equal split or none.
   Connections register to get a channel index.
 * :class:`ConnectionShaper`: one per connection, the delay-based channel shaper of Section
-  III-B: :meth:`ConnectionShaper.pace` waits until the channel may process its next message,
-  then accounts the message (the delay to the next one as :class:`ShaperConfig` reads
-  Section III-B: by default none within a burst allowance, then pacing at the limit) and
-  reports the channel's usage to the shared calculator (which checks it every 5 messages).
+  III-B. :meth:`ConnectionShaper.account` is its synchronous bookkeeping: it accounts a
+  message processed now (the delay to the next one as :class:`ShaperConfig` reads Section
+  III-B: by default none within a burst allowance, then pacing at the limit), reports the
+  channel's usage to the shared calculator (which checks it every 5 messages) and returns how
+  long until the channel may process its next message. :meth:`ConnectionShaper.pace` is the
+  asyncio wait around it; the threaded per-tenant shaper (:mod:`delivery.fairness`) drives
+  ``account`` from its own thread, so both use the same code and calculator.
 * :class:`ShapedWriter`: a byte-stream front of an :class:`asyncio.StreamWriter`: ``write``
   queues (never drops), a pump task sends the queue through :meth:`ConnectionShaper.pace`;
   ``drain`` waits until everything queued has been handed to the socket.
 
 For a gRPC channel, call ``await shaper.pace(len(payload))`` before each call or stream write
-(channel_write) and after each read of ``n`` bytes (channel_read). Single event loop only
-(no locks across threads).
+(channel_write) and after each read of ``n`` bytes (channel_read). ``pace`` belongs to a
+single event loop; ``account`` takes no lock (a threaded caller serialises the connections of
+one :class:`SharedLimits` itself).
 """
 
 from __future__ import annotations
@@ -76,21 +80,26 @@ class SharedLimits:
 class ConnectionShaper:
     """Section III-B for one connection (a registered channel of ``shared``).
 
-    ``catchup_s``: event-loop timers fire late; the next delay counts from when the
-    processing was due if that is at most ``catchup_s`` ago (else from now).
+    ``catchup_s``: timers fire late; the next delay counts from when the processing was due
+    if that is at most ``catchup_s`` ago (else from now). ``bypass_at``: a limit at or above
+    it means no shaping (default ``shared.global_throughput``: a channel holding the whole
+    link is left to the link; pass ``math.inf`` to pace even a channel limited to ``G``).
     """
 
     def __init__(self, shared: SharedLimits, shaper: ShaperConfig | None = None,
-                 clock: Callable[[], float] | None = None, catchup_s: float = 0.01) -> None:
+                 clock: Callable[[], float] | None = None, catchup_s: float = 0.01,
+                 bypass_at: float | None = None) -> None:
         self.shared = shared
         self.catchup_s = float(catchup_s)
         self.channel = shared.register()
-        self.shaper = ChannelShaper(shaper, bypass_at=shared.global_throughput)
+        self.shaper = ChannelShaper(shaper, bypass_at=shared.global_throughput
+                                    if bypass_at is None else bypass_at)
         self._clock = clock
         self._ready_at = 0.0
         self._lock: asyncio.Lock | None = None
         self.processed_bytes = 0
         self.processed_messages = 0
+        self.last_delay = 0.0
 
     def _now(self) -> float:
         return self._clock() if self._clock else asyncio.get_running_loop().time()
@@ -100,24 +109,46 @@ class ConnectionShaper:
         """The channel's measured throughput now (bytes/s)."""
         return self.shaper.meter.read(self._now())
 
+    @property
+    def limit(self) -> float:
+        """The channel's current limit (bytes/s; ``inf``: none)."""
+        return self.shared.limit(self.channel)
+
+    @property
+    def ready_at(self) -> float:
+        """When (clock time) the channel may process its next message."""
+        return self._ready_at
+
+    def due_in(self, now: float) -> float:
+        """Seconds from ``now`` until the channel may process its next message (0: at once)."""
+        return max(0.0, self._ready_at - now)
+
+    def account(self, now: float, nbytes: int) -> float:
+        """Account ``nbytes`` processed at ``now`` (Section III-B: the delay before the next
+        processing, ``last_delay``; the usage reported to the shared calculator, Section
+        III-A; the counters). Returns the seconds until the channel may process its next
+        message. The caller makes sure the channel's time has come (:meth:`due_in`)."""
+        delay, usage = self.shaper.process(now, nbytes, self.shared.limit(self.channel))
+        self.shared.policy.on_processed(self.channel, usage)
+        # timers wake late: count the next delay from when this processing was due
+        # (up to catchup_s ago), so oversleeping does not lower the throughput
+        self._ready_at = max(self._ready_at, now - self.catchup_s) + delay
+        self.processed_bytes += nbytes
+        self.processed_messages += 1
+        self.last_delay = delay
+        return max(0.0, self._ready_at - now)
+
     async def pace(self, nbytes: int) -> float:
-        """Wait for the channel's turn, then account ``nbytes`` processed; returns the delay
-        set before the next processing."""
+        """Wait for the channel's turn, then :meth:`account` ``nbytes`` processed; returns
+        the delay set before the next processing."""
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
             wait = self._ready_at - self._now()
             if wait > 0:
                 await asyncio.sleep(wait)
-            now = self._now()
-            delay, usage = self.shaper.process(now, nbytes, self.shared.limit(self.channel))
-            self.shared.policy.on_processed(self.channel, usage)
-            # timers wake late: count the next delay from when this processing was due
-            # (up to catchup_s ago), so oversleeping does not lower the throughput
-            self._ready_at = max(self._ready_at, now - self.catchup_s) + delay
-            self.processed_bytes += nbytes
-            self.processed_messages += 1
-            return delay
+            self.account(self._now(), nbytes)
+            return self.last_delay
 
 
 class ShapedWriter:

@@ -2,6 +2,13 @@
 mapping, step P-2) and each node's topic subscriptions; an agent reads its subscriptions when
 it starts or recovers from a crash (step S-1, Section VI-A).
 
+Beside them the controller keeps its **outbox**: every configuration message it accepts is
+written here (the encoded message, a CRC-32 of it, and one row per destination node) before
+the request is acknowledged, and a destination row is deleted when that node's packed reply
+(Section VI-C) reports the message applied, a duplicate or superseded. What is left is what
+a restarted controller must deliver again; agents drop what they already have (Section VI-B),
+so re-delivery is safe.
+
 SQLAlchemy Core, so any database URL works (``sqlite:///path`` by default; a server such as
 PostgreSQL by config). SQLite is opened in WAL mode with a busy timeout, so the controller
 and many agent processes can share one file. Every write is one transaction: a failure leaves
@@ -11,6 +18,8 @@ what was stored before.
 from __future__ import annotations
 
 import json
+import logging
+import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -18,17 +27,23 @@ from sqlalchemy import (
     BigInteger,
     Column,
     Integer,
+    LargeBinary,
     MetaData,
+    PrimaryKeyConstraint,
     String,
     Table,
     Text,
+    bindparam,
     create_engine,
     event,
+    func,
     select,
 )
 from sqlalchemy.engine import Engine
 
-__all__ = ["MetadataStore", "Subscription", "SubscriptionChange"]
+__all__ = ["MetadataStore", "OutboxRow", "StoreError", "Subscription", "SubscriptionChange"]
+
+log = logging.getLogger(__name__)
 
 _meta = MetaData()
 
@@ -49,6 +64,44 @@ subscriptions = Table(
     Column("since_ns", BigInteger, nullable=False),
     Column("until_ns", BigInteger, nullable=True),        # set when unsubscribed (kept)
 )
+
+
+outbox = Table(
+    "outbox", _meta,
+    Column("ts_ns", BigInteger, primary_key=True, autoincrement=False),  # generation time
+    Column("type_id", Integer, nullable=False),
+    Column("vpc_id", Integer, nullable=False),
+    Column("body", LargeBinary, nullable=False),          # the encoded ConfigMessage
+    Column("crc32", BigInteger, nullable=False),          # zlib.crc32 of body
+    Column("accepted_ns", BigInteger, nullable=False),
+)
+
+outbox_dest = Table(
+    "outbox_dest", _meta,
+    Column("ts_ns", BigInteger, nullable=False),
+    Column("node_id", Integer, nullable=False),           # a destination not yet confirmed
+    PrimaryKeyConstraint("ts_ns", "node_id"),
+)
+
+
+class StoreError(ValueError):
+    """A stored row that cannot be used; the text names the table and the row."""
+
+
+@dataclass(frozen=True)
+class OutboxRow:
+    """One accepted message not yet confirmed by every destination."""
+
+    ts_ns: int
+    type_id: int
+    vpc_id: int
+    body: bytes
+    crc32: int
+    nodes: tuple[int, ...]          # destinations that have not confirmed it
+
+    @property
+    def intact(self) -> bool:
+        return zlib.crc32(self.body) == self.crc32
 
 
 @dataclass(frozen=True)
@@ -72,7 +125,12 @@ class SubscriptionChange:
 
 
 class MetadataStore:
-    def __init__(self, url: str) -> None:
+    """``synchronous``: SQLite's ``PRAGMA synchronous`` (``NORMAL``: a committed write
+    survives a crash of the process; ``FULL``: also a power loss)."""
+
+    def __init__(self, url: str, synchronous: str = "NORMAL") -> None:
+        if synchronous not in ("NORMAL", "FULL"):
+            raise StoreError(f"synchronous must be NORMAL or FULL, got {synchronous!r}")
         self.url = url
         kw = {"connect_args": {"timeout": 30}} if url.startswith("sqlite") else {}
         self.engine: Engine = create_engine(url, future=True, **kw)
@@ -81,7 +139,7 @@ class MetadataStore:
             def _pragmas(conn, _record) -> None:
                 cur = conn.cursor()
                 cur.execute("PRAGMA journal_mode=WAL")
-                cur.execute("PRAGMA synchronous=NORMAL")
+                cur.execute(f"PRAGMA synchronous={synchronous}")
                 cur.execute("PRAGMA busy_timeout=30000")
                 cur.close()
         _meta.create_all(self.engine)
@@ -155,6 +213,91 @@ class MetadataStore:
             for r in c.execute(select(t.c.node_id, t.c.topic).where(t.c.until_ns.is_(None))):
                 out.setdefault(int(r.node_id), set()).add(r.topic)
         return out
+
+    def mapping_rows(self) -> dict[int, tuple[int, str | None, tuple[int, ...]]]:
+        """type id -> (channel, topic, destination hosts)."""
+        with self.engine.connect() as c:
+            out = {}
+            for r in c.execute(select(topic_mapping)):
+                try:
+                    hosts = tuple(int(h) for h in json.loads(r.hosts))
+                except (ValueError, TypeError) as e:
+                    raise StoreError(f"topic_mapping row of type {r.type_id}: hosts "
+                                     f"{r.hosts!r} is not a JSON list of node ids ({e})") from None
+                out[int(r.type_id)] = (int(r.channel), r.topic, hosts)
+            return out
+
+    def subscription_rows(self) -> list[tuple[int, Subscription]]:
+        """Every (node id, subscription) row, active or left."""
+        t = subscriptions
+        with self.engine.connect() as c:
+            rows = c.execute(select(t).order_by(t.c.node_id, t.c.topic)).all()
+        return [(int(r.node_id), Subscription(r.topic, r.subscription, int(r.since_ns),
+                                              None if r.until_ns is None else int(r.until_ns)))
+                for r in rows]
+
+    # ------------------------------------------------------------------ outbox
+    def outbox_put(self, rows: Iterable[tuple[int, int, int, bytes, Iterable[int]]],
+                   accepted_ns: int) -> int:
+        """Store accepted messages ``(ts_ns, type_id, vpc_id, body, nodes)`` in one
+        transaction: when it returns they survive a crash of the process."""
+        rows = list(rows)
+        if not rows:
+            return 0
+        with self.engine.begin() as c:
+            c.execute(outbox.insert(), [
+                {"ts_ns": int(ts), "type_id": int(t), "vpc_id": int(v), "body": bytes(b),
+                 "crc32": zlib.crc32(b), "accepted_ns": int(accepted_ns)}
+                for ts, t, v, b, _ in rows])
+            c.execute(outbox_dest.insert(), [
+                {"ts_ns": int(ts), "node_id": int(n)} for ts, _, _, _, ns in rows for n in ns])
+        return len(rows)
+
+    def outbox_confirm(self, pairs: Iterable[tuple[int, int]]) -> int:
+        """Delete the destination rows of ``(node_id, ts_ns)`` pairs, and the messages no
+        destination waits for any more, in one transaction; returns the rows deleted."""
+        pairs = sorted({(int(n), int(ts)) for n, ts in pairs})
+        if not pairs:
+            return 0
+        d = outbox_dest
+        with self.engine.begin() as c:
+            deleted = c.execute(d.delete().where((d.c.node_id == bindparam("n"))
+                                                 & (d.c.ts_ns == bindparam("ts"))),
+                                [{"n": n, "ts": ts} for n, ts in pairs]).rowcount
+            done = {ts for _, ts in pairs}
+            still = set(c.execute(select(d.c.ts_ns).where(d.c.ts_ns.in_(done))).scalars())
+            gone = sorted(done - still)
+            if gone:
+                c.execute(outbox.delete().where(outbox.c.ts_ns.in_(gone)))
+        return deleted
+
+    def outbox_unconfirmed(self) -> list[OutboxRow]:
+        """Every stored message some destination has not confirmed, in timestamp order."""
+        with self.engine.connect() as c:
+            dests: dict[int, list[int]] = {}
+            for r in c.execute(select(outbox_dest).order_by(outbox_dest.c.ts_ns,
+                                                            outbox_dest.c.node_id)):
+                dests.setdefault(int(r.ts_ns), []).append(int(r.node_id))
+            rows = c.execute(select(outbox).order_by(outbox.c.ts_ns)).all()
+        return [OutboxRow(int(r.ts_ns), int(r.type_id), int(r.vpc_id), bytes(r.body),
+                          int(r.crc32), tuple(dests[int(r.ts_ns)]))
+                for r in rows if int(r.ts_ns) in dests]
+
+    def outbox_size(self) -> tuple[int, int]:
+        """(messages, destination rows) in the outbox."""
+        with self.engine.connect() as c:
+            return (int(c.execute(select(func.count()).select_from(outbox)).scalar_one()),
+                    int(c.execute(select(func.count()).select_from(outbox_dest)).scalar_one()))
+
+    def max_timestamp(self) -> int:
+        """The largest timestamp stored anywhere (outbox, mapping, subscriptions): a
+        restarted controller's timestamps start above it."""
+        with self.engine.connect() as c:
+            vals = [c.execute(select(func.max(outbox.c.ts_ns))).scalar(),
+                    c.execute(select(func.max(topic_mapping.c.updated_ns))).scalar(),
+                    c.execute(select(func.max(subscriptions.c.since_ns))).scalar(),
+                    c.execute(select(func.max(subscriptions.c.until_ns))).scalar()]
+        return max((int(v) for v in vals if v is not None), default=0)
 
     def close(self) -> None:
         self.engine.dispose()

@@ -92,6 +92,7 @@ class RunSpec:
     report_after_s: float = 5.0
     collect_period_s: float = 2.0
     buckets: list[float] = field(default_factory=list)  # trace-time bucket edges (Fig. 10)
+    controller: dict[str, Any] = field(default_factory=dict)  # ControllerConfig overrides
 
 
 @dataclass
@@ -119,9 +120,10 @@ def run_once(spec: RunSpec, pulsar_url: str, workdir: Path,
     ports = free_ports(len(nodes) + 1)
     agents = {n: f"127.0.0.1:{p}" for n, p in zip(nodes, ports)}
     prefix = f"persistent://public/default/tb-{os.getpid()}-{time.time_ns() % 10**12}"
-    ccfg = ControllerConfig(pulsar_url, store_url, topic_prefix=prefix,
-                            reply_port=ports[-1], payload_scale=spec.payload_scale,
-                            collect_period_s=spec.collect_period_s)
+    ccfg = ControllerConfig.from_mapping({
+        "pulsar_url": pulsar_url, "store_url": store_url, "topic_prefix": prefix,
+        "reply_port": ports[-1], "payload_scale": spec.payload_scale,
+        "collect_period_s": spec.collect_period_s, **spec.controller})
     procs = _start_agents(spec, nodes, ports, store_url, rec_dir, pulsar_url,
                           f"127.0.0.1:{ports[-1]}", workdir)
     ctl = adapter = None

@@ -19,6 +19,20 @@ session (:class:`serving.session.Session`, the same engine as the server's). Two
             downloads and swaps it, on a background thread: a server that is slow or down
             only delays the refresh, never a decision.
 
+With ``announce_url`` the adapter also subscribes to the server's announcements (Stemflow
+Section IV, subscribed global knowledge; :mod:`serving.subscriber`): a new policy version
+starts the same background refresh at once instead of at the next poll, and a change of the
+channel health of this adapter's session (``session_id``) is applied to the local copy.
+Polling stays as the fallback: while the broker is away, versions arrive every ``refresh_s``
+as before (and a cached adapter of a server session also polls that session's health).
+
+**Channel health.** :meth:`ControllerAdapter.set_channel_health` records the controller's
+channel health (:class:`serving.schemas.ChannelHealth`: MQ up or down, the types rerouted to
+RPC or waiting, the nodes whose RPC endpoint is down) on the local session and, in remote
+mode, on the server's session, which announces it. The observation layout does not include
+it: the static policies and the learned bundles do not take it as an input (the controller
+applies failover itself); a policy may read it from the session.
+
 With ``decision_log`` every decision is appended as one JSON line (time, type, destinations,
 rate, channel, source, policy version, mode, latency); with ``trace_log`` every submitted
 message is kept and written as a trace (``messages.parquet``, the simulator's format) by
@@ -31,15 +45,17 @@ import contextlib
 import io
 import json
 import logging
+import os
 import threading
 import time
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from pydantic import ValidationError
 
 from envs.dsmd import kernels
 from envs.dsmd.instance import rates_bps
@@ -48,12 +64,24 @@ from envs.dsmd.parser import BatchKey, IntervalEstimate, MessageParser, TypeCata
 from envs.dsmd.topology import Topology
 from envs.dsmd.traces import write_trace
 
+from .announce import DEFAULT_TOPIC, HealthAnnouncement, PolicyAnnouncement
 from .bundle import BUNDLE_FILES, BundleError, PolicyBundle, load_bundle
-from .schemas import ControllerIn, DecideBatchRequest, NodeIn, SessionCreate, TypeIn, request_body
-from .session import Decision, Session, SessionSpec
+from .schemas import (
+    ChannelHealth,
+    ControllerIn,
+    DecideBatchRequest,
+    NodeIn,
+    SessionCreate,
+    SessionUpdate,
+    TypeIn,
+    request_body,
+)
+from .session import Decision, Session, SessionError, SessionSpec
 
 if TYPE_CHECKING:
     import httpx
+
+    from .subscriber import AnnouncementSubscriber
 
 __all__ = ["MODES", "AdapterDecision", "AdapterError", "CircuitBreaker", "ControllerAdapter"]
 
@@ -164,7 +192,8 @@ class ControllerAdapter:
                  refresh_s: float = 5.0, cache_dir: str | Path | None = None,
                  scenario_signature: dict | None = None, seed: int = 0,
                  decision_log: str | Path | None = None, trace_log: bool = False,
-                 session_id: str | None = None, catalog: TypeCatalog | None = None) -> None:
+                 session_id: str | None = None, catalog: TypeCatalog | None = None,
+                 announce_url: str | None = None, announce_topic: str = DEFAULT_TOPIC) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if retries < 0 or timeout_s <= 0:
@@ -186,6 +215,10 @@ class ControllerAdapter:
         self.policy_version = 0  # remote mode: the version of the last server answer
         self._last_refresh = -float("inf")
         self._refresher: threading.Thread | None = None
+        self._refresh_lock = threading.Lock()
+        self._refresh_again = False  # a refresh was asked for while one was running
+        self._health_dirty = False  # remote mode: the server has not seen the local health
+        self.subscriber: AnnouncementSubscriber | None = None
         self.cache_dir = Path(cache_dir) if cache_dir else None
         self._log = open(decision_log, "a") if decision_log else None  # noqa: SIM115 till close()
         self._messages: list[Message] | None = [] if trace_log else None
@@ -200,6 +233,12 @@ class ControllerAdapter:
             self.attach(session_id)
         if mode == "cached":
             self.refresh(force=True)
+        if announce_url is not None:
+            from .subscriber import AnnouncementSubscriber
+
+            self.subscriber = AnnouncementSubscriber(
+                announce_url, announce_topic, on_policy=self._on_policy_announced,
+                on_health=self._on_health_announced)
 
     def attach(self, session_id: str) -> None:
         """Take the server's session ``session_id`` as this adapter's (its types must have
@@ -272,6 +311,11 @@ class ControllerAdapter:
                        parallel: bool) -> list[AdapterDecision]:
         try:
             self._ensure_session()
+            if self._health_dirty:
+                try:
+                    self._push_health()
+                except AdapterError as e:  # refused: said once, never in a decision's way
+                    log.error("%s", e)
             body = request_body(DecideBatchRequest(
                 types=None if types is None else [int(t) for t in types], replan=replan,
                 parallel=parallel))
@@ -292,6 +336,7 @@ class ControllerAdapter:
         returns the server's session id."""
         if self._synced and self.session_id is not None:
             return self.session_id
+        health = self.local.health  # the one the new session gets
         snap = self.local.snapshot()
         body = request_body(SessionCreate(
             nodes=[NodeIn(**n) for n in snap["nodes"]],
@@ -300,11 +345,14 @@ class ControllerAdapter:
             seed=snap["seed"],
             types=[TypeIn(id=t["id"], destinations=t["destinations"], rate_bps=t["rate_bps"],
                           messages=t["messages"], channel=t["channel"])
-                   for t in snap["types"]]))
+                   for t in snap["types"]],
+            **({} if health is None else {"channel_health": ChannelHealth(**health)})))
         old = self.session_id
         r = self._request("POST", "/v1/sessions", body)
         sid: str = r["session_id"]
         self.session_id, self._synced = sid, True
+        if self.local.health is health:
+            self._health_dirty = False
         if old is not None:
             with contextlib.suppress(_Unavailable, AdapterError):
                 self._request("DELETE", f"/v1/sessions/{old}", None, expect_json=False)
@@ -322,21 +370,61 @@ class ControllerAdapter:
         return r.json() if expect_json else None
 
     # ------------------------------------------------------------------ cached mode
-    def _refresh_in_background(self) -> None:
+    def _refresh_in_background(self, again: bool = False) -> None:
         """Start a refresh on a daemon thread unless one is running: a slow or hung server
-        never delays a decision (the new policy is installed by one reference assignment)."""
-        t = self._refresher
-        if t is not None and t.is_alive():
-            return
-        self._last_refresh = time.monotonic()
-        self._refresher = threading.Thread(target=self.refresh, name="policy-refresh",
-                                           daemon=True)
-        self._refresher.start()
+        never delays a decision (the new policy is installed by one reference assignment).
+        ``again``: if one is running, run another after it (it may have read the server's
+        version before the change that asks for this one)."""
+        with self._refresh_lock:
+            if self._refresher is not None:
+                self._refresh_again = self._refresh_again or again
+                return
+            self._last_refresh = time.monotonic()
+            self._refresh_again = False
+            self._refresher = threading.Thread(target=self._refresh_loop,
+                                               name="policy-refresh", daemon=True)
+            self._refresher.start()
+
+    def _refresh_loop(self) -> None:
+        while True:
+            try:
+                self.refresh()
+            except Exception:  # a daemon thread's failure must not stop later refreshes
+                log.exception("policy refresh failed")
+            with self._refresh_lock:
+                if not self._refresh_again:
+                    self._refresher = None
+                    return
+                self._refresh_again = False
+
+    def request_refresh(self) -> None:
+        """Cached mode: refresh now, on the background thread of the periodic refresh (what
+        a policy announcement does); a no-op in remote mode (the server decides)."""
+        if self.mode == "cached":
+            self._refresh_in_background(again=True)
+
+    def _on_policy_announced(self, a: PolicyAnnouncement) -> bool:
+        """The subscriber's callback: refresh unless the announced bundle is the one here."""
+        current = self._cached[0]
+        if self.mode != "cached" or (current is not None and current.content_hash == a.hash):
+            return False
+        self.request_refresh()
+        return True
+
+    def _on_health_announced(self, a: HealthAnnouncement) -> bool:
+        """The subscriber's callback: another adapter's (or the server's) new channel health
+        of this adapter's session, applied to the local copy only."""
+        if self.session_id is None or a.session_id != self.session_id:
+            return False
+        self.local.set_health(a.health.model_dump())
+        return True
 
     def refresh(self, force: bool = False) -> bool:
         """Cached mode: fetch the bundle if the server publishes another version. Returns
         whether a new policy was installed; a failure keeps the current one."""
         self._last_refresh = time.monotonic()
+        if self.session_id is not None:
+            self._poll_health()
         try:
             info = self._request("GET", "/v1/policy", None)
             current = self._cached[0]
@@ -353,7 +441,10 @@ class ControllerAdapter:
         d.mkdir(parents=True, exist_ok=True)
         with zipfile.ZipFile(io.BytesIO(raw)) as z:
             for name in set(z.namelist()) & set(BUNDLE_FILES):
-                (d / name).write_bytes(z.read(name))
+                # whole files only: adapters sharing a cache directory may load it meanwhile
+                tmp = d / f".{name}.{os.getpid()}.{threading.get_ident()}"
+                tmp.write_bytes(z.read(name))
+                os.replace(tmp, d / name)
         try:
             bundle = load_bundle(d)
         except BundleError as e:
@@ -361,6 +452,70 @@ class ControllerAdapter:
             return False
         self._cached = (bundle, int(info["version"]))
         return True
+
+    def _poll_health(self) -> None:
+        """Cached mode, a server session attached: take its channel health (the polling
+        fallback of the health announcements); failures are logged and change nothing."""
+        sid = self.session_id
+        try:
+            r = send(self._client, self.breaker, 0, "GET", f"/v1/sessions/{sid}/health", None)
+            if r.status_code != 200:
+                raise AdapterError(f"HTTP {r.status_code}")
+            raw = r.json()["channel_health"]
+            if raw is None:
+                return
+            health = ChannelHealth.model_validate(raw).model_dump()
+            if health != self.local.health:
+                self.local.set_health(health)
+        except (_Unavailable, AdapterError, ValidationError, SessionError, KeyError,
+                ValueError) as e:
+            log.warning("channel health of session %s not polled: %s", sid, e)
+
+    # ------------------------------------------------------------------ channel health
+    def set_channel_health(self, health: Mapping[str, Any] | ChannelHealth) -> None:
+        """Record the controller's channel health (:class:`serving.schemas.ChannelHealth`
+        or a mapping of its fields) on the local session; in remote mode also on the
+        server's session (a ``PATCH``, one attempt within ``timeout_s``; on failure it is
+        logged and sent again at the next decision or health change, and a re-created
+        server session gets it anyway). ``AdapterError`` naming the field for bad input
+        (nothing is changed then). Safe to call from another thread than :meth:`decide`."""
+        h = _health_model(health).model_dump()
+        try:
+            self.local.set_health(h)
+        except SessionError as e:
+            raise AdapterError(str(e)) from None
+        if self.mode == "remote":
+            self._health_dirty = True
+            self._push_health()
+
+    @property
+    def channel_health(self) -> ChannelHealth | None:
+        """The channel health of this adapter's session (None: never reported)."""
+        h = self.local.health
+        return None if h is None else ChannelHealth(**h)
+
+    def _push_health(self) -> None:
+        """PATCH the local health onto the server's session, one attempt; ``AdapterError``
+        if the server refuses it (4xx other than an unknown session)."""
+        sid, health = self.session_id, self.local.health
+        if sid is None or health is None or self._client is None:
+            return  # the session is created with it (_ensure_session)
+        body = request_body(SessionUpdate(channel_health=ChannelHealth(**health)))
+        try:
+            r = send(self._client, self.breaker, 0, "PATCH", f"/v1/sessions/{sid}", body)
+        except _Unavailable as e:
+            log.warning("channel health not sent to the server (%s); sent again at the next "
+                        "call", e)
+            return
+        if r.status_code == 404:  # the server lost the session: re-created with the health
+            self._synced = False
+            return
+        if r.status_code >= 400:
+            self._health_dirty = False
+            raise AdapterError(f"PATCH /v1/sessions/{sid} (channel_health): HTTP "
+                               f"{r.status_code}: {r.text[:500]}")
+        if self.local.health is health:
+            self._health_dirty = False
 
     @property
     def policy(self) -> PolicyBundle | None:
@@ -394,6 +549,8 @@ class ControllerAdapter:
         return len(self._messages)
 
     def close(self) -> None:
+        if self.subscriber is not None:
+            self.subscriber.close()
         if self._client is not None:
             self._client.close()
         if self._log is not None:
@@ -408,3 +565,20 @@ class ControllerAdapter:
 
 def _from(d: Decision, version: int) -> AdapterDecision:
     return AdapterDecision(d.type_id, d.channel, d.source, d.reason, version)
+
+
+def _health_model(health: Mapping[str, Any] | ChannelHealth) -> ChannelHealth:
+    """``health`` validated as a :class:`ChannelHealth`; ``AdapterError`` naming the first
+    bad field."""
+    if isinstance(health, ChannelHealth):
+        health = health.model_dump()
+    if not isinstance(health, Mapping):
+        raise AdapterError(f"channel_health must be a mapping or a ChannelHealth, got "
+                           f"{type(health).__name__}")
+    try:
+        return ChannelHealth.model_validate(dict(health))
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err["loc"])
+        raise AdapterError(f"channel_health.{where}: {err['msg']} (got "
+                           f"{err.get('input')!r:.80})") from None

@@ -13,6 +13,16 @@ than ``max_body_bytes`` or a batch over ``max_batch``), 422 (validation: ``detai
 field's location and problem), 429 (``max_sessions`` reached). No failed request changes
 any state.
 
+A session also holds the controller's channel health (``channel_health``: whether the MQ
+channel is up, the types rerouted to RPC or waiting, the nodes whose RPC endpoint is down),
+set when it is created or by ``PATCH``, read with the session or alone
+(``GET /v1/sessions/{id}/health``).
+
+With ``announce.url`` configured, the server announces every policy swap and every change of
+a session's channel health on a Pulsar topic (Stemflow Section IV, subscribed global
+knowledge; :mod:`serving.announce`), so cached adapters refresh at once instead of at their
+next poll; announcing never delays or fails a request, and polling remains the fallback.
+
 The online policy (a knob-setting policy planning every interval boundary from a session's
 history) has its own endpoints under ``/v1/online`` (:mod:`serving.online_api`).
 """
@@ -41,11 +51,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from envs.dsmd import kernels
 from envs.dsmd.errors import DSMDError
 
+from .announce import DEFAULT_TOPIC, Announcer, check_settings
 from .metrics import MetricsMiddleware, ServerMetrics
 from .online_api import add_online_routes
 from .online_policy import OnlinePolicyStore
 from .policy_store import BundleError, BundleWatcher, LoadedPolicy, PolicyStore
 from .schemas import (
+    ChannelHealth,
     DecideBatchRequest,
     DecideRequest,
     DecisionBatchOut,
@@ -58,6 +70,7 @@ from .schemas import (
     RateUpdated,
     SessionCreate,
     SessionCreated,
+    SessionHealthOut,
     SessionOut,
     SessionUpdate,
     TypeIn,
@@ -96,6 +109,11 @@ class ServerSettings:
     #: threads that score one batch's chunks (``serving.bundle.load_bundle``); None: the cores
     #: this process may use, at most 4
     batch_threads: int | None = None
+    #: Pulsar service URL of the announcement topic (``announce.url``; None: no
+    #: announcements, the adapters poll); the ``pulsar-client`` package is then required
+    announce_url: str | None = None
+    announce_topic: str = DEFAULT_TOPIC  # ``announce.topic``
+    announce_send_timeout_s: float = 2.0  # an announcement not confirmed by then: failed
 
     def __post_init__(self) -> None:
         if self.fallback not in FALLBACKS:
@@ -109,6 +127,10 @@ class ServerSettings:
         if self.batch_threads is not None and self.batch_threads < 1:
             raise ValueError(f"batch_threads must be at least 1 (or null), got "
                              f"{self.batch_threads}")
+        check_settings(self.announce_url, self.announce_topic)
+        if not self.announce_send_timeout_s > 0:
+            raise ValueError(f"announce.send_timeout_s must be positive, got "
+                             f"{self.announce_send_timeout_s}")
 
 
 _ERRORS = {400: {"model": ErrorOut, "description": "Body is not parseable (not JSON)"},
@@ -199,6 +221,12 @@ def create_app(settings: ServerSettings | None = None, *,
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         watcher = None
+        if cfg.announce_url is not None:  # before the first load, which it announces
+            announcer = Announcer(cfg.announce_url, cfg.announce_topic,
+                                  send_timeout_s=cfg.announce_send_timeout_s,
+                                  registry=metrics.registry)
+            app.state.announcer = announcer
+            store.add_listener(announcer.policy)
         # the simulator's compiled loops (loaded from their on-disk cache, or compiled on a
         # fresh install) before the first request, not inside it
         await asyncio.to_thread(kernels.warm_up)
@@ -221,11 +249,16 @@ def create_app(settings: ServerSettings | None = None, *,
         yield
         if watcher is not None:
             watcher.stop()
+        if app.state.announcer is not None:
+            store.remove_listener(app.state.announcer.policy)
+            await asyncio.to_thread(app.state.announcer.close)
+            app.state.announcer = None
 
     app = FastAPI(title="SMART DSMD policy server", version="1.0.0", lifespan=lifespan,
                   description=__doc__)
     app.state.settings, app.state.store, app.state.sessions = cfg, store, sessions
     app.state.metrics = metrics
+    app.state.announcer = None  # an Announcer while started with announce_url
 
     api_key = APIKeyHeader(name=API_KEY_HEADER, auto_error=False,
                            description="A controller's API key")
@@ -351,6 +384,7 @@ def create_app(settings: ServerSettings | None = None, *,
         if len(body.types) > cfg.max_types:
             raise HTTPException(413, f"types: {len(body.types)} > max_types {cfg.max_types}")
         _check_channels(body.types, body.num_topics)
+        health = None if body.channel_health is None else body.channel_health.model_dump()
         try:
             spec = SessionSpec(np.array([n.id for n in body.nodes], np.int64),
                                np.array([n.capacity_bps for n in body.nodes], np.int64),
@@ -361,6 +395,8 @@ def create_app(settings: ServerSettings | None = None, *,
             s.update_rates({t.id: t.rate_bps for t in body.types if t.rate_bps is not None},
                            {t.id: t.messages for t in body.types if t.messages is not None})
             s.set_assignment({t.id: t.channel for t in body.types if t.channel is not None})
+            if health is not None:
+                s.set_health(health)
         except DSMDError as e:
             raise HTTPException(422, str(e)) from None
         sid = uuid.uuid4().hex
@@ -382,11 +418,32 @@ def create_app(settings: ServerSettings | None = None, *,
             raise HTTPException(413, f"types: the session would exceed max_types "
                                      f"{cfg.max_types}")
         _check_channels(body.types, s.spec.num_topics)
-        s.add_types((t.id, t.destinations) for t in body.types)
-        s.update_rates({t.id: t.rate_bps for t in body.types if t.rate_bps is not None},
-                       {t.id: t.messages for t in body.types if t.messages is not None})
-        s.set_assignment({t.id: t.channel for t in body.types if t.channel is not None})
+        health = None if body.channel_health is None else body.channel_health.model_dump()
+        if health is not None:  # checked before anything changes
+            try:
+                s.check_health(health)
+            except SessionError as e:
+                raise HTTPException(422, [{"loc": ["body", "channel_health"], "msg": str(e),
+                                           "type": "value_error"}]) from None
+        if body.types or health is None:  # a health-only update leaves the rest alone
+            s.add_types((t.id, t.destinations) for t in body.types)
+            s.update_rates({t.id: t.rate_bps for t in body.types if t.rate_bps is not None},
+                           {t.id: t.messages for t in body.types if t.messages is not None})
+            s.set_assignment({t.id: t.channel for t in body.types if t.channel is not None})
+        if health is not None:
+            changed = health != s.health
+            s.set_health(health)
+            if changed and app.state.announcer is not None:
+                app.state.announcer.health(session_id, health)
         return session_out(session_id, s)
+
+    @app.get("/v1/sessions/{session_id}/health", response_model=SessionHealthOut,
+             tags=["sessions"], dependencies=[Depends(controller)], responses=_errors(401, 404))
+    async def read_session_health(session_id: str) -> SessionHealthOut:
+        s = get_session(session_id)
+        return SessionHealthOut(session_id=session_id, version=s.version,
+                                channel_health=None if s.health is None
+                                else ChannelHealth(**s.health))
 
     @app.delete("/v1/sessions/{session_id}", status_code=204, tags=["sessions"],
                 dependencies=[Depends(controller)], responses=_errors(401, 404))

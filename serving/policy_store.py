@@ -80,9 +80,23 @@ class PolicyStore:
         self._current: LoadedPolicy | None = None
         self._lock = threading.Lock()  # serialises loads, not reads
         self._version = 0
+        self._listeners: list[Callable[[LoadedPolicy], None]] = []
 
     def current(self) -> LoadedPolicy | None:
         return self._current
+
+    def add_listener(self, listener: Callable[[LoadedPolicy], None]) -> None:
+        """Call ``listener(policy)`` after every successful swap (the ``PUT /v1/policy``
+        endpoint, the start-up load and :class:`BundleWatcher` all load through
+        :meth:`load`), in load order, on the loading thread: it must not block (e.g.
+        :meth:`serving.announce.Announcer.policy`). A listener's exception is logged and
+        neither refuses the load nor stops the other listeners."""
+        self._listeners.append(listener)
+
+    def remove_listener(self, listener: Callable[[LoadedPolicy], None]) -> None:
+        """Stop calling ``listener`` (a no-op if it is not registered)."""
+        if listener in self._listeners:
+            self._listeners.remove(listener)
 
     def load(self, path: str | Path,
              check: Callable[[LoadedPolicy], list[str]] | None = None,
@@ -100,6 +114,11 @@ class PolicyStore:
             self._current = cand  # one reference assignment: atomic for readers
             log.info("policy v%d loaded from %s (actor %s...)", cand.version, path,
                      cand.hash[:12])
+            for listener in list(self._listeners):
+                try:
+                    listener(cand)
+                except Exception:  # a listener never undoes or fails a swap
+                    log.exception("policy listener %r failed on v%d", listener, cand.version)
             return cand
 
     def unload(self) -> None:

@@ -67,7 +67,9 @@ def adapter_for(problems: ProblemSet, base_url: str | None, mode: str = "remote"
                 **kw: Any) -> ControllerAdapter:
     """A :class:`~serving.adapter.ControllerAdapter` for the scenario's controller: its
     topology and capacities, and its known types in the scenario's catalogue order (so the
-    adapter's type ids are the simulator's catalogue indices)."""
+    adapter's type ids are the simulator's catalogue indices). ``kw`` goes to the adapter
+    (e.g. ``api_key``, ``refresh_s``, and ``announce_url`` / ``announce_topic`` for the
+    server's announcements, :mod:`serving.subscriber`)."""
     from .adapter import ControllerAdapter
 
     topo, spec = problems.dataset.topology, problems.spec

@@ -8,11 +8,12 @@ them, and the clients (:mod:`serving.adapter`, :mod:`serving.online_adapter`,
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
+    "ChannelHealth",
     "ControllerIn",
     "DecideBatchRequest",
     "DecideRequest",
@@ -29,6 +30,7 @@ __all__ = [
     "RateUpdated",
     "SessionCreate",
     "SessionCreated",
+    "SessionHealthOut",
     "SessionOut",
     "SessionUpdate",
     "TypeIn",
@@ -75,6 +77,31 @@ class TypeIn(BaseModel):
                                 "(restoring a session; -1 = undecided).")
 
 
+class ChannelHealth(BaseModel):
+    """The controller's channels as it sees them now (issue 20's channel failover): whether
+    the MQ channel is usable, which types it moved to RPC or holds while it is not, and which
+    nodes' RPC endpoints are down. The server keeps it with the session and announces every
+    change (Stemflow Section IV, subscribed global knowledge); the static policies do not use
+    it as an input (the controller applies failover itself), a policy may."""
+
+    model_config = _STRICT
+    mq: Literal["up", "down"] = Field(default="up", description="The MQ channel (broker) "
+                                      "state.")
+    since_ns: int = Field(default=0, ge=0, le=_INT64, description="Unix time (ns) of the "
+                          "last MQ state change (0: never changed).")
+    rerouted: list[Annotated[int, Field(ge=0, le=_INT64)]] = Field(
+        default_factory=list, description="Types moved from their topic to RPC while the MQ "
+        "channel is down.")
+    waiting: list[Annotated[int, Field(ge=0, le=_INT64)]] = Field(
+        default_factory=list, description="Types held until the MQ channel is back (RPC had "
+        "no room for them within C_b and C_p).")
+    unreachable: list[Annotated[int, Field(ge=0, le=_INT64)]] = Field(
+        default_factory=list, description="Nodes whose RPC endpoint is down.")
+    relayed: list[Annotated[int, Field(ge=0, le=_INT64)]] = Field(
+        default_factory=list, description="Of the unreachable nodes, those reached through "
+        "a topic they subscribe to instead.")
+
+
 class SessionCreate(BaseModel):
     model_config = _STRICT
     nodes: list[NodeIn] = Field(min_length=1, description="Every compute node.")
@@ -88,11 +115,18 @@ class SessionCreate(BaseModel):
         "bundle's scenario_signature, e.g. num_nodes, topology).")
     seed: int = Field(default=0, ge=0, le=2**32 - 1, description="Seed of the session's "
                       "tie-breaking RNG.")
+    channel_health: ChannelHealth | None = Field(default=None, description="The "
+                                                 "controller's channel health (restoring a "
+                                                 "session; null: not reported).")
 
 
 class SessionUpdate(BaseModel):
     model_config = _STRICT
     types: list[TypeIn] = Field(default_factory=list, description="Types to add.")
+    channel_health: ChannelHealth | None = Field(default=None, description="The "
+                                                 "controller's channel health now (replaces "
+                                                 "the stored one and is announced; null: "
+                                                 "unchanged).")
 
 
 class RateIn(BaseModel):
@@ -182,6 +216,16 @@ class SessionOut(BaseModel):
     metrics: dict = Field(description="Eq. 1 quantities of the current assignment.")
     policy_compatible: bool
     reason: str | None
+    channel_health: ChannelHealth | None = Field(default=None, description="The "
+                                                 "controller's last reported channel health "
+                                                 "(null: never reported).")
+
+
+class SessionHealthOut(BaseModel):
+    session_id: str
+    version: int = Field(description="The session's version.")
+    channel_health: ChannelHealth | None = Field(description="The controller's last reported "
+                                                 "channel health (null: never reported).")
 
 
 class RateUpdated(BaseModel):

@@ -26,7 +26,7 @@ and decodes with ``feasible``; ``rpc`` prefers RPC, then the first topic that fi
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -161,6 +161,11 @@ class Session:
         self.messages = np.zeros(0, np.int64)
         self.channel = np.zeros(0, np.int64)  # slot -> channel, -1 undecided
         self.version = 0  # bumped by every change
+        #: the controller's channel health as last reported (a
+        #: :class:`serving.schemas.ChannelHealth` as a dict; None: never reported): the
+        #: session's view of the channels, read by whoever decides; the heuristics and the
+        #: static policies do not use it as an input (the controller applies failover itself)
+        self.health: dict[str, Any] | None = None
         self._compat: tuple[Any, int, str | None] | None = None
         self._rebuild()
 
@@ -228,6 +233,22 @@ class Session:
         for s, c in msgs.items():
             self.messages[s] = c
         self._rebuild()
+
+    def check_health(self, health: Mapping[str, Any]) -> None:
+        """``SessionError`` naming the field if ``health`` (a validated
+        :class:`serving.schemas.ChannelHealth` dict) names a node this session does not have."""
+        for key in ("unreachable", "relayed"):
+            for n in health.get(key, ()):
+                if int(n) not in self._node_index:
+                    raise SessionError(f"channel_health.{key}: unknown node {n}")
+
+    def set_health(self, health: Mapping[str, Any] | None) -> None:
+        """Replace the channel health (:meth:`check_health` first: nothing changes if it
+        fails; None: not reported)."""
+        if health is not None:
+            self.check_health(health)
+        self.health = None if health is None else _copy_health(health)
+        self.version += 1
 
     def set_assignment(self, channels: dict[int, int]) -> None:
         """Record channels decided elsewhere (e.g. by the adapter's fallback)."""
@@ -419,7 +440,8 @@ class Session:
                            "rate_bps": int(self.rates[s]), "messages": int(self.messages[s]),
                            "channel": int(self.channel[s])}
                           for s, t in enumerate(self.type_ids)],
-                "seed": self.seed}
+                "seed": self.seed,
+                "channel_health": None if self.health is None else _copy_health(self.health)}
 
     @classmethod
     def from_snapshot(cls, snap: dict) -> Session:
@@ -434,5 +456,11 @@ class Session:
         s.update_rates({t["id"]: t["rate_bps"] for t in types},
                        {t["id"]: t["messages"] for t in types})
         s.set_assignment({t["id"]: t["channel"] for t in types})
+        if snap.get("channel_health") is not None:
+            s.set_health(snap["channel_health"])
         return s
 
+
+def _copy_health(health: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of a channel-health dict that shares no list with it."""
+    return {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in health.items()}

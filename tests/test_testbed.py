@@ -81,6 +81,21 @@ def test_control_plane_requests(tmp_path: Path, pulsar_broker) -> None:
                 rows, _ = read_record(tmp_path / "rec" / f"node-{n}.record")
                 assert sorted(r.message_id for r in rows) == sorted(
                     m.message_id for m in sent if n in m.hosts)
+            # the controller's channel health reaches the adapter's session: an outage as
+            # the probe reports it (the multicast type moves to RPC), then the recovery
+            ctl._on_health_change("down", "reported by the test")
+            _wait(lambda: (h := plane.adapter.channel_health) is not None and h.mq == "down"
+                  and h.rerouted == [int(tm)], "the outage in the session")
+            ctl._on_health_change("up", "reported by the test")
+            _wait(lambda: plane.adapter.channel_health.mq == "up", "the recovery")
+            assert ctl.channel[tm] > 0 and ctl.stats.failbacks == 1
+
+
+def _wait(cond, what: str, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
 
 
 @pytest.mark.slow  # 12 runs of 10 agents against a real broker

@@ -1,0 +1,347 @@
+"""The delivery rig shared by the delivery tests: a controller and agents on a real broker,
+a ledger of what the controller was asked to send, and the audits that judge delivery from the
+agents' programming records (see ``tests/test_delivery.py``'s docstring)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from delivery.agent import AgentConfig, read_record
+from delivery.agent_host import AgentHost, host_spec
+from delivery.broker import PulsarStandalone
+from delivery.controller import RPC, Controller, ControllerConfig, topic_name
+from delivery.store import MetadataStore
+from envs.dsmd.message import Message
+from envs.netutil import free_ports
+
+ROOT = Path(__file__).resolve().parents[1]
+OP = "UPDATE"
+
+
+def wait_until(cond: Callable[[], object], timeout: float, what: str | Callable[[], str],
+               interval: float = 0.05) -> None:
+    """Poll ``cond`` until it is truthy; fail naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if cond():
+            return
+        if time.monotonic() >= deadline:
+            pytest.fail(f"timed out after {timeout:.0f} s waiting for: "
+                        f"{what() if callable(what) else what}")
+        time.sleep(interval)
+
+
+Resource = tuple[int, str, int]
+
+
+class Ledger:
+    """What the controller was asked to send: node -> resource -> [(timestamp, message id)]."""
+
+    def __init__(self) -> None:
+        self.sent: dict[int, dict[Resource, list[tuple[int, int]]]] = defaultdict(
+            lambda: defaultdict(list))
+        self.ids = itertools.count(1)
+        self.lock = threading.Lock()
+        self.mq_sent = 0
+        self.not_for_me: dict[int, int] = defaultdict(int)  # expected redundant MQ deliveries
+
+    def send(self, ctl: Controller, type_id: int, resource_id: int, hosts: Iterable[int], *,
+             vpc: int = 1, config: str = "SUBNET", size: int = 64) -> Message:
+        hosts = tuple(hosts)
+        with self.lock:
+            mid = next(self.ids)
+            m = Message(mid, mid, vpc, config, OP, resource_id, size, hosts, ctl.timestamp())
+            for n in hosts:
+                self.sent[n][(vpc, config, resource_id)].append((m.timestamp_ns, mid))
+            c = ctl.channel.get(type_id, RPC)
+            if c != RPC:
+                self.mq_sent += 1
+                for n, topics in ctl.node_topics.items():
+                    if c in topics and n not in hosts:
+                        self.not_for_me[n] += 1
+        ctl.send(m, type_id)
+        return m
+
+    def total(self) -> int:
+        return sum(len(v) for res in self.sent.values() for v in res.values())
+
+
+def audit(record_dir: Path, ledger: Ledger, nodes: Iterable[int]
+          ) -> tuple[list[str], list[str], dict[int, list]]:
+    """(violations, not yet delivered, rows per node) of the agents' records vs the ledger.
+    Violations are permanent (out of order, applied twice, applied but never sent there);
+    'not yet delivered' lists resources whose last applied message is not the newest sent."""
+    bad: list[str] = []
+    missing: list[str] = []
+    rows_of: dict[int, list] = {}
+    with ledger.lock:
+        sent = {n: {r: list(v) for r, v in ledger.sent[n].items()} for n in nodes}
+    for n in nodes:
+        rows, _ = read_record(record_dir / f"node-{n}.record")
+        rows_of[n] = rows
+        applied: dict[Resource, list] = defaultdict(list)
+        for r in rows:
+            applied[r.resource].append(r)
+        for res, rs in applied.items():
+            ts = [r.timestamp_ns for r in rs]
+            if any(b <= a for a, b in itertools.pairwise(ts)):
+                bad.append(f"node {n} {res}: applied timestamps not strictly increasing "
+                           f"(applied twice or out of order): {[r.message_id for r in rs]}")
+            known = set(sent[n].get(res, ()))
+            for r in rs:
+                if (r.timestamp_ns, r.message_id) not in known:
+                    bad.append(f"node {n} {res}: applied message {r.message_id} that was never "
+                               f"sent to it")
+        for res, msgs in sent[n].items():
+            newest = max(msgs)
+            got = applied.get(res)
+            last = (got[-1].timestamp_ns, got[-1].message_id) if got else None
+            if last != newest:
+                missing.append(f"node {n} {res}: last applied {last}, newest sent {newest}")
+    return bad, missing, rows_of
+
+
+def assert_delivered(record_dir: Path, ledger: Ledger, nodes: Iterable[int], *,
+                     timeout: float = 30.0, every: bool = False,
+                     pending: Callable[[], dict] | None = None) -> dict[int, list]:
+    """Wait until every node's record ends, for every resource, with the newest message sent
+    to it (and the controller's reprogramming queue is empty), failing at once on a
+    violation. ``every``: also every message sent was applied (none superseded)."""
+    nodes = list(nodes)
+    state: dict = {}
+
+    def done() -> bool:
+        bad, missing, rows = audit(record_dir, ledger, nodes)
+        assert not bad, "\n".join(bad[:20])
+        state.update(missing=missing, rows=rows, pending=pending() if pending else {})
+        return not missing and not state["pending"]
+
+    wait_until(done, timeout, lambda: f"delivery of {ledger.total()} messages; pending "
+               f"{state.get('pending')}; e.g. " + "; ".join(state.get("missing", [])[:5]))
+    rows = state["rows"]
+    # every message sent to a node is applied or superseded by a newer applied one
+    with ledger.lock:
+        for n in nodes:
+            applied = {(r.timestamp_ns, r.message_id) for r in rows[n]}
+            newest_applied: dict[Resource, int] = {}
+            for r in rows[n]:
+                newest_applied[r.resource] = max(newest_applied.get(r.resource, 0),
+                                                 r.timestamp_ns)
+            for res, msgs in ledger.sent[n].items():
+                for m in msgs:
+                    ok = m in applied if every else (
+                        m in applied or newest_applied.get(res, 0) > m[0])
+                    assert ok, f"node {n} {res}: message {m} lost"
+            if every:
+                assert len(rows[n]) == sum(len(v) for v in ledger.sent[n].values()), \
+                    f"node {n}: {len(rows[n])} applied rows"
+    return rows
+
+
+def assert_arrived(r: Rig, timeout: float = 20.0) -> None:
+    """Every message sent to a node reached it: it is in the node's record (applied), or the
+    node reported it OUT_OF_ORDER in a packed reply (it came after a newer one of the same
+    resource that took the other channel). A redelivery of a message already applied (Pulsar
+    after a crash or a broker restart, acknowledgements not yet persisted) is a DUPLICATE,
+    and the controller re-sends nothing for an OUT_OF_ORDER, so no message in flight is
+    superseded by a re-send."""
+    def missing() -> list[str]:
+        reported = {(n, mid) for n, kind, mid, _ in list(r.ctl.stats.errors)
+                    if kind == "OUT_OF_ORDER"}
+        out = []
+        with r.ledger.lock:
+            sent = {n: [mid for msgs in r.ledger.sent[n].values() for _, mid in msgs]
+                    for n in r.nodes}
+        for n in r.nodes:
+            rows, _ = read_record(r.record_dir / f"node-{n}.record")
+            applied = {x.message_id for x in rows}
+            out += [f"node {n}: message {mid}" for mid in sent[n]
+                    if mid not in applied and (n, mid) not in reported]
+        return out
+
+    wait_until(lambda: not missing(), timeout, lambda: "arrival (applied, or reported "
+               "OUT_OF_ORDER) of " + ", ".join(missing()[:10]))
+
+
+def admin_subscriptions(broker: PulsarStandalone, topic: str) -> set[str]:
+    """The durable subscriptions of a topic (admin REST API); empty if there is no topic."""
+    path = topic.removeprefix("persistent://")
+    try:
+        with urllib.request.urlopen(f"{broker.admin_url}/admin/v2/persistent/{path}/"
+                                    f"subscriptions", timeout=10) as resp:
+            return set(json.loads(resp.read()))
+    except urllib.error.HTTPError as e:
+        if e.code == 404:
+            return set()
+        raise
+
+
+class Rig:
+    """A controller and in-process agents (one AgentHost) on a broker, with a fresh store,
+    record directory and topic prefix."""
+
+    def __init__(self, broker: PulsarStandalone, tmp: Path, nodes: Iterable[int], *,
+                 ctl_kw: dict | None = None, agent_kw: dict | None = None,
+                 agents_in_process: bool = True) -> None:
+        self.broker = broker
+        self.nodes = list(nodes)
+        self.tmp = tmp
+        self.store_url = f"sqlite:///{tmp / 'meta.db'}"
+        self.record_dir = tmp / "records"
+        self.prefix = f"persistent://public/default/td-{uuid.uuid4().hex[:10]}"
+        self.ports = dict(zip(self.nodes, free_ports(len(self.nodes))))
+        kw = {"collect_period_s": 0.3, "reprogram_period_s": 0.2, "push_timeout_s": 2.0}
+        kw.update(ctl_kw or {})
+        self.ctl = Controller(ControllerConfig(broker.service_url, self.store_url,
+                                               topic_prefix=self.prefix, **kw),
+                              {n: f"127.0.0.1:{p}" for n, p in self.ports.items()}).start()
+        self.agent_kw: dict = {"pack_period_s": 0.1}
+        self.agent_kw.update(agent_kw or {})
+        self.host: AgentHost | None = None
+        if agents_in_process:
+            cfgs = [AgentConfig(n, self.store_url, self.record_dir,
+                                pulsar_url=broker.service_url,
+                                controller=self.ctl.reply_address, port=p, **self.agent_kw)
+                    for n, p in self.ports.items()]
+            self.host = AgentHost(cfgs, broker.service_url).start()
+        self.ledger = Ledger()
+
+    def topic(self, c: int) -> str:
+        return topic_name(self.prefix, c)
+
+    def send(self, type_id: int, resource_id: int, hosts: Iterable[int], **kw) -> Message:
+        return self.ledger.send(self.ctl, type_id, resource_id, hosts, **kw)
+
+    def delivered(self, timeout: float = 30.0, every: bool = False) -> dict[int, list]:
+        self.ctl.flush()
+        return assert_delivered(self.record_dir, self.ledger, self.nodes, timeout=timeout,
+                                every=every, pending=self.ctl.pending)
+
+    def expected_topics(self) -> dict[int, set[str]]:
+        return {n: {self.topic(c) for c in self.ctl.node_topics.get(n, ())}
+                for n in self.nodes}
+
+    def wait_subscriptions(self, timeout: float = 20.0) -> None:
+        """Agents, store and broker agree with the controller's subscriptions (drains done,
+        drained durable subscriptions deleted)."""
+        want = self.expected_topics()
+
+        def agents_agree() -> bool:
+            assert self.host is not None
+            return all(self.host.agents[n].topics() == dict.fromkeys(want[n], "subscribed")
+                       for n in self.nodes)
+
+        wait_until(agents_agree, timeout, lambda: f"agents' topics "
+                   f"{ {n: a.topics() for n, a in self.host.agents.items()} } == {want}")
+        store = MetadataStore(self.store_url)
+        try:
+            active = store.active_topics()
+        finally:
+            store.close()
+        assert {n: active.get(n, set()) for n in self.nodes} == want
+        used = set().union(*want.values()) | set(self._used_topics)
+
+        def broker_agrees() -> bool:
+            return all(admin_subscriptions(self.broker, t)
+                       == {f"node-{n}" for n in self.nodes if t in want[n]} for t in used)
+
+        wait_until(broker_agrees, timeout, lambda: "durable subscriptions " + str(
+            {t: admin_subscriptions(self.broker, t) for t in used}) + f" vs {want}")
+
+    @property
+    def _used_topics(self) -> set[str]:
+        return {self.topic(c) for c in range(1, 8)}
+
+    def close(self) -> None:
+        try:
+            if self.host is not None:
+                self.host.close()
+        finally:
+            self.ctl.close()
+
+
+@contextmanager
+def rig(broker: PulsarStandalone, tmp: Path, nodes: Iterable[int], **kw) -> Iterator[Rig]:
+    r = Rig(broker, tmp, nodes, **kw)
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+def outcomes(r: Rig) -> dict[str, int]:
+    return dict(r.ctl.stats.outcomes)
+
+
+class ModuleProcess:
+    """``python -m <module> --spec <spec> --ready <ready>`` in a child process (SIGKILL is a
+    real crash); ``start`` returns once the ready file is written."""
+
+    module = ""
+
+    def __init__(self, spec: Path, ready: Path, log: Path) -> None:
+        self.spec, self.ready, self.log = spec, ready, log
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 60.0) -> float:
+        """Start it; returns the seconds until it was ready."""
+        self.ready.unlink(missing_ok=True)
+        t0 = time.monotonic()
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", self.module, "--spec", str(self.spec),
+                 "--ready", str(self.ready)], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL)
+        proc = self.proc
+        wait_until(lambda: self.ready.exists() or proc.poll() is not None, timeout,
+                   f"{self.module} to serve")
+        assert proc.poll() is None, f"{self.module} exited ({proc.returncode}):\n" + \
+            self.log.read_text()[-3000:]
+        return time.monotonic() - t0
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+            self.proc.wait(30)
+
+    def stop(self) -> int | None:
+        """SIGTERM (a clean close), SIGKILL after 30 s; returns its exit status."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(30)
+        rc, self.proc = self.proc.returncode, None
+        return rc
+
+
+class HostProcess(ModuleProcess):
+    """``python -m delivery.agent_host`` for some nodes."""
+
+    module = "delivery.agent_host"
+
+    def __init__(self, r: Rig, nodes: Iterable[int]) -> None:
+        super().__init__(r.tmp / "host-spec.json", r.tmp / "host-ready.json", r.tmp / "host.log")
+        self.spec.write_text(json.dumps(host_spec(
+            {n: r.ports[n] for n in nodes}, store_url=r.store_url, record_dir=r.record_dir,
+            pulsar_url=r.broker.service_url, controller=r.ctl.reply_address, **r.agent_kw)))
