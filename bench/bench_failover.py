@@ -271,6 +271,56 @@ def _cell(runs: list[dict], get, fmt: str = "{:.2f}") -> str:
     return fmt_stats(stats(vals), fmt)
 
 
+def summarize(results: dict[str, list[dict]], failed: list[dict[str, Any]], runs_per_mode: int,
+              outage_s: float) -> tuple[str, list[str]]:
+    """The result table (median (min-max) over the runs of each mode) and its notes."""
+    rows = []
+    for mode, runs in results.items():
+        rows.append([
+            mode,
+            _cell(runs, lambda r: r["detection_s"]),
+            _cell(runs, lambda r: r["reroute_s"]),
+            _cell(runs, lambda r: r["delay_s"]["before"]["p99"], "{:.3f}"),
+            " / ".join(_cell(runs, lambda r, q=q: r["delay_s"]["outage"][q], "{:.2f}")
+                       for q in ("p50", "p95", "p99", "max")),
+            _cell(runs, lambda r: r["delay_s"]["after"]["p99"]),
+            _cell(runs, lambda r: r["broker_restart_s"], "{:.1f}"),
+            _cell(runs, lambda r: r["failback_s"]),
+            _cell(runs, lambda r: r["mq_again_s"]),
+            " / ".join(str(sum(r[k] for r in runs))
+                       for k in ("duplicates", "out_of_order", "not_applied", "superseded")),
+        ])
+    table = md_table(["failover", "detection s", "reroute s", "before p99 s",
+                      "outage p50 / p95 / p99 / max s", "after p99 s", "JVM restart s",
+                      "failback s", "MQ again s", "dup / ooo / lost / superseded"], rows)
+    notes = [
+        f"median (min-max) over {runs_per_mode} run(s) per mode; delays of the MQ types' (1, "
+        "2) rows in the agents' records, applied_ns - timestamp_ns, by the phase of the "
+        "message's generation; outage = from the SIGKILL until the restarted broker serves",
+        f"{RATE:.0f} msg/s over types 0 (RPC, 4 nodes), 1 (topic, 6 nodes), 2 (topic, "
+        f"4 nodes); {SIZE} B each; 8 agents in process; outage = {outage_s:.0f} s + the "
+        "JVM's restart (its own column)",
+        "detection: kill -> MQ health down; reroute: kill -> first MQ-type row applied over "
+        "RPC; failback: broker serving -> failback event; MQ again: broker serving -> first "
+        "MQ-type row applied from a topic",
+        "dup / ooo / lost / superseded, summed over runs: dup = a node applied a message "
+        "twice, ooo = applied out of timestamp order, lost = neither applied nor superseded "
+        "once the run drained, superseded = never applied because a newer message of the "
+        "resource was applied first (the agent dropped the older one as OUT_OF_ORDER)",
+        "not pinned; the broker JVM, the controller and the agents share the machine",
+    ]
+    for mode, runs in results.items():
+        med = [r["delay_s"]["outage"]["n"] for r in runs]
+        notes.append(f"{mode}: outage rows per run {med}, by channel "
+                     f"{[r['outage_rows_by_channel'] for r in runs]}; all delivered: "
+                     f"{[r['complete'] for r in runs]}; drained "
+                     f"{[round(r['drained_s'], 1) for r in runs]} s after the sender stopped")
+    if failed:
+        notes.append(f"runs repeated after a failure: {[(f['mode'], f['run']) for f in failed]}"
+                     f" ({failed[0]['error'][:120]})")
+    return table, notes
+
+
 def main() -> None:
     global WARM_S, OUTAGE_S, AFTER_S, RUNS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -318,48 +368,7 @@ def main() -> None:
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    rows = []
-    for mode, runs in results.items():
-        rows.append([
-            mode,
-            _cell(runs, lambda r: r["detection_s"]),
-            _cell(runs, lambda r: r["reroute_s"]),
-            _cell(runs, lambda r: r["delay_s"]["before"]["p99"], "{:.3f}"),
-            " / ".join(_cell(runs, lambda r, q=q: r["delay_s"]["outage"][q], "{:.2f}")
-                       for q in ("p50", "p95", "p99", "max")),
-            _cell(runs, lambda r: r["delay_s"]["after"]["p99"]),
-            _cell(runs, lambda r: r["broker_restart_s"], "{:.1f}"),
-            _cell(runs, lambda r: r["failback_s"]),
-            _cell(runs, lambda r: r["mq_again_s"]),
-            " / ".join(str(sum(r[k] for r in runs))
-                       for k in ("duplicates", "out_of_order", "not_applied")),
-        ])
-    table = md_table(["failover", "detection s", "reroute s", "before p99 s",
-                      "outage p50 / p95 / p99 / max s", "after p99 s", "JVM restart s",
-                      "failback s", "MQ again s", "dup / ooo / lost"], rows)
-    notes = [
-        f"median (min-max) over {RUNS} run(s) per mode; delays of the MQ types' (1, 2) rows "
-        "in the agents' records, applied_ns - timestamp_ns, by the phase of the message's "
-        "generation; outage = from the SIGKILL until the restarted broker serves",
-        f"{RATE:.0f} msg/s over types 0 (RPC, 4 nodes), 1 (topic, 6 nodes), 2 (topic, "
-        f"4 nodes); {SIZE} B each; 8 agents in process; outage = {OUTAGE_S:.0f} s + the "
-        "JVM's restart (its own column)",
-        "detection: kill -> MQ health down; reroute: kill -> first MQ-type row applied over "
-        "RPC; failback: broker serving -> failback event; MQ again: broker serving -> first "
-        "MQ-type row applied from a topic",
-        "dup / ooo / lost: summed over runs (lost = neither applied nor superseded by a newer "
-        "applied message of the resource once the run drained)",
-        "not pinned; the broker JVM, the controller and the agents share the machine",
-    ]
-    for mode, runs in results.items():
-        med = [r["delay_s"]["outage"]["n"] for r in runs]
-        notes.append(f"{mode}: outage rows per run {med}, by channel "
-                     f"{[r['outage_rows_by_channel'] for r in runs]}; all delivered: "
-                     f"{[r['complete'] for r in runs]}; drained "
-                     f"{[round(r['drained_s'], 1) for r in runs]} s after the sender stopped")
-    if failed:
-        notes.append(f"runs repeated after a failure: {[(f['mode'], f['run']) for f in failed]}"
-                     f" ({failed[0]['error'][:120]})")
+    table, notes = summarize(results, failed, RUNS, OUTAGE_S)
     total = time.perf_counter() - t_all
     finish("bench_failover", {
         "settings": {"rate": RATE, "warm_s": WARM_S, "outage_s": OUTAGE_S, "after_s": AFTER_S,

@@ -13,13 +13,13 @@ SMART Eq. 1's controller constraints, Section V-B).
   whatever the previous one's fate), so a broker that dies is declared down within
   :attr:`FailoverConfig.detection_bound_s` = ``fail_after * probe_period_s +
   probe_timeout_s``. While down, a probe producer that lost its connection gets a fresh
-  twin, and the first of the two to be connected is probed with: an existing producer
-  reconnects on the client's own back-off, which can leave it disconnected long after the
-  broker is back, and a creation that began while the broker was away waits for its own
-  lookup back-off. Producers are created on a helper thread that holds no lock: creating one
-  blocks for the client's operation timeout while the broker is away, so a broker that is
-  already away when probing starts is declared down only once that first creation has
-  failed.
+  twin (another one every 5 s while none has connected, at most 3 creations in flight), and
+  the first to be connected is probed with: an existing producer reconnects on the client's
+  own back-off, which can leave it disconnected long after the broker is back, and a
+  creation that began while the broker was away waits for its own lookup back-off.
+  Producers are created on helper threads that hold no lock: creating one blocks for the
+  client's operation timeout while the broker is away, so a broker that is already away
+  when probing starts is declared down only once that first creation has failed.
 * :class:`RateWindow`: each type's traffic (bit/s, messages/s) over the last
   ``rate_window_s`` seconds.
 * :func:`plan_failover`: which MQ types move to RPC while the broker is down. The current RPC
@@ -338,6 +338,9 @@ def _fit_reason(state: CostState, m: int, cb: float | None, cp: float | None) ->
 
 # ---------------------------------------------------------------------------- health
 
+_RECREATE_S = 5.0     # while down, a fresh probe producer is tried at most this often
+_MAX_CREATING = 3     # and at most this many creations are in flight
+
 @dataclass(eq=False)
 class _Probe:
     """One probe: due at ``deadline``; ``sent`` unless there was no producer to send it."""
@@ -381,7 +384,8 @@ class MqHealth:
         self._producer: Any = None
         self._spare: Any = None                    # a fresh producer created while down
         self._missing_since: float | None = None  # no producer since then
-        self._creating = False
+        self._creating = 0                         # creations in flight
+        self._create_started = 0.0                 # clock time of the latest
         self._create_error = ""
         self._thread: threading.Thread | None = None
 
@@ -515,13 +519,11 @@ class MqHealth:
         probed with, the other closed."""
         with self._lock:
             producer, spare = self._producer, self._spare
+            create = False
             if producer is None:
                 if self._missing_since is None:
                     self._missing_since = now
-                create = not self._creating
-                self._creating = True
-            else:
-                create = False
+                create = self._may_create(now)
         if producer is None:
             if create:
                 self._start_create()
@@ -538,13 +540,25 @@ class MqHealth:
                 else:  # the fresh one serves: the old one goes
                     drop, self._producer = producer, spare
                     producer = spare
-            elif not connected and self._state == self.DOWN and not self._creating:
-                self._creating = create = True
+            elif not connected and self._state == self.DOWN:
+                create = self._may_create(now)
         if drop is not None:
             _bounded(drop.close, 0.5)
         if create:
             self._start_create()
         return producer
+
+    def _may_create(self, now: float) -> bool:
+        """Whether to start one more creation (under the lock): none in flight, or the
+        latest began over ``_RECREATE_S`` ago and fewer than ``_MAX_CREATING`` are in flight
+        (a creation that began while the broker was away waits for its lookup back-off once
+        the broker is back: a later one connects sooner)."""
+        if self._creating and (self._creating >= _MAX_CREATING
+                               or now - self._create_started < _RECREATE_S):
+            return False
+        self._creating += 1
+        self._create_started = now
+        return True
 
     def _start_create(self) -> None:
         threading.Thread(target=self._create, name="mq-health-create", daemon=True).start()
@@ -562,7 +576,7 @@ class MqHealth:
                   err or "created", self._clock() - t0)
         unused = None
         with self._lock:
-            self._creating = False
+            self._creating -= 1
             self._create_error = err
             if producer is not None:
                 if self._stop.is_set() or self._spare is not None:
