@@ -205,9 +205,10 @@ def main() -> None:
              f"refresh_s={POLL_S:g}, no subscription",
              "the time includes the adapter's GET /v1/policy, the bundle download and its "
              "ONNX Runtime load; the server, the broker and the adapters share this machine"]
-    finish("bench_announce", {"adapters": n, "runs": runs, "period_s": PERIOD_S,
-                              "poll_s": POLL_S, "results": results}, table, notes,
-           time.perf_counter() - t_start)
+    total = time.perf_counter() - t_start
+    finish("bench_announce", {"settings": {"adapters": n, "runs": runs, "period_s": PERIOD_S,
+                                           "poll_s": POLL_S, "quick": args.quick},
+                              "results": results, "total_s": total}, table, notes, total)
 
 
 if __name__ == "__main__":
