@@ -408,6 +408,11 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         self._stop.set()
         with self._lock:
             self._published_cv.notify_all()
+            # calls in flight fail now: a push or Collect retried against an agent's old
+            # address must not reach whatever listens there next
+            channels = list(self._channels.values())
+        for ch in channels:
+            ch.close()
         self._health_wake.set()
         if self._shaper is not None:
             self._shaper.close()
@@ -435,8 +440,6 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         closer.join(10)
         if self._server is not None:
             self._server.stop(0.5).wait()
-        for ch in self._channels.values():
-            ch.close()
         self.store.close()
 
     def __enter__(self) -> Controller:
@@ -458,6 +461,8 @@ class Controller(pb_grpc.ControllerRepliesServicer):
             with self._lock:  # the collect, reprogram and sending threads all get stubs
                 s = self._stubs.get(node)
                 if s is None:
+                    if self._stop.is_set():
+                        raise RuntimeError("the controller is closed")
                     ch = self._channels[node] = grpc.insecure_channel(
                         self.agents[node], options=_CHANNEL_OPTIONS)
                     s = self._stubs[node] = pb_grpc.MessageAgentStub(ch)
@@ -919,12 +924,17 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         ok: dict[int, bool] = {}
         todo = {n: pb.ConfigBatch(messages=ms) for n, ms in batches.items() if ms}
         for attempt in range(1 + self.cfg.push_retries):
+            if self._stop.is_set():  # closing: what is left stays queued
+                break
             calls = {}
             for n, b in todo.items():
                 self.stats.rpc_pushes += 1
                 self.stats.rpc_bytes += b.ByteSize()
-                calls[n] = self._stub(n).Push.future(b, timeout=self.cfg.push_timeout_s)
-            failed = {}
+                try:
+                    calls[n] = self._stub(n).Push.future(b, timeout=self.cfg.push_timeout_s)
+                except (ValueError, RuntimeError):  # closed meanwhile: stays queued
+                    break
+            failed = {n: b for n, b in todo.items() if n not in calls}
             for n, fut in calls.items():
                 try:
                     fut.result()
@@ -932,7 +942,7 @@ class Controller(pb_grpc.ControllerRepliesServicer):
                     self.stats.rpc_messages += len(todo[n].messages)
                     if reprogram:
                         self.stats.reprogrammed += len(todo[n].messages)
-                except grpc.RpcError:
+                except (grpc.RpcError, ValueError):  # ValueError: the channel was closed
                     self.stats.push_failures += 1
                     failed[n] = todo[n]
             todo = failed
@@ -1058,9 +1068,14 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         Then MQ messages that a node answering here has not confirmed for
         ``confirm_timeout_s``, while no MQ result came from it meanwhile (its subscription
         is not working), are re-sent to it over RPC."""
-        calls = {n: self._stub(n).Collect.future(pb.CollectRequest(acknowledged=self._acked[n]),
-                                                 timeout=self.cfg.push_timeout_s)
-                 for n in list(self.agents)}
+        if self._stop.is_set():
+            return 0
+        try:
+            calls = {n: self._stub(n).Collect.future(
+                pb.CollectRequest(acknowledged=self._acked[n]), timeout=self.cfg.push_timeout_s)
+                for n in list(self.agents)}
+        except (ValueError, RuntimeError):  # closed meanwhile
+            return 0
         taken = 0
         answered = []
         for n, fut in calls.items():

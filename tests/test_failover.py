@@ -180,7 +180,8 @@ def test_rpc_endpoint_down_relayed_through_topic(pulsar_broker, tmp_path):
     """Node 1's RPC endpoint is down (its gRPC server stopped, the agent and its topic
     subscription kept): after relay_after_s its queued RPC messages are relayed on its
     topic (the other subscriber, node 0, receives them as not-for-me), and they are applied
-    before the endpoint returns; the later push of the originals gives duplicates."""
+    while the endpoint is still down; the packed replies the agent sends on its own confirm
+    them, which empties its reprogramming queue."""
     nodes = (0, 1)
     hosts = {0: nodes, 1: (1,)}
     with rig(pulsar_broker, tmp_path, nodes,
