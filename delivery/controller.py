@@ -879,8 +879,8 @@ class Controller(pb_grpc.ControllerRepliesServicer):
             bw, cpu = self._capacity
             why = (f"types {sorted(self._failover_types)} -> RPC, {list(plan.waiting)} wait; "
                    f"RPC load {plan.controller_bw_bps:.0f} bit/s of C_b {bw}, "
-                   f"{plan.controller_cpu:.1f} sends/s of C_p {cpu}; {len(taken)} messages "
-                   "taken over")
+                   f"{plan.controller_cpu:.0f} concurrent sends of C_p {cpu}; "
+                   f"{len(taken)} messages taken over")
             log.warning("MQ down: %s", why)
             self._event("failover" if first else "replan", why)
         self._flush_locked()
