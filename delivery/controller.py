@@ -145,7 +145,7 @@ class ControllerConfig:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.type in ("str",) and not isinstance(v, str):
+            if f.type == "str" and not isinstance(v, str):
                 raise ConfigError(f"delivery config: {f.name}: expected a string, got {v!r}")
             if f.type == "bool" and not isinstance(v, bool):
                 raise ConfigError(f"delivery config: {f.name}: expected true or false, got {v!r}")
@@ -902,15 +902,8 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         for t, data in again:
             self.stats.republished += 1
             self._publish(t, data)
-        for t, cm in held:
-            c = self.channel.get(t, RPC)
-            if c == RPC:
-                with self._lock:
-                    for n in cm.hosts:
-                        self._outbox[n].append(cm)
-            else:
-                self._publish(c, envelope(cm), cm)
-                self.stats.mq_messages += 1
+        for t, cm in held:  # on its type's channel, as the MQ channel is up again
+            self._dispatch_one(t, cm)
         self._flush_locked()
         self.stats.failbacks += 1
         deferred, self._deferred = self._deferred, None

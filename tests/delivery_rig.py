@@ -20,8 +20,6 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
-
 from delivery.agent import AgentConfig, read_record
 from delivery.agent_host import AgentHost, host_spec
 from delivery.broker import PulsarStandalone
@@ -30,21 +28,11 @@ from delivery.store import MetadataStore
 from envs.dsmd.message import Message
 from envs.netutil import free_ports
 
+from .waiting import wait_until
+
 ROOT = Path(__file__).resolve().parents[1]
 OP = "UPDATE"
 
-
-def wait_until(cond: Callable[[], object], timeout: float, what: str | Callable[[], str],
-               interval: float = 0.05) -> None:
-    """Poll ``cond`` until it is truthy; fail naming ``what`` after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if cond():
-            return
-        if time.monotonic() >= deadline:
-            pytest.fail(f"timed out after {timeout:.0f} s waiting for: "
-                        f"{what() if callable(what) else what}")
-        time.sleep(interval)
 
 
 Resource = tuple[int, str, int]

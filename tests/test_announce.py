@@ -31,20 +31,12 @@ from serving.local import LocalServer
 from serving.policy_store import PolicyStore
 from serving.scenario import adapter_for, replay_window
 
+from .waiting import wait_until
+
 pytestmark = pytest.mark.xdist_group("pulsar")
 
 KEY, ADMIN = "ann-key", "ann-admin"
 
-
-def wait_until(cond, timeout: float, what) -> None:
-    """Poll ``cond`` until it is truthy; fail naming ``what`` after ``timeout`` s (as
-    ``tests.delivery_rig.wait_until``, whose module needs the whole delivery runtime)."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() >= deadline:
-            pytest.fail(f"timed out after {timeout:.0f} s waiting for: "
-                        f"{what() if callable(what) else what}")
-        time.sleep(0.05)
 
 
 def _topic() -> str:
