@@ -5,7 +5,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed-$(shell cat requirements.lock pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: setup run test test-all bench sweep ablation clean lock docs report lint typecheck
+.PHONY: setup run test test-all bench sweep ablation clean lock docs report lint typecheck pki
 
 $(STAMP): requirements.lock pyproject.toml
 	@command -v $(PY) >/dev/null || { echo "error: $(PY) not found; run make PY=/path/to/python3.11"; exit 1; }
@@ -39,6 +39,9 @@ ablation: setup                 ## online policy ablation: a Hydra multirun in M
 
 bench: setup                    ## benchmarks (results: bench/results/, docs/benchmarks.md)
 	$(VPY) bench/run_all.py $(ARGS)
+
+pki: setup                      ## development CA, identities and bundle-signing key (~/.cache/smart-dsmd/pki)
+	$(VPY) -m security.pki create $(ARGS)
 
 lock:                           ## re-resolve requirements.lock from pyproject.toml
 	$(VPY) -m uv pip compile -q pyproject.toml --all-extras --python-version 3.11 -o requirements.lock

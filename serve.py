@@ -1,4 +1,10 @@
-"""Policy server: `python serve.py` (Hydra; see configs/serve.yaml and serving/app.py)."""
+"""Policy server: `python serve.py` (Hydra; see configs/serve.yaml and serving/app.py).
+
+Served over HTTPS by default (uvicorn's own TLS: ``ssl_certfile``/``ssl_keyfile``): the PKI's
+``policy-server`` identity (``security.pki_dir``, :mod:`security.pki`) or the files of
+``tls.certfile``/``tls.keyfile``; ``security.insecure=true`` serves plain HTTP and warns.
+Every bundle it loads must be signed by a key of ``bundle_trust`` (``keys``: public key
+files, ``pki_key``: the PKI's ``bundle-signing.pub`` too; :mod:`serving.signing`)."""
 
 import hydra
 from omegaconf import DictConfig
@@ -10,8 +16,13 @@ quiet()  # known third-party log noise off, before Ray and torch load (envs/quie
 
 
 def settings_from(cfg: DictConfig):
+    from omegaconf import OmegaConf
+
+    from security.tls import Security
+    from serving.access import RateLimit
     from serving.announce import DEFAULT_TOPIC
-    from serving.app import ServerSettings
+    from serving.app import DEFAULT_RATE_LIMIT, ServerSettings
+    from serving.signing import BundleTrust
 
     def keys(v) -> list[str]:
         if v is None:
@@ -29,7 +40,31 @@ def settings_from(cfg: DictConfig):
     except (TypeError, ValueError):
         raise ValueError(f"announce.send_timeout_s must be a number of seconds, got "
                          f"{ann.get('send_timeout_s')!r}") from None
-    return ServerSettings(bundle=cfg.bundle, online_bundle=cfg.get("online_bundle"),
+    def block(name: str):
+        v = cfg.get(name)
+        return OmegaConf.to_container(v, resolve=True) if isinstance(v, DictConfig) else v
+
+    tls = block("tls") or {}
+    if not isinstance(tls, dict) or set(tls) - {"certfile", "keyfile"}:
+        raise ValueError(f"tls: expected {{certfile, keyfile}} (paths or null), got {tls!r}")
+    rate = block("rate_limit") if "rate_limit" in cfg else {
+        "requests_per_s": DEFAULT_RATE_LIMIT.requests_per_s, "burst": DEFAULT_RATE_LIMIT.burst}
+    security = Security.from_mapping(block("security"))
+
+    class Warned(Security):
+        """``security``, whose insecure warning ``main`` gives once for the whole server
+        (bundle verification included)."""
+
+        def warn_if_insecure(self, component: str) -> bool:
+            return self.insecure
+
+    trust = BundleTrust.from_mapping(block("bundle_trust"),
+                                     Warned(security.insecure, security.pki_dir))
+    return ServerSettings(security=security, bundle_trust=trust,
+                          tls_certfile=tls.get("certfile") or None,
+                          tls_keyfile=tls.get("keyfile") or None,
+                          rate_limit=RateLimit.from_mapping(rate),
+                          bundle=cfg.bundle, online_bundle=cfg.get("online_bundle"),
                           api_keys=keys(cfg.api_keys),
                           admin_keys=keys(cfg.admin_keys), auth=bool(cfg.auth),
                           fallback=cfg.fallback, max_body_bytes=int(cfg.max_body_bytes),
@@ -51,8 +86,12 @@ def main(cfg: DictConfig) -> None:
 
     from serving.app import create_app
 
-    app = create_app(settings_from(cfg))
-    uvicorn.run(app, host=cfg.host, port=int(cfg.port), log_level=cfg.log_level)
+    settings = settings_from(cfg)
+    settings.security.warn_if_insecure("policy server (plain HTTP, unsigned bundles accepted)")
+    tls = settings.tls_files()
+    app = create_app(settings)
+    ssl = {} if tls is None else {"ssl_certfile": tls[0], "ssl_keyfile": tls[1]}
+    uvicorn.run(app, host=cfg.host, port=int(cfg.port), log_level=cfg.log_level, **ssl)
 
 
 if __name__ == "__main__":

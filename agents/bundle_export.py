@@ -1,7 +1,10 @@
 """The policy bundle exporters (torch -> ONNX): a trained actor written as the directory the
 serving runtime loads (:mod:`serving.bundle` for the static policy,
 :mod:`serving.online_bundle` for the online one; their docstrings describe the files).
-Writing is atomic (:func:`envs.fsutil.atomic_directory`)."""
+Writing is atomic (:func:`envs.fsutil.atomic_directory`), and every bundle is signed before
+it appears (:func:`serving.signing.sign_bundle`) with the configured Ed25519 key
+(``signing_key``; default the PKI's ``bundle-signing.key``, created with the development PKI
+on first use)."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from envs.dsmd.online_control import FEATURES, OBS_SIZE, KnobMap
 from envs.fsutil import atomic_directory
 from serving.bundle import BUNDLE_FORMAT, BUNDLE_VERSION, DECODING, sha256_file
 from serving.online_bundle import ONLINE_BUNDLE_FORMAT, ONLINE_BUNDLE_VERSION
+from serving.signing import sign_bundle
 
 __all__ = ["export_bundle", "export_online_bundle", "export_onnx"]
 
@@ -86,10 +90,11 @@ def _export_row(actor: Any, obs_dim: int, path: Path) -> None:
 
 def export_bundle(actor: Any, layout: ObservationLayout, signature: dict, directory: str | Path,
                   *, order: str = "rate_desc", decoding: str = "feasible",
-                  extra: dict | None = None,
-                  overwrite: bool = False) -> Path:
+                  extra: dict | None = None, overwrite: bool = False,
+                  signing_key: str | Path | None = None) -> Path:
     """Export a torch actor (``nn.Module``: obs -> scores in [-1, 1]) as a policy bundle of
-    version :data:`serving.bundle.BUNDLE_VERSION`."""
+    version :data:`serving.bundle.BUNDLE_VERSION`, signed with ``signing_key`` (an Ed25519
+    PKCS#8 PEM file; None: the PKI's ``bundle-signing.key``)."""
     import torch
 
     with atomic_directory(directory, overwrite) as tmp:
@@ -111,14 +116,18 @@ def export_bundle(actor: Any, layout: ObservationLayout, signature: dict, direct
                 "extra": extra or {}, "actor_sha256": sha256_file(tmp / "actor.onnx"),
                 "actor_row_sha256": sha256_file(tmp / "actor_row.onnx")}
         (tmp / "metadata.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
+        sign_bundle(tmp, signing_key)
     return Path(directory)
 
 
 def export_online_bundle(actor: Any, knob_map: KnobMap, cost: OnlineCost, directory: str | Path,
                          *, dataset: dict[str, Any] | None = None, extra: dict | None = None,
-                         overwrite: bool = False) -> Path:
+                         overwrite: bool = False,
+                         signing_key: str | Path | None = None) -> Path:
     """Export a torch actor (``nn.Module``: obs [B, 12] -> action [B, 3] in [-1, 1]) as an
-    online policy bundle of version :data:`serving.online_bundle.ONLINE_BUNDLE_VERSION`."""
+    online policy bundle of version :data:`serving.online_bundle.ONLINE_BUNDLE_VERSION`,
+    signed with ``signing_key`` (an Ed25519 PKCS#8 PEM file; None: the PKI's
+    ``bundle-signing.key``)."""
     with atomic_directory(directory, overwrite) as tmp:
         export_onnx(copy.deepcopy(actor).eval().cpu(), OBS_SIZE, tmp / "actor.onnx",
                     output_name="action")
@@ -130,4 +139,5 @@ def export_online_bundle(actor: Any, knob_map: KnobMap, cost: OnlineCost, direct
                 "actor_sha256": sha256_file(tmp / "actor.onnx"),
                 "onnxruntime": onnxruntime.__version__, **(extra or {})}
         (tmp / "metadata.json").write_text(json.dumps(meta, indent=2, default=str))
+        sign_bundle(tmp, signing_key)
     return Path(directory)

@@ -82,8 +82,12 @@ class DeciderSpec:
             return OnlineGreedy(cost=cost, name=self.name, **p)
         if self.kind == "learned":
             from serving.online_bundle import load_online_bundle
+            from serving.signing import BundleTrust
 
-            return load_online_bundle(p["bundle"]).decider(self.name, cost)
+            # the run's own export: trusted because its signing key is (None: the PKI's)
+            key = p.get("signing_key")
+            trust = BundleTrust.from_signing_key(key) if key else None
+            return load_online_bundle(p["bundle"], trust).decider(self.name, cost)
         return HindsightGreedy(cost=cost, name=self.name, **p)
 
 

@@ -123,6 +123,7 @@ class DSMDTask:
 
         bundle_dir = Path(str(cfg.paths.checkpoint_dir)) / self.run_name
         export_bundle(scores, self.layout, ps.signature(), bundle_dir, overwrite=True,
+                      signing_key=cfg.get("signing_key"),
                       order=str(cfg.env.order), decoding=self.decoding,
                       extra={"run_id": log.run_id, "algorithm": self.name, "env_steps": steps,
                              "selected_at_steps": None if best is None else best.steps,

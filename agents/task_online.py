@@ -192,6 +192,8 @@ class OnlineTask:
                best: Selected | None, updates: int | None) -> dict[str, Any]:
         import ray
 
+        from serving.online_bundle import ONLINE_BUNDLE_FILES
+
         from .bundle_export import export_online_bundle
 
         cfg = self.cfg
@@ -200,17 +202,20 @@ class OnlineTask:
         bundle_dir = Path(str(cfg.paths.checkpoint_dir)) / self.run_name
         export_online_bundle(
             scores, self.knob_map, self.cost, bundle_dir, overwrite=True,
+            signing_key=cfg.get("signing_key"),
             dataset={"name": self.ds.spec.name, "scenario": self.ds.scenario.name},
             extra={"run_id": log.run_id, "algorithm": self.name, "env_steps": steps,
                    "selected_at_steps": None if best is None else best.steps,
                    "gradient_updates": updates, "seed": int(cfg.seed),
                    "teacher": {k: str(v) for k, v in self.teacher.items()}})
-        for f in ("metadata.json", "actor.onnx"):
+        for f in ONLINE_BUNDLE_FILES:
             log.artifact(bundle_dir / f, "policy_bundle")
         print(f"[train] exported the online policy bundle to {bundle_dir}", flush=True)
         val = self._run(policy)  # the selected weights' validation point, for the Pareto plot
         vpt = per_trace(val).mean(numeric_only=True).to_frame().T.assign(policy=self.name)
-        spec = DeciderSpec.make(self.name, "learned", bundle=str(bundle_dir))
+        key = cfg.get("signing_key")  # the run's own evaluation trusts the key it signed with
+        spec = DeciderSpec.make(self.name, "learned", bundle=str(bundle_dir),
+                                **({"signing_key": str(key)} if key else {}))
         res = test_online(cfg, self.tuning, log, self.out, [spec], vpt)
         return {**res, "bundle_dir": bundle_dir}
 

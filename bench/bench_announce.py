@@ -17,6 +17,11 @@ Reported (median (min-max) of ``RUNS`` runs): the last adapter's time (all adapt
 new version) and the median adapter's. Between runs the next swap waits a random 0-1 s, so
 the polls' phase differs from run to run.
 
+Secure, as deployed: the broker with TLS, mutual-TLS authentication and the grants of
+``security.pulsar`` (the server produces as ``policy-server`` on the run's topic, granted
+to it at start; the adapters read as ``controller``), the server over HTTPS, the bundles
+signed with the PKI's key and verified by the server and by every adapter.
+
 Usage: ``python bench/bench_announce.py [--quick]`` (needs Java and Maven for the broker,
 and torch to export the two bundles).
 """
@@ -136,7 +141,8 @@ def run_mode(mode: str, server: Any, problems: Any, bundles: dict[str, Path], ur
     drv = Driver(ads, problems).start()
     last, median = [], []
     try:
-        with httpx.Client(base_url=server.url, headers={"X-API-Key": ADMIN}, timeout=30) as c:
+        with httpx.Client(base_url=server.url, verify=server.verify,
+                          headers={"X-API-Key": ADMIN}, timeout=30) as c:
             for r in range(runs):
                 cur = c.get("/v1/policy").json()
                 other = "b" if cur["hash"] == hash_a else "a"
@@ -183,15 +189,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-announce-") as d:
         tmp = Path(d)
         bundles = export_bundles(tmp / "bundles", ps)
-        with PulsarStandalone(progress=None) as broker:
-            topic = f"persistent://public/default/bench-announce-{uuid.uuid4().hex[:8]}"
-            with LocalServer(bundles["a"], tmp / "server", api_key=KEY, admin_key=ADMIN,
-                             overrides=[f"announce.url={broker.service_url}",
-                                        f"announce.topic={topic}"]) as server:
-                for mode in ("subscription", "polling"):
-                    log(f"{mode}: {n} cached adapters")
-                    results[mode] = run_mode(mode, server, ps, bundles, broker.service_url,
-                                             topic, n, runs, tmp)
+        topic = f"persistent://public/default/bench-announce-{uuid.uuid4().hex[:8]}"
+        # the policy server's role may produce on this run's topic (granted at start)
+        broker = PulsarStandalone(progress=None, announce_topics=(topic,))
+        with broker, LocalServer(bundles["a"], tmp / "server", api_key=KEY, admin_key=ADMIN,
+                                 overrides=[f"announce.url={broker.service_url}",
+                                            f"announce.topic={topic}"]) as server:
+            for mode in ("subscription", "polling"):
+                log(f"{mode}: {n} cached adapters")
+                results[mode] = run_mode(mode, server, ps, bundles, broker.service_url,
+                                         topic, n, runs, tmp)
     rows = [[mode, f"{n}", fmt_stats(r["last_s"], "{:.3f}"),
              fmt_stats(r["median_adapter_s"], "{:.3f}")] for mode, r in results.items()]
     table = md_table(["cached adapters learn of a swap by", "adapters",
@@ -203,8 +210,11 @@ def main() -> None:
              f"subscription: refresh_s=600 and announce_url (a non-durable reader on the "
              f"server's announcement topic of a local Pulsar standalone); polling: "
              f"refresh_s={POLL_S:g}, no subscription",
-             "the time includes the adapter's GET /v1/policy, the bundle download and its "
-             "ONNX Runtime load; the server, the broker and the adapters share this machine"]
+             "the time includes the adapter's GET /v1/policy, the bundle download, its "
+             "signature check and its ONNX Runtime load; the server, the broker and the "
+             "adapters share this machine",
+             "secure: broker TLS with mutual-TLS authentication and grants, server HTTPS, "
+             "signed bundles"]
     total = time.perf_counter() - t_start
     finish("bench_announce", {"settings": {"adapters": n, "runs": runs, "period_s": PERIOD_S,
                                            "poll_s": POLL_S, "quick": args.quick},

@@ -145,7 +145,8 @@ def one_run(mode: str, run: int, work: Path) -> dict[str, Any]:
         ports = dict(zip(NODES, free_ports(len(NODES))))
         ctl = Controller(ControllerConfig(broker.service_url, store_url, topic_prefix=prefix,
                                           collect_period_s=0.3, reprogram_period_s=0.2,
-                                          failover=failover),
+                                          failover=failover,
+                                          pulsar_admin_url=broker.admin_url),
                          {n: f"127.0.0.1:{p}" for n, p in ports.items()}).start()
         host = AgentHost([AgentConfig(n, store_url, record_dir, pulsar_url=broker.service_url,
                                       controller=ctl.reply_address, port=p, pack_period_s=0.1)

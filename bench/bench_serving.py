@@ -86,6 +86,11 @@ Contention: the CPU time other processes used during each run (the machine's bus
 re-runs. In-process and adapter runs whose process had less than 85% of its core (CPU time
 / wall time) are flagged in the notes, as is the load average.
 
+Security: the server of the HTTP phase serves plain HTTP (``Security(insecure=True)``; the
+load generator speaks raw HTTP/1.1), as do the adapters reaching it; this measures serving,
+and the cost of TLS is measured by ``bench/bench_security_server.py``. Every bundle load
+still verifies the bundle's signature (the committed example key, ``TRUST``).
+
 Usage: ``python bench/bench_serving.py [--quick]``
 """
 
@@ -121,6 +126,7 @@ from envs.dsmd.decision import decision_order  # noqa: E402
 from envs.dsmd.decoding import decode  # noqa: E402
 from envs.dsmd.instance import UNASSIGNED  # noqa: E402
 from envs.dsmd.problems import ProblemSet, problems_for  # noqa: E402
+from security.tls import Security  # noqa: E402
 from serving.adapter import ControllerAdapter  # noqa: E402
 from serving.app import ServerSettings, create_app  # noqa: E402
 from serving.bundle import load_bundle, row_inputs  # noqa: E402
@@ -128,9 +134,14 @@ from serving.local import LocalServer  # noqa: E402
 from serving.policy_store import LoadedPolicy, PolicyStore  # noqa: E402
 from serving.scenario import adapter_for, replay_window, session_body  # noqa: E402
 from serving.session import Session  # noqa: E402
+from serving.signing import BundleTrust  # noqa: E402
 
 SCENARIO = "godaddy"
 BUNDLE = ROOT / "checkpoints" / "default"
+# the committed example bundle is signed by the key whose public half is committed beside it
+TRUST = BundleTrust.from_security(keys=[ROOT / "configs" / "keys" / "example-bundle.pub"])
+# the HTTP phase's server and adapters: plain HTTP (the module docstring's Security)
+PLAIN = Security(insecure=True)
 REPEATS = 3
 KEY, ADMIN = "bench-key", "bench-admin"
 BATCH_TYPES = 1000
@@ -382,7 +393,8 @@ async def _asgi(app, method: str, path: str, body: dict) -> tuple[int, bytes]:
 def run_asgi(body_w: dict, samples: int, warmup: int) -> dict[str, Any]:
     """``POST /v1/sessions/{id}/decide`` through the FastAPI app called directly (its
     middleware, validation, dependencies, Session.decide and JSON response; no uvicorn)."""
-    app = create_app(ServerSettings(bundle=str(BUNDLE), api_keys=[KEY], admin_keys=[ADMIN]))
+    app = create_app(ServerSettings(bundle=str(BUNDLE), api_keys=[KEY], admin_keys=[ADMIN],
+                                    bundle_trust=TRUST))
 
     async def main() -> dict[str, Any]:
         async with app.router.lifespan_context(app):
@@ -572,7 +584,8 @@ class Server(LocalServer):
 
     def __init__(self, tmp: Path, core: int, config: str) -> None:
         super().__init__(BUNDLE, tmp, api_key=KEY, admin_key=ADMIN, cpu=str(core),
-                         python_args=["-c", LAUNCHER] if config == "ort_default" else [])
+                         python_args=["-c", LAUNCHER] if config == "ort_default" else [],
+                         security=PLAIN)
         self.tmp, self.core, self.config = tmp, core, config
 
     def start(self) -> Server:
@@ -717,7 +730,7 @@ async def closed_loop(port: int, req: bytes, runs: int, warm: int) -> dict[str, 
 # ---------------------------------------------------------------------------- adapter
 def make_adapter(ps: ProblemSet, url: str, mode: str, tmp: Path) -> ControllerAdapter:
     return adapter_for(ps, url, mode, api_key=KEY, cache_dir=tmp / "cache",
-                       timeout_s=ADAPTER_TIMEOUT_S)
+                       timeout_s=ADAPTER_TIMEOUT_S, security=PLAIN, bundle_trust=TRUST)
 
 
 def run_adapter(ps: ProblemSet, url: str, mode: str, tmp: Path, w: int, samples: int,
@@ -754,7 +767,8 @@ def http_run(ps: ProblemSet, tmp: Path, cfg: dict, body_w: dict, body_b: dict, w
         cont = Contention([srv.proc.pid])
         out: dict[str, Any] = {"server_start_s": srv.start_s,
                                "server_threads": thread_affinities(srv.proc.pid)}
-        with httpx.Client(base_url=srv.url, headers={"X-API-Key": KEY}, timeout=60) as c:
+        with httpx.Client(base_url=srv.url, verify=srv.verify, headers={"X-API-Key": KEY},
+                          timeout=60) as c:
             sid = c.post("/v1/sessions", json=body_w).json()["session_id"]
             r = c.post(f"/v1/sessions/{sid}/decide/batch", json={"replan": True})
             r.raise_for_status()
@@ -830,14 +844,14 @@ def main() -> None:
     policies, inproc_threads = {}, {}
     for conf in ORT_CONFIGS:  # each load adds its session's threads (if any) to this process
         with ort_config(conf):
-            policies[conf] = PolicyStore().load(BUNDLE)
+            policies[conf] = PolicyStore(trust=TRUST).load(BUNDLE)
         inproc_threads[conf] = thread_affinities(os.getpid())
     sessions_desc = {c: describe_session(policies[c]) for c in ORT_CONFIGS}
     log(f"ONNX Runtime sessions: {sessions_desc}")
     policy = policies["bundle"]
     # the same bundle as a server that is not pinned loads it: batch chunks on every core
     policy_cores = None if len(ALLOWED_CORES) < 2 else LoadedPolicy(
-        load_bundle(BUNDLE, batch_threads=len(ALLOWED_CORES)), 0, time.time())
+        load_bundle(BUNDLE, batch_threads=len(ALLOWED_CORES), trust=TRUST), 0, time.time())
     test = list(ps.windows["test"])
     snaps = [snapshot_of(session_body(ps, w)) for w in test]
     body_b = batch_body(ps)
@@ -1038,7 +1052,7 @@ def main() -> None:
         f"{stats([r['batch']['gemm_floor']['p50'] for r in inproc])['median']:.1f} ms"
         + ("" if policy_cores is None else
            f"; the policy call on {len(ALLOWED_CORES)} cores (its chunks of "
-           f"{policy_cores.bundle._chunk} observations on {len(ALLOWED_CORES)} threads) "
+           f"{policy_cores.bundle.scorer._chunk} observations on {len(ALLOWED_CORES)} threads) "
            f"{stats([r['batch_cores']['ort_batch']['p50'] for r in inproc])['median']:.1f} "
            "ms"),
         f"HTTP: {CONNS} keep-alive connections, minimal asyncio HTTP/1.1 client; latency from "

@@ -35,6 +35,18 @@ server.
 
 A malformed message or SubscribeInfo is rejected, reported (``MALFORMED``) and the agent keeps
 running. Many agents can share one process and one event loop (``delivery.agent_host``).
+
+**Security** (``AgentConfig.security``, :class:`security.tls.Security`; secure by default).
+The RPC server speaks mutual TLS with the node's identity ``agent-<n>`` and serves only the
+controller: every method (``Push``, ``Subscribe``, ``Collect``) is authorised by
+:class:`delivery.rpc.AioRoleGuard` for certificates of role ``controller``; any other caller
+is refused before the servicer runs (``PERMISSION_DENIED``, one warning line, counted in
+``Counters.refused_calls``). A client with no certificate, or one another CA signed, fails
+the TLS handshake itself (it sees ``UNAVAILABLE``). Packed replies go to the controller over
+mutual TLS with the same identity, and the node's Pulsar client authenticates as
+``agent-<n>`` (:func:`security.pulsar.client_args`) on its own subscription
+(:func:`security.pulsar.subscription_name`). ``insecure`` keeps plain channels (and warns at
+every start).
 """
 
 from __future__ import annotations
@@ -52,7 +64,11 @@ from typing import Any
 
 import grpc
 
-from .rpc import pb, pb_grpc
+from security.pulsar import client_args, subscription_name
+from security.tls import Security, channel_credentials, server_credentials
+
+from .health import security_setting
+from .rpc import AioRoleGuard, pb, pb_grpc
 from .store import MetadataStore
 from .wire import WireError, check_config, check_subscribe, open_envelope, resource_key
 
@@ -88,6 +104,15 @@ class AgentConfig:
     report_after_s: float = 2.0        # send replies on its own if not collected by then
     receiver_queue: int = 100          # Pulsar consumer prefetch per topic
     fsync: bool = False                # fsync the record after each apply (slower)
+    security: Security = field(default_factory=Security)  # or a {insecure, pki_dir} mapping
+
+    def __post_init__(self) -> None:
+        self.security = security_setting(self.security)
+
+    @property
+    def principal(self) -> str:
+        """The node's identity (certificate common name, Pulsar role): ``agent-<n>``."""
+        return f"agent-{int(self.node_id)}"
 
 
 @dataclass(frozen=True)
@@ -181,6 +206,7 @@ class Counters:
     unsubscribes: int = 0
     replies_collected: int = 0
     replies_reported: int = 0
+    refused_calls: int = 0             # RPC calls refused by the role check (mutual TLS)
     rx_timeline: dict[int, int] = field(default_factory=dict)  # wall second -> bytes
 
     def received(self, nbytes: int) -> None:
@@ -221,6 +247,8 @@ class MessageAgent(pb_grpc.MessageAgentServicer):
         self._tasks: list[asyncio.Task] = []
         self._reply_channel: grpc.aio.Channel | None = None
         self.port = cfg.port
+        self.guard: AioRoleGuard | None = None  # the role check (secure mode)
+        self._creds: tuple[Any, Any] = (None, None)  # (server, channel) credentials
         self._closed = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -228,16 +256,45 @@ class MessageAgent(pb_grpc.MessageAgentServicer):
         """Recover (record, then the store's subscriptions), then serve RPC. Returns the port."""
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self._recover)
-        self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        pb_grpc.add_MessageAgentServicer_to_server(self, self._server)
-        self.port = self._server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
-        if self.port == 0:
-            raise OSError(f"node {self.node_id}: cannot bind {self.cfg.host}:{self.cfg.port}")
-        await self._server.start()
+        insecure = self.cfg.security.warn_if_insecure(f"agent {self.node_id}")
+        if not insecure:
+            self._creds = await loop.run_in_executor(None, self._credentials)
+            self.guard = AioRoleGuard(f"agent {self.node_id}", {"controller"},
+                                      on_refuse=self._refused)
+        await self.serve()
         if self.cfg.controller:
-            self._reply_channel = grpc.aio.insecure_channel(self.cfg.controller)
+            self._reply_channel = (
+                grpc.aio.insecure_channel(self.cfg.controller) if insecure
+                else grpc.aio.secure_channel(self.cfg.controller, self._creds[1]))
             self._tasks.append(asyncio.create_task(self._report_loop()))
         return self.port
+
+    async def serve(self) -> int:
+        """(Re)open the RPC server on its port (``cfg.port`` at :meth:`start`, the one bound
+        then when serving again: the fault tests stop it and serve again); returns it."""
+        address = f"{self.cfg.host}:{self.port}"
+        if self.guard is None:  # insecure
+            server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            pb_grpc.add_MessageAgentServicer_to_server(self, server)
+            port = server.add_insecure_port(address)
+        else:
+            server = grpc.aio.server(options=[("grpc.so_reuseport", 0)],
+                                     interceptors=[self.guard])
+            pb_grpc.add_MessageAgentServicer_to_server(self, server)
+            port = server.add_secure_port(address, self._creds[0])
+        if port == 0:
+            raise OSError(f"node {self.node_id}: cannot bind {address}")
+        await server.start()
+        self._server, self.port = server, port
+        return port
+
+    def _credentials(self) -> tuple[Any, Any]:
+        """(server, channel) credentials of this node's identity ``agent-<n>``."""
+        ident = self.cfg.security.agent(self.node_id)
+        return server_credentials(ident), channel_credentials(ident)
+
+    def _refused(self) -> None:
+        self.counters.refused_calls += 1
 
     async def stop(self, grace: float | None = 0.5) -> None:
         self._closed = True
@@ -292,8 +349,9 @@ class MessageAgent(pb_grpc.MessageAgentServicer):
         import pulsar
 
         try:
-            c = self.clients.get(self.cfg.pulsar_url).subscribe(
-                topic, f"node-{self.node_id}", consumer_type=pulsar.ConsumerType.Exclusive,
+            c = self._client(self.cfg.pulsar_url).subscribe(
+                topic, subscription_name(self.node_id),
+                consumer_type=pulsar.ConsumerType.Exclusive,
                 receiver_queue_size=1)
             c.unsubscribe()
             self.record.subscription(topic, "deleted", at)
@@ -353,6 +411,10 @@ class MessageAgent(pb_grpc.MessageAgentServicer):
                 node_id=self.node_id))
 
     # ------------------------------------------------------------------ MQ channel
+    def _client(self, url: str | None) -> Any:
+        """The Pulsar client of ``url`` with this node's identity."""
+        return self.clients.get(url, self.cfg.security, self.cfg.principal)
+
     def _topic_lock(self, topic: str) -> threading.Lock:
         with self._sub_guard:
             return self._topic_locks.setdefault(topic, threading.Lock())
@@ -369,7 +431,7 @@ class MessageAgent(pb_grpc.MessageAgentServicer):
                 return
         # The broker call runs outside _sub_guard (the topic's lock serialises it): the RPC
         # handlers take _sub_guard on the event loop that many agents share.
-        client = self.clients.get(url or self.cfg.pulsar_url)
+        client = self._client(url or self.cfg.pulsar_url)
         # Exclusive, not Failover: on the standalone broker a Failover subscription's
         # messages reach the consumer an order of magnitude later than an Exclusive one's
         # (hundreds of ms); a crashed agent's connection closes with its process,
@@ -521,26 +583,36 @@ class MessageAgent(pb_grpc.MessageAgentServicer):
 
 
 class PulsarClients:
-    """One Pulsar client per service URL, shared by the agents of a process."""
+    """One Pulsar client per service URL and identity: shared by the agents of a process
+    when insecure, one per agent when secure (each authenticates as its own node, the role
+    the broker authorises for that node's subscriptions only)."""
 
     def __init__(self, default_url: str | None, listener_threads: int = 1) -> None:
         self.default_url = default_url
-        self._clients: dict[str, Any] = {}
+        self._clients: dict[tuple[str, Security, str | None], Any] = {}
         self._lock = threading.Lock()
         self._threads = listener_threads
 
-    def get(self, url: str | None) -> Any:
+    def get(self, url: str | None, security: Security | None = None,
+            principal: str | None = None) -> Any:
+        """The client of ``url`` (default: the host's) authenticated as ``principal`` under
+        ``security`` (None: the secure default; insecure: one shared plain client)."""
         import pulsar
 
         url = url or self.default_url
         if url is None:
             raise WireError("no Pulsar URL configured for this agent")
+        security = security or Security()
+        if principal is None and not security.insecure:
+            raise WireError("a secure Pulsar client needs the principal it authenticates as")
+        key = (url, security, None if security.insecure else principal)
         with self._lock:
-            c = self._clients.get(url)
+            c = self._clients.get(key)
             if c is None:
-                c = self._clients[url] = pulsar.Client(
+                c = self._clients[key] = pulsar.Client(
                     url, operation_timeout_seconds=10, message_listener_threads=self._threads,
-                    logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error))
+                    logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error),
+                    **client_args(security, principal or ""))
             return c
 
     def close(self) -> None:

@@ -8,22 +8,31 @@ As a process: ``python -m delivery.agent_host --spec spec.json`` (what the testb
 crash tests start and kill); the spec names the nodes, their ports, the store, the record
 directory and the controller; SIGTERM stops it cleanly and writes each agent's counters to
 ``<record_dir>/node-<id>.counters.json``; SIGKILL is a crash.
+
+Security: each agent runs with its own :class:`security.tls.Security` (``AgentConfig.security``,
+secure by default: its own identity ``agent-<n>`` for mutual TLS and for Pulsar, so agents
+sharing a process do not share a Pulsar client); the spec's ``security`` block
+(``{insecure, pki_dir}``, written by :func:`host_spec`) sets it for every node of the process.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import signal
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+from security.tls import Security
+
 from .agent import AgentConfig, MessageAgent, PulsarClients
+from .health import security_setting
 
 __all__ = ["AgentHost", "host_spec", "main"]
 
@@ -90,11 +99,14 @@ class AgentHost:
 
 
 def host_spec(nodes: dict[int, int], *, store_url: str, record_dir: str | Path,
-              pulsar_url: str, controller: str | None, **agent_kw: Any) -> dict:
-    """The JSON spec of an agent-host process: node id -> port, and the shared settings."""
+              pulsar_url: str, controller: str | None,
+              security: Security | Mapping[str, Any] | None = None, **agent_kw: Any) -> dict:
+    """The JSON spec of an agent-host process: node id -> port, and the shared settings
+    (``security``: a :class:`Security` or its mapping; None is the secure default)."""
+    sec = security_setting(security)
     return {"nodes": {str(n): int(p) for n, p in nodes.items()}, "store_url": store_url,
             "record_dir": str(record_dir), "pulsar_url": pulsar_url, "controller": controller,
-            "agent": agent_kw}
+            "security": dataclasses.asdict(sec), "agent": agent_kw}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -104,9 +116,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     spec = json.loads(Path(args.spec).read_text())
+    security = security_setting(spec.get("security"))
     configs = [AgentConfig(int(n), spec["store_url"], Path(spec["record_dir"]),
                            pulsar_url=spec["pulsar_url"], controller=spec["controller"],
-                           port=int(p), **spec.get("agent", {}))
+                           port=int(p), security=security, **spec.get("agent", {}))
                for n, p in spec["nodes"].items()]
     host = AgentHost(configs, spec["pulsar_url"]).start()
     if args.ready:

@@ -12,15 +12,27 @@ delivery page of the docs, ``docs/delivery.md``). This module
    minimal ``standalone.conf`` on free loopback ports (:class:`PulsarStandalone`, a context
    manager), waits until it really serves, and stops it by its own PID.
 
+Secure by default (:class:`security.tls.Security`): the broker serves only TLS, on its
+binary port (``pulsar+ssl://``) and its admin port (``https://``), with the ``broker``
+identity of the PKI; there is no plain-text port. Every client authenticates with its own
+certificate (mutual TLS; the certificate's common name is its role), authorisation is on,
+and the starter installs the project's grant model once the broker serves
+(:func:`security.pulsar.grant_default_roles`: only ``controller`` produces on the
+configuration topics, ``agent-<n>`` consumes only through node ``n``'s subscriptions,
+``policy-server`` produces only announcements; ``broker`` and ``admin`` are the
+super-users). ``Security(insecure=True)`` starts the plain-text, open broker of old and
+logs a warning.
+
 Used by the MQ channel's tests, the loopback testbed and the delivery demo::
 
     with PulsarStandalone() as broker:
-        client = pulsar.Client(broker.service_url)
+        client = pulsar.Client(broker.service_url, **broker.client_args("controller"))
 
 Command line (a helper script)::
 
     python -m delivery.broker fetch
     python -m delivery.broker start [--port P --web-port W --data DIR --pid-file F]
+                                    [--pki-dir D | --insecure] [--nodes 0-99]
     python -m delivery.broker stop --pid-file F
 """
 
@@ -43,12 +55,15 @@ import time
 import urllib.error
 import urllib.request
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import TracebackType
-from typing import Self
+from typing import Any, Self
 
 from envs.netutil import free_ports
+from security import pulsar as pulsar_security
+from security.pki import PkiError
+from security.tls import Security
 
 DEFAULT_VERSION = "4.0.7"
 """Pulsar version fetched by default (the 4.0 LTS line). Not 4.0.8 (or 4.0.6): the Maven
@@ -486,15 +501,18 @@ def _terminate(proc: subprocess.Popen[bytes], grace_s: float) -> None:
 class PulsarStandalone:
     """One real Pulsar standalone broker (broker + one bookie + RocksDB metadata) in a JVM.
 
-    Ports (broker, web/admin, bookie) are free loopback ports unless given. The instance's
-    work directory (default: a fresh temporary one) holds ``conf/standalone.conf``, the empty
+    Ports (broker, web/admin, bookie) are free loopback ports unless given; with security
+    on (the default) the broker and web ports are TLS ports and no plain-text port is open.
+    The instance's work directory (default: a fresh temporary one) holds
+    ``conf/standalone.conf`` (paths to the broker's key and certificates, never a key), the empty
     ``conf/functions_worker.yml`` the starter insists on, ``conf/log4j2.xml``, ``broker.log``
     and, unless ``data_dir`` is given, ``data/`` (bookie ledgers and metadata).
 
     :meth:`start` returns when the broker serves: its log says ``messaging service is
     ready``, its broker port accepts a TCP connection, and the admin API lists the
     ``public/default`` namespace (the starter creates it only after the ready line, and a
-    producer on ``public/default`` fails before that). :meth:`stop` signals the JVM by its own
+    producer on ``public/default`` fails before that); a secure broker then gets its grants
+    (:meth:`grant`, idempotent, again at each start). :meth:`stop` signals the JVM by its own
     PID; :meth:`restart` starts it again on the same ports and data, so what was persisted
     (messages, durable subscriptions and their cursors) survives. :meth:`close` (and leaving
     the ``with`` block) stops it and removes a temporary work directory unless ``keep``.
@@ -521,6 +539,13 @@ class PulsarStandalone:
         Applied only when started from the main thread, since a worker thread's exit would
         stop the broker too.
     :param progress: where fetch and start progress lines go (None: quiet).
+    :param security: TLS, authentication and authorisation (the default) with the PKI's
+        ``broker`` identity, or ``Security(insecure=True)`` for an open plain-text broker
+        (logs a warning).
+    :param nodes: nodes whose subscriptions are bound to their agent's role at start
+        (:func:`security.pulsar.grant_node_subscriptions`; the controller may bind others
+        later).
+    :param announce_topics: the topics the ``policy-server`` role may produce on.
     """
 
     def __init__(
@@ -542,8 +567,14 @@ class PulsarStandalone:
         jvm_args: tuple[str, ...] = (),
         die_with_parent: bool = True,
         progress: Progress | None = _stderr_progress,
+        security: Security = Security(),  # noqa: B008 (immutable)
+        nodes: Iterable[int] = (),
+        announce_topics: Iterable[str] = (pulsar_security.ANNOUNCE_TOPIC,),
     ) -> None:
         self.version = version
+        self.security = Security.from_mapping(security)
+        self.nodes = tuple(int(n) for n in nodes)
+        self.announce_topics = tuple(announce_topics)
         self.cache_dir = (Path(cache_dir).expanduser() if cache_dir is not None
                           else default_cache_dir(version))
         self._fixed_ports = port is not None or web_port is not None or bookie_port is not None
@@ -567,20 +598,41 @@ class PulsarStandalone:
         self._log_offset = 0
         self.starts = 0
         self.last_start_s: float | None = None
+        self.last_grant_s: float | None = None
 
     # ------------------------------------------------------------------ properties
 
     @property
+    def secure(self) -> bool:
+        """Whether the broker runs with TLS, authentication and authorisation."""
+        return not self.security.insecure
+
+    @property
     def service_url(self) -> str:
-        """``pulsar://127.0.0.1:<port>`` (for ``pulsar.Client``)."""
+        """``pulsar+ssl://127.0.0.1:<port>`` (``pulsar://`` when insecure), for
+        ``pulsar.Client`` with :meth:`client_args`."""
         self._need_ports()
-        return f"pulsar://127.0.0.1:{self.port}"
+        return f"{'pulsar+ssl' if self.secure else 'pulsar'}://127.0.0.1:{self.port}"
 
     @property
     def admin_url(self) -> str:
-        """``http://127.0.0.1:<web_port>`` (the admin REST API, ``/admin/v2/...``)."""
+        """``https://127.0.0.1:<web_port>`` (``http://`` when insecure): the admin REST API,
+        ``/admin/v2/...`` (see :meth:`admin`)."""
         self._need_ports()
-        return f"http://127.0.0.1:{self.web_port}"
+        return f"{'https' if self.secure else 'http'}://127.0.0.1:{self.web_port}"
+
+    def client_args(self, principal: str) -> dict[str, Any]:
+        """``pulsar.Client(self.service_url, **self.client_args(p))`` connects as ``p``
+        (:func:`security.pulsar.client_args`)."""
+        return pulsar_security.client_args(self.security, principal)
+
+    def admin(self, method: str, path: str, body: Any = None, *, principal: str = "admin",
+              timeout: float = 10.0) -> Any:
+        """One admin REST call as ``principal`` (a super-user by default): the decoded JSON
+        answer; :class:`security.pulsar.PulsarAdminError` on failure."""
+        return pulsar_security.admin_call(self.admin_url, method, path, body,
+                                          security=self.security, principal=principal,
+                                          timeout=timeout)
 
     @property
     def pid(self) -> int | None:
@@ -624,6 +676,8 @@ class PulsarStandalone:
         """
         if self.running:
             return self
+        if not self.starts:
+            self.security.warn_if_insecure("the Pulsar broker")
         java = find_java()
         given = {k: v for k, v in self._ports().items() if v is not None}
         _raise_if_taken(given, wait_s=10.0 if self.starts else 0.0)  # before a long fetch
@@ -750,12 +804,47 @@ class PulsarStandalone:
         lo = _loopback_interface()
         if lo:
             settings["listeningInterface"] = lo
+        if self.secure:
+            settings.update(self._security_conf())
         settings.update(self.extra_conf)
         lines = [f"{k}={str(v).lower() if isinstance(v, bool) else v}"
                  for k, v in settings.items()]
         path = conf / "standalone.conf"
         path.write_text("# written by delivery.broker\n" + "\n".join(lines) + "\n")
         return path
+
+    def _security_conf(self) -> dict[str, str | int | bool]:
+        """TLS-only ports, mutual-TLS authentication, authorisation, and the broker's own
+        internal clients (admin calls of the starter, system topics) presenting its
+        identity."""
+        ident = self.security.identity("broker")
+        ca, cert, key = str(ident.ca), str(ident.cert), str(ident.key)
+        return {
+            # no plain-text port: TLS only, and a client certificate the CA signed required
+            # in the handshake (before any Pulsar command is read)
+            "brokerServicePort": "", "brokerServicePortTls": self.port or "",
+            "webServicePort": "", "webServicePortTls": self.web_port or "",
+            "tlsCertificateFilePath": cert, "tlsKeyFilePath": key,
+            "tlsTrustCertsFilePath": ca,
+            "tlsRequireTrustedClientCertOnConnect": True,
+            "tlsAllowInsecureConnection": False,
+            "authenticationEnabled": True,
+            "authenticationProviders":
+                "org.apache.pulsar.broker.authentication.AuthenticationProviderTls",
+            "authorizationEnabled": True,
+            # agent-* (one grant for every node's agent), see security.pulsar
+            "authorizationAllowWildcardsMatching": True,
+            "superUserRoles": ",".join(pulsar_security.SUPER_USERS),
+            # the announcement topic's grant is made before anyone produces on it
+            "allowAclChangesOnNonExistentTopics": True,
+            "brokerClientTlsEnabled": True,
+            "brokerClientAuthenticationPlugin":
+                "org.apache.pulsar.client.impl.auth.AuthenticationTls",
+            "brokerClientAuthenticationParameters": json.dumps(
+                {"tlsCertFile": cert, "tlsKeyFile": key}),
+            "brokerClientTrustCertsFilePath": ca,
+            "tlsHostnameVerificationEnabled": True,
+        }
 
     def command(self, java: str, lib: Path, conf: Path) -> list[str]:
         """The JVM command line (the standalone starter's flags, this instance's heap and dirs)."""
@@ -796,6 +885,10 @@ class PulsarStandalone:
                   f"{self.service_url}, admin {self.admin_url}; log {log}")
         try:
             self._wait_ready(t0)
+            if self.secure:
+                t1 = time.monotonic()
+                self.grant()
+                self.last_grant_s = time.monotonic() - t1
         except BaseException:
             self.stop(grace_s=5.0)
             raise
@@ -852,10 +945,24 @@ class PulsarStandalone:
                 next_note = now + 15.0
             time.sleep(0.2)
 
+    def grant(self, nodes: Iterable[int] | None = None) -> None:
+        """Install the grant model (:func:`security.pulsar.grant_default_roles`) with this
+        broker's ``announce_topics`` and ``nodes`` (or the ``nodes`` given). Done by
+        :meth:`start`; idempotent."""
+        try:
+            pulsar_security.grant_default_roles(
+                self.admin_url, self.security, announce_topics=self.announce_topics,
+                nodes=self.nodes if nodes is None else nodes, create_topics=False)
+        except pulsar_security.PulsarAdminError as exc:
+            raise BrokerStartError(f"the broker serves but its grants failed: {exc}\n"
+                                   f"log tail ({self.log_path}):\n{self.log_tail(20)}"
+                                   ) from None
+
     def _namespace_ready(self) -> bool:
         url = f"{self.admin_url}/admin/v2/namespaces/public"
         try:
-            with urllib.request.urlopen(url, timeout=2.0) as resp:
+            ctx = None if not self.secure else pulsar_security.ssl_context(self.security)
+            with urllib.request.urlopen(url, timeout=2.0, context=ctx) as resp:
                 return "public/default" in json.loads(resp.read().decode())
         except (OSError, ValueError, urllib.error.URLError):
             return False
@@ -874,9 +981,11 @@ def _cmd_fetch(args: argparse.Namespace) -> int:
 
 
 def _cmd_start(args: argparse.Namespace) -> int:
+    security = Security(insecure=args.insecure, pki_dir=args.pki_dir)
     broker = PulsarStandalone(version=args.version, cache_dir=args.cache, port=args.port,
                               web_port=args.web_port, bookie_port=args.bookie_port,
-                              data_dir=args.data, heap=args.heap, keep=args.keep)
+                              data_dir=args.data, heap=args.heap, keep=args.keep,
+                              security=security, nodes=pulsar_security.parse_nodes(args.nodes))
     pid_file = Path(args.pid_file or Path(tempfile.gettempdir()) / "smart-dsmd-pulsar.pid")
 
     def on_term(_signum: int, _frame: object) -> None:
@@ -889,7 +998,9 @@ def _cmd_start(args: argparse.Namespace) -> int:
         broker.start()
         pid = broker.pid
         pid_file.write_text(f"{broker.pid}\n")
+        pki = "none (insecure)" if security.insecure else str(security.pki.dir)
         print(f"service_url {broker.service_url}\nadmin_url   {broker.admin_url}\n"
+              f"pki         {pki}\n"
               f"pid         {broker.pid} (pid file {pid_file})\nlog         {broker.log_path}\n"
               f"data        {broker.data_dir}\nCtrl-C stops it.", flush=True)
         rc = broker.wait()
@@ -939,6 +1050,12 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--data", default=None, help="persistent data dir (default: temporary)")
     s.add_argument("--heap", default="512m")
     s.add_argument("--keep", action="store_true", help="keep the temporary work dir")
+    s.add_argument("--pki-dir", default=None, help="PKI directory (default $SMART_PKI_DIR or "
+                   "~/.cache/smart-dsmd/pki; a development PKI is created if missing)")
+    s.add_argument("--insecure", action="store_true",
+                   help="plain text, no authentication or authorisation (debugging only)")
+    s.add_argument("--nodes", default="", help="bind these nodes' subscriptions to their "
+                   "agents now, e.g. 0-349 (the controller binds the others)")
     s.add_argument("--pid-file", default=None,
                    help="where the JVM's pid goes (default $TMPDIR/smart-dsmd-pulsar.pid)")
     t = sub.add_parser("stop", help="stop the broker named by a pid file")
@@ -947,7 +1064,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         return {"fetch": _cmd_fetch, "start": _cmd_start, "stop": _cmd_stop}[args.cmd](args)
-    except BrokerError as exc:
+    except (BrokerError, PkiError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -62,6 +62,17 @@ session).
 **Per-tenant fairness** (``shaping``, off by default): Sincon's shaper (Section III) per
 tenant class on the sending path (:class:`delivery.fairness.TenantShaper`), after the outbox.
 
+**Security** (``ControllerConfig.security``, :class:`security.tls.Security`; secure by
+default). The controller's identity is ``controller``: its pushes, SubscribeInfos and
+collections reach the agents over mutual TLS, its Pulsar client authenticates as
+``controller`` (:func:`security.pulsar.client_args`), and its ``ControllerReplies`` server
+accepts only certificates of role ``agent`` whose node is the packed reply's
+(:class:`delivery.rpc.RoleGuard` with :func:`reply_problem`: ``agent-5`` reporting for node
+3 is refused with ``PERMISSION_DENIED`` and nothing of that reply is applied). A collected
+reply for another node than the one asked is refused the same way. Every refusal is one
+warning line and counts in ``ControllerStats.refused_calls``. ``insecure`` keeps plain
+channels (and warns at every start).
+
 The controller counts what it sends (bytes and messages per channel, SubscribeInfo and
 fences), which the testbed reports beside the process CPU time.
 """
@@ -84,10 +95,20 @@ from typing import Any
 import grpc
 
 from envs.dsmd.message import Message
+from security.pki import agent_principal
+from security.pulsar import NodeSubscriptionGrants, client_args, subscription_name
+from security.tls import Security, SecurityError, channel_credentials, server_credentials
 
 from .fairness import TenantShaper, TenantShapingConfig
-from .health import ConfigError, FailoverConfig, MqHealth, RateWindow, plan_failover
-from .rpc import pb, pb_grpc
+from .health import (
+    ConfigError,
+    FailoverConfig,
+    MqHealth,
+    RateWindow,
+    plan_failover,
+    security_setting,
+)
+from .rpc import RoleGuard, pb, pb_grpc
 from .store import MetadataStore, SubscriptionChange
 from .wire import (
     Payloads,
@@ -100,7 +121,8 @@ from .wire import (
     resource_key,
 )
 
-__all__ = ["ConfigError", "Controller", "ControllerConfig", "ControllerStats", "topic_name"]
+__all__ = ["ConfigError", "Controller", "ControllerConfig", "ControllerStats", "reply_problem",
+           "topic_name"]
 
 log = logging.getLogger(__name__)
 RPC = 0
@@ -123,7 +145,12 @@ class ControllerConfig:
     config class (validated: :class:`ConfigError` / ``ShapingError`` name the key).
     ``outbox``: accepted messages are durable before :meth:`Controller.send_many` returns;
     ``outbox_fsync``: SQLite ``synchronous=FULL`` (survives a power loss, not only a crash of
-    the process)."""
+    the process). ``security``: a :class:`~security.tls.Security` or its mapping
+    ``{insecure, pki_dir}`` (the secure default when left out). ``pulsar_admin_url``: the
+    broker's admin REST API (``https://``); when set (and secure) the controller binds each
+    node's subscription to that node's agent (:class:`security.pulsar.NodeSubscriptionGrants`,
+    as the tenant admin ``controller``) before the node first subscribes; when null an
+    operator binds them (``python -m security.pulsar grant --nodes ...``)."""
 
     pulsar_url: str
     store_url: str
@@ -141,6 +168,8 @@ class ControllerConfig:
     outbox_fsync: bool = False
     failover: FailoverConfig = field(default_factory=FailoverConfig)
     shaping: TenantShapingConfig = field(default_factory=TenantShapingConfig)
+    security: Security = field(default_factory=Security)
+    pulsar_admin_url: str | None = None
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -154,11 +183,17 @@ class ControllerConfig:
                     raise ConfigError(f"delivery config: {f.name}: expected a number, got {v!r}")
                 if v < 0 or (f.name.endswith("_s") and f.name != "retry_backoff_s" and v <= 0):
                     raise ConfigError(f"delivery config: {f.name}: must be positive, got {v!r}")
+        url = self.pulsar_admin_url
+        if url is not None and not (isinstance(url, str) and url.startswith(("http://",
+                                                                               "https://"))):
+            raise ConfigError(f"delivery config: pulsar_admin_url: expected an http(s):// URL "
+                              f"or null, got {url!r}")
         if not 0 < self.payload_scale <= 1:
             raise ConfigError(f"delivery config: payload_scale: must be in (0, 1], got "
                               f"{self.payload_scale!r}")
         self.failover = FailoverConfig.from_mapping(self.failover)
         self.shaping = TenantShapingConfig.from_mapping(self.shaping)
+        self.security = security_setting(self.security)
 
     @classmethod
     def from_mapping(cls, m: Mapping[str, Any]) -> ControllerConfig:
@@ -205,6 +240,7 @@ class ControllerStats:
     relay_bytes: int = 0
     mq_rescued: int = 0            # MQ messages re-sent over RPC to a node that missed them
     deferred_channel_changes: int = 0
+    refused_calls: int = 0         # calls and collected replies refused (mutual TLS roles)
     outcomes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     errors: list[tuple[int, str, int, str]] = field(default_factory=list)
     health_events: list[tuple[int, str, str]] = field(default_factory=list)  # (ns, event, why)
@@ -285,6 +321,15 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         self._notifier = futures.ThreadPoolExecutor(1, thread_name_prefix="controller-health")
         self._client = None
         self._server: grpc.Server | None = None
+        self._channel_creds: Any = None  # the push channels' (identity ``controller``)
+        self._grants = (NodeSubscriptionGrants(cfg.pulsar_admin_url, cfg.security,
+                                               principal="controller")
+                        if cfg.pulsar_admin_url and not cfg.security.insecure else None)
+        if self._grants is None and not cfg.security.insecure:
+            log.warning("controller: no pulsar_admin_url: nodes' subscriptions are not bound to "
+                        "their agents by this controller (bind them beforehand: python -m "
+                        "security.pulsar grant --nodes ...), or agent-3 may use agent-30's")
+        self.guard: RoleGuard | None = None  # the reply server's role check (secure mode)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.reply_port = 0
@@ -293,13 +338,25 @@ class Controller(pb_grpc.ControllerRepliesServicer):
     def start(self) -> Controller:
         import pulsar
 
+        sec = self.cfg.security
+        insecure = sec.warn_if_insecure("controller")
         self._client = pulsar.Client(self.cfg.pulsar_url, operation_timeout_seconds=15,
-                                     logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error))
+                                     logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error),
+                                     **client_args(sec, "controller"))
         self.recover()
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        pb_grpc.add_ControllerRepliesServicer_to_server(self, self._server)
-        self.reply_port = self._server.add_insecure_port(
-            f"{self.cfg.reply_host}:{self.cfg.reply_port}")
+        address = f"{self.cfg.reply_host}:{self.cfg.reply_port}"
+        if insecure:
+            self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+            pb_grpc.add_ControllerRepliesServicer_to_server(self, self._server)
+            self.reply_port = self._server.add_insecure_port(address)
+        else:
+            self.guard = RoleGuard("controller", {"agent"}, checks={"Report": reply_problem},
+                                   on_refuse=self.count_refused)
+            self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4),
+                                       interceptors=[self.guard])
+            pb_grpc.add_ControllerRepliesServicer_to_server(self, self._server)
+            self.reply_port = self._server.add_secure_port(
+                address, server_credentials(sec.identity("controller")))
         self._server.start()
         if self.cfg.shaping.enabled and (self.cfg.shaping.global_throughput_Bps is not None
                                          or self._capacity[0] is not None):
@@ -367,6 +424,12 @@ class Controller(pb_grpc.ControllerRepliesServicer):
                 if not reachable:
                     log.warning("recovery: the broker did not answer; the durable "
                                 "subscriptions of the last switch are left to the agents")
+        if self._grants is not None and any(self.node_topics.values()):
+            try:  # bound when they first subscribed; a broker replaced since needs them again
+                self._grants.ensure(n for n, ts in self.node_topics.items() if ts)
+            except SecurityError as e:
+                log.warning("recovery: binding the nodes' subscriptions to their agents: %s "
+                            "(bound again when they next subscribe)", e)
         redelivered = corrupt = 0
         if self.cfg.outbox:
             for row in st.outbox_unconfirmed():
@@ -440,6 +503,8 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         closer.join(10)
         if self._server is not None:
             self._server.stop(0.5).wait()
+        if self._grants is not None:
+            self._grants.close()
         self.store.close()
 
     def __enter__(self) -> Controller:
@@ -463,10 +528,21 @@ class Controller(pb_grpc.ControllerRepliesServicer):
                 if s is None:
                     if self._stop.is_set():
                         raise RuntimeError("the controller is closed")
-                    ch = self._channels[node] = grpc.insecure_channel(
-                        self.agents[node], options=_CHANNEL_OPTIONS)
+                    if self.cfg.security.insecure:
+                        ch = grpc.insecure_channel(self.agents[node], options=_CHANNEL_OPTIONS)
+                    else:
+                        if self._channel_creds is None:
+                            self._channel_creds = channel_credentials(
+                                self.cfg.security.identity("controller"))
+                        ch = grpc.secure_channel(self.agents[node], self._channel_creds,
+                                                 options=_CHANNEL_OPTIONS)
+                    self._channels[node] = ch
                     s = self._stubs[node] = pb_grpc.MessageAgentStub(ch)
         return s
+
+    def count_refused(self) -> None:
+        """Count a refused call (the role checks of this controller's servers)."""
+        self.stats.refused_calls += 1
 
     def _producer(self, t: int) -> Any:
         p = self._producers.get(t)
@@ -511,13 +587,16 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         subs = [(n, c) for n in wanted for c in wanted[n] - self.node_topics.get(n, set())]
         unsubs = [(n, c) for n in list(self.node_topics)
                   for c in self.node_topics[n] - wanted.get(n, set())]
+        if self._grants is not None and subs:  # PulsarAdminError: nothing stored or sent
+            self._grants.ensure({n for n, _ in subs})
         ts = self.timestamp()
         pre = self.cfg.topic_prefix
         self.store.write_mapping([(t, c, topic_name(pre, c) if c else None, self.hosts[t])
                                   for t, c in changed.items()], ts)
         self.store.apply_changes(
-            [SubscriptionChange(n, topic_name(pre, c), _subscription(n), True) for n, c in subs]
-            + [SubscriptionChange(n, topic_name(pre, c), _subscription(n), False)
+            [SubscriptionChange(n, topic_name(pre, c), subscription_name(n), True)
+             for n, c in subs]
+            + [SubscriptionChange(n, topic_name(pre, c), subscription_name(n), False)
                for n, c in unsubs], ts)
         self._send_subscribe_infos(subs, ts, True)
         self._flush_locked()  # messages decided under the old channels go out first
@@ -543,7 +622,7 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         calls, failed = [], []
         for n, c in pairs:
             info = pb.SubscribeInfo(url=self.cfg.pulsar_url, topic=topic_name(
-                self.cfg.topic_prefix, c), subscription=_subscription(n), timestamp_ns=ts,
+                self.cfg.topic_prefix, c), subscription=subscription_name(n), timestamp_ns=ts,
                 operation=subscribe)
             self.stats.subscribe_infos += 1
             with self._lock:
@@ -1073,10 +1152,17 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         answered = []
         for n, fut in calls.items():
             try:
-                taken += self._on_reply(fut.result())
-                answered.append(n)
+                reply = fut.result()
             except grpc.RpcError:
                 continue
+            problem = reply_problem(reply, agent_principal(n))
+            if problem is not None:  # whatever answers at node n's address is not node n
+                self.stats.refused_calls += 1
+                log.warning("controller refused the Collect answer of node %d at %s: %s", n,
+                            self.agents[n], problem)
+                continue
+            taken += self._on_reply(reply)
+            answered.append(n)
         self._rescue_mq(answered)
         return taken
 
@@ -1161,6 +1247,14 @@ _CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100),
                     ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
-def _subscription(node: int) -> str:
-    return f"node-{node}"
+def reply_problem(reply: Any, principal: str) -> str | None:
+    """Why a packed reply may not be taken from ``principal`` (the certificate of whoever
+    sent it, or of the node it was collected from), or None: it must be for that agent's
+    own node, and so must each of its results."""
+    if principal != agent_principal(reply.node_id):
+        return f"the packed reply is for node {reply.node_id}, not {principal}'s"
+    others = sorted({int(r.node_id) for r in reply.results if r.node_id != reply.node_id})
+    if others:
+        return f"the packed reply holds results of node(s) {others[:5]}, not only {principal}'s"
+    return None
 

@@ -17,11 +17,20 @@ generation timestamps and stored in the controller's outbox in one transaction
 (``Controller.send_many``) before ``Accepted`` is returned. What a crash interrupts before
 that answer may or may not be stored: the client does not know, and an agent never applies a
 message twice (Section VI-B), so sending such a request again is safe.
+
+Security: the ingress uses the controller's ``security`` setting (the spec's
+``controller.security`` block, secure by default): mutual TLS with the ``controller``
+identity, and every method (``Configure``, ``SetChannels``, ``Status``) serves only
+certificates of role ``admin``, the management plane's (:class:`delivery.rpc.RoleGuard`;
+not ``controller``: no other controller, nor this one, has business calling it). Callers
+connect with :func:`delivery.rpc.open_channel` as ``admin``. A refusal is
+``PERMISSION_DENIED``, one warning line, and counts in the controller's ``refused_calls``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -36,9 +45,10 @@ from typing import Any
 import grpc
 
 from envs.dsmd.message import Message, table1_problem
+from security.tls import Security, server_credentials
 
 from .controller import RPC, Controller, ControllerConfig
-from .rpc import pb, pb_grpc
+from .rpc import RoleGuard, pb, pb_grpc
 
 __all__ = ["ControllerIngressServicer", "Ingress", "SpecError", "controller_spec",
            "load_spec", "main"]
@@ -46,6 +56,9 @@ __all__ = ["ControllerIngressServicer", "Ingress", "SpecError", "controller_spec
 log = logging.getLogger(__name__)
 
 _SPEC_KEYS = {"controller", "agents", "ingress_host", "ingress_port"}
+
+#: the roles whose certificates may call the ingress
+INGRESS_ROLES = frozenset({"admin"})
 
 
 class SpecError(ValueError):
@@ -188,23 +201,34 @@ class ControllerIngressServicer(pb_grpc.ControllerIngressServicer):
 class Ingress:
     """``ControllerIngress`` served on ``host:port`` (0: any free port; ``port`` says which
     once started). The port is not shared (no ``SO_REUSEPORT``): a second controller on it
-    fails at :meth:`start` instead of taking half of the calls."""
+    fails at :meth:`start` instead of taking half of the calls. Secured as the controller's
+    ``cfg.security`` says (see the module docstring)."""
 
     def __init__(self, controller: Controller, host: str = "127.0.0.1", port: int = 0,
                  workers: int = 8) -> None:
         self.controller, self.host, self.port, self.workers = controller, host, port, workers
         self.servicer: ControllerIngressServicer | None = None
         self.server: grpc.Server | None = None
+        self.guard: RoleGuard | None = None
 
     def start(self) -> Ingress:
+        sec = self.controller.cfg.security
+        insecure = sec.warn_if_insecure("controller ingress")
+        interceptors = []
+        if not insecure:
+            self.guard = RoleGuard("controller ingress", INGRESS_ROLES,
+                                   on_refuse=self.controller.count_refused)
+            interceptors.append(self.guard)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.workers,
                                                         thread_name_prefix="ingress"),
-                             options=[("grpc.so_reuseport", 0)])
+                             options=[("grpc.so_reuseport", 0)], interceptors=interceptors)
         servicer = ControllerIngressServicer(self.controller)
         pb_grpc.add_ControllerIngressServicer_to_server(servicer, server)
         why = ""
+        address = f"{self.host}:{self.port}"
         try:
-            bound = server.add_insecure_port(f"{self.host}:{self.port}")
+            bound = (server.add_insecure_port(address) if insecure else server.add_secure_port(
+                address, server_credentials(sec.identity("controller"))))
         except RuntimeError as e:
             bound, why = 0, f" ({e})"
         if not bound:
@@ -228,7 +252,10 @@ def controller_spec(agents: Mapping[int, str], *, ingress_port: int,
     (``config``: ``pulsar_url``, ``store_url``, a fixed ``reply_port``, ...), the agents
     (node id -> ``host:port``) and the ingress address. Checked here, so a bad spec fails
     where it is written."""
-    spec = {"controller": dict(config), "agents": {str(n): str(a) for n, a in agents.items()},
+    config = dict(config)
+    if isinstance(config.get("security"), Security):  # its mapping, for the JSON file
+        config["security"] = dataclasses.asdict(config["security"])
+    spec = {"controller": config, "agents": {str(n): str(a) for n, a in agents.items()},
             "ingress_host": ingress_host, "ingress_port": int(ingress_port)}
     load_spec(spec)
     return spec

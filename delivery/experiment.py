@@ -23,6 +23,7 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from envs.dsmd.problems import problems_for
+from security.tls import Security
 
 from .health import ConfigError
 from .testbed import RunResult, RunSpec, run_once
@@ -34,19 +35,42 @@ def _say(text: str) -> None:
     print(text, flush=True)
 
 
+def _security(cfg: DictConfig) -> Security:
+    """The ``security:`` block (every channel's: broker, agents, controller, server)."""
+    block = cfg.get("security")
+    return Security.from_mapping(OmegaConf.to_container(block, resolve=True)
+                                 if isinstance(block, DictConfig) else block)
+
+
+def _trust_keys(cfg: DictConfig) -> list[str]:
+    """``bundle_trust.keys``: public keys trusted beside the PKI's (the server's and the
+    adapter's), e.g. the committed example bundle's."""
+    block = cfg.get("bundle_trust") or {}
+    return [str(k) for k in (block.get("keys") or [])]
+
+
+def _server_overrides(cfg: DictConfig) -> list[str]:
+    keys = _trust_keys(cfg)
+    return [f"bundle_trust.keys=[{','.join(keys)}]"] if keys else []
+
+
 @contextlib.contextmanager
-def _broker(cfg: DictConfig) -> Iterator[str]:
+def _broker(cfg: DictConfig, sec: Security) -> Iterator[tuple[str, str | None]]:
+    """(service URL, admin URL) of the broker: ``broker.url`` / ``broker.admin_url`` of an
+    existing one, or one started here with ``sec``."""
     if cfg.broker.url:
-        yield str(cfg.broker.url)
+        admin = cfg.broker.get("admin_url")
+        yield str(cfg.broker.url), None if not admin else str(admin)
         return
     from .broker import PulsarStandalone
 
-    with PulsarStandalone(heap=str(cfg.broker.heap)) as b:
-        yield b.service_url
+    with PulsarStandalone(heap=str(cfg.broker.heap), security=sec) as b:
+        yield b.service_url, b.admin_url
 
 
 @contextlib.contextmanager
-def _policy_server(cfg: DictConfig, out: Path) -> Iterator[tuple[str | None, str | None]]:
+def _policy_server(cfg: DictConfig, out: Path, sec: Security
+                   ) -> Iterator[tuple[str | None, str | None]]:
     if "learned" not in cfg.policies:
         yield None, None
         return
@@ -55,17 +79,19 @@ def _policy_server(cfg: DictConfig, out: Path) -> Iterator[tuple[str | None, str
     from serving.local import LocalServer
 
     key = secrets.token_hex(8)
-    with LocalServer(str(cfg.bundle), out / "server", api_key=key) as srv:
+    with LocalServer(str(cfg.bundle), out / "server", api_key=key, security=sec,
+                     overrides=_server_overrides(cfg)) as srv:
         yield srv.url, key
 
 
 def _spec(cfg: DictConfig, label: str, policy: str, problems, windows: list[int],
-          server: tuple[str | None, str | None]) -> RunSpec:
+          server: tuple[str | None, str | None], sec: Security) -> RunSpec:
     return RunSpec(label, policy, problems, windows, time_scale=float(cfg.time_scale),
                    payload_scale=float(cfg.payload_scale), flush_ms=float(cfg.flush_ms),
                    agent_processes=int(cfg.agent_processes), adapter_mode=str(cfg.adapter_mode),
                    server_url=server[0], api_key=server[1],
-                   controller=_controller_overrides(cfg))
+                   controller=_controller_overrides(cfg), security=sec,
+                   bundle_trust_keys=tuple(_trust_keys(cfg)))
 
 
 def _controller_overrides(cfg: DictConfig) -> dict[str, Any]:
@@ -95,10 +121,12 @@ def run_testbed(cfg: DictConfig) -> dict[str, Any]:
     policies = list(cfg.policies)
     t_start = time.perf_counter()
     results: dict[str, list[RunResult]] = {"fig9": [], "fig10": []}
+    sec = _security(cfg)
     with tracked_run(cfg, run_name=f"testbed__{cfg.scenario}",
-                     tags={"task": "testbed"}) as mlog, _broker(cfg) as url, \
-            _policy_server(cfg, out) as server:
-        _say(f"testbed: broker {url}; policies {policies}; figures {list(cfg.figures)}; "
+                     tags={"task": "testbed"}) as mlog, _broker(cfg, sec) as (url, admin), \
+            _policy_server(cfg, out, sec) as server:
+        mode = "INSECURE" if sec.insecure else "mutual TLS"
+        _say(f"testbed: broker {url} ({mode}); policies {policies}; figures {list(cfg.figures)}; "
              f"time x{cfg.time_scale}, payload x{cfg.payload_scale}")
         runs = []
         if "fig9" in cfg.figures:
@@ -118,8 +146,9 @@ def run_testbed(cfg: DictConfig) -> dict[str, Any]:
         for i, (fig, label, pol, ps, wins, v) in enumerate(runs):
             _say(f"[{i + 1}/{len(runs)}] {label} {pol}: {ps.num_nodes} agents, windows "
                  f"{wins[0]}..{wins[-1]} ({elapsed(t_start)})")
-            r = run_once(_spec(cfg, label, pol, ps, wins, server), url,
-                         out / "runs" / f"{label.replace('/', '_')}_{pol}", say=_say)
+            r = run_once(_spec(cfg, label, pol, ps, wins, server, sec), url,
+                         out / "runs" / f"{label.replace('/', '_')}_{pol}", say=_say,
+                         admin_url=admin)
             r.summary["figure"] = fig
             r.summary["vpcs"] = v if v is not None else int(ps.spec.num_vpcs)
             results[fig].append(r)

@@ -3,6 +3,8 @@ SMART Eq. 1's controller constraints, Section V-B).
 
 * :class:`FailoverConfig`: the ``failover`` section of the delivery configuration, validated
   (a bad key, type or range is a :class:`ConfigError` naming ``section.key`` and the value).
+* :func:`security_setting`: the ``security`` section (:class:`security.tls.Security`) of the
+  agent's and the controller's configuration, validated the same way.
 * :class:`MqHealth`: a thread that publishes a one-byte probe on a topic nobody subscribes
   (the broker drops it at once) every ``probe_period_s`` through the controller's own Pulsar
   client. A probe fails when the broker does not acknowledge it within ``probe_timeout_s``, or
@@ -45,15 +47,29 @@ import numpy as np
 
 from envs.dsmd.cost import CostState
 from envs.dsmd.instance import RPC, DSMDInstance
+from security.tls import Security, SecurityError
 
 __all__ = ["ConfigError", "FailoverConfig", "FailoverPlan", "MqHealth", "RateWindow",
-           "plan_failover", "warm_up"]
+           "plan_failover", "security_setting", "warm_up"]
 
 log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
     """A bad delivery configuration: ``delivery config: <section>.<key>: <what is wrong>``."""
+
+
+def security_setting(value: Any) -> Security:
+    """The ``security`` setting of an agent or controller (:class:`security.tls.Security`)
+    from itself, a ``{insecure, pki_dir}`` mapping or None (the secure default); a bad value
+    is a :class:`ConfigError` naming ``delivery config: security.<key>``."""
+    try:
+        return Security.from_mapping(value, "delivery config: security")
+    except SecurityError as e:
+        msg = str(e)
+        if not msg.startswith("delivery config: "):
+            msg = f"delivery config: {msg}"
+        raise ConfigError(msg) from None
 
 
 # ---------------------------------------------------------------------------- configuration

@@ -47,6 +47,7 @@ import numpy as np
 from envs.dsmd.message import messages_from_trace
 from envs.dsmd.problems import ProblemSet
 from envs.netutil import free_ports
+from security.tls import Security
 from serving.scenario import adapter_for
 
 from .agent import read_record
@@ -93,6 +94,8 @@ class RunSpec:
     collect_period_s: float = 2.0
     buckets: list[float] = field(default_factory=list)  # trace-time bucket edges (Fig. 10)
     controller: dict[str, Any] = field(default_factory=dict)  # ControllerConfig overrides
+    security: Security = field(default_factory=Security)  # every channel's (secure default)
+    bundle_trust_keys: tuple[str, ...] = ()  # bundle-signing keys the adapter trusts (+ PKI's)
 
 
 @dataclass
@@ -109,8 +112,11 @@ def _progress(say: Callable[[str], None] | None, text: str) -> None:
 
 
 def run_once(spec: RunSpec, pulsar_url: str, workdir: Path,
-             say: Callable[[str], None] | None = print) -> RunResult:
-    """Start agents and a controller, replay ``spec.windows``, measure, stop everything."""
+             say: Callable[[str], None] | None = print, *,
+             admin_url: str | None = None) -> RunResult:
+    """Start agents and a controller, replay ``spec.windows``, measure, stop everything.
+    ``admin_url``: the broker's admin API, where the controller binds each node's
+    subscription to its agent (secure mode; None: bound beforehand by the operator)."""
     ps = spec.problems
     topo = ps.dataset.topology
     nodes = topo.node_ids.astype(int).tolist()
@@ -123,7 +129,8 @@ def run_once(spec: RunSpec, pulsar_url: str, workdir: Path,
     ccfg = ControllerConfig.from_mapping({
         "pulsar_url": pulsar_url, "store_url": store_url, "topic_prefix": prefix,
         "reply_port": ports[-1], "payload_scale": spec.payload_scale,
-        "collect_period_s": spec.collect_period_s, **spec.controller})
+        "collect_period_s": spec.collect_period_s, "security": spec.security,
+        "pulsar_admin_url": admin_url, **spec.controller})
     procs = _start_agents(spec, nodes, ports, store_url, rec_dir, pulsar_url,
                           f"127.0.0.1:{ports[-1]}", workdir)
     ctl = adapter = None
@@ -156,7 +163,8 @@ def _start_agents(spec: RunSpec, nodes: list[int], ports: list[int], store_url: 
     for i in range(k):
         part = {n: p for j, (n, p) in enumerate(zip(nodes, ports)) if j % k == i}
         sp = host_spec(part, store_url=store_url, record_dir=rec_dir, pulsar_url=pulsar_url,
-                       controller=controller, pack_period_s=spec.pack_period_s,
+                       controller=controller, security=spec.security,
+                       pack_period_s=spec.pack_period_s,
                        report_after_s=spec.report_after_s)
         f = workdir / f"agents-{i}.json"
         f.write_text(json.dumps(sp))
@@ -209,9 +217,14 @@ def _adapter(spec: RunSpec):
     if spec.policy == "learned":
         if spec.server_url is None:
             raise ValueError("the learned policy needs a policy server (server_url)")
+        from serving.signing import BundleTrust
+
+        trust = BundleTrust.from_security(spec.security, keys=list(spec.bundle_trust_keys))
         return adapter_for(spec.problems, spec.server_url, spec.adapter_mode,
-                           api_key=spec.api_key, scenario_signature=sig, timeout_s=2.0)
-    return adapter_for(spec.problems, None, "remote", scenario_signature=sig)
+                           api_key=spec.api_key, scenario_signature=sig, timeout_s=2.0,
+                           security=spec.security, bundle_trust=trust)
+    return adapter_for(spec.problems, None, "remote", scenario_signature=sig,
+                       security=spec.security)
 
 
 # ---------------------------------------------------------------------------- replay

@@ -55,7 +55,11 @@ def static_godaddy(out: dict) -> None:
     insts = ps.instances("test")
     names = [p for p in cfg.baseline.policies if p != "exact"]
     pols = make_policies(names, ps, to_dict(cfg.baseline.params))
-    pols.append(ActorPolicy.from_bundle(load_bundle(ROOT / "checkpoints/default"), name="learned"))
+    from serving.signing import BundleTrust
+
+    trust = BundleTrust.from_security(keys=[ROOT / "configs/keys/example-bundle.pub"])
+    pols.append(ActorPolicy.from_bundle(load_bundle(ROOT / "checkpoints/default", trust=trust),
+                                        name="learned"))
     for pol in pols:
         pol.reset(0)
         for w, inst in enumerate(insts):

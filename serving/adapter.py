@@ -33,6 +33,17 @@ mode, on the server's session, which announces it. The observation layout does n
 it: the static policies and the learned bundles do not take it as an input (the controller
 applies failover itself); a policy may read it from the session.
 
+**Transport security.** ``security`` (:class:`security.tls.Security`, secure by default):
+the server's URL must be ``https://`` and its certificate must verify against the PKI's CA
+(``security.pki_dir``), host name included; ``Security(insecure=True)`` accepts a plain
+``http://`` URL (debugging; warned). The announcement subscriber connects to the broker with
+the ``controller`` identity (:func:`security.pulsar.client_args`). In cached mode a
+downloaded bundle is installed only if its signature verifies against ``bundle_trust``
+(:class:`serving.signing.BundleTrust`; default: the PKI's bundle-signing key of
+``security``): a bundle the server offers unsigned, signed by another key or changed after
+signing is refused (logged once, with the key id and the reason) and the adapter keeps
+deciding with the bundle it has.
+
 With ``decision_log`` every decision is appended as one JSON line (time, type, destinations,
 rate, channel, source, policy version, mode, latency); with ``trace_log`` every submitted
 message is kept and written as a trace (``messages.parquet``, the simulator's format) by
@@ -46,6 +57,7 @@ import io
 import json
 import logging
 import os
+import ssl
 import threading
 import time
 import zipfile
@@ -63,6 +75,7 @@ from envs.dsmd.message import Message, messages_to_trace
 from envs.dsmd.parser import BatchKey, IntervalEstimate, MessageParser, TypeCatalog
 from envs.dsmd.topology import Topology
 from envs.dsmd.traces import write_trace
+from security.tls import Security
 
 from .announce import DEFAULT_TOPIC, HealthAnnouncement, PolicyAnnouncement
 from .bundle import BUNDLE_FILES, BundleError, PolicyBundle, load_bundle
@@ -77,13 +90,15 @@ from .schemas import (
     request_body,
 )
 from .session import Decision, Session, SessionError, SessionSpec
+from .signing import BundleTrust, SignatureError
 
 if TYPE_CHECKING:
     import httpx
 
     from .subscriber import AnnouncementSubscriber
 
-__all__ = ["MODES", "AdapterDecision", "AdapterError", "CircuitBreaker", "ControllerAdapter"]
+__all__ = ["MODES", "AdapterDecision", "AdapterError", "CircuitBreaker", "ControllerAdapter",
+           "http_client", "tls_verify"]
 
 log = logging.getLogger(__name__)
 MODES = ("remote", "cached")
@@ -95,6 +110,34 @@ class AdapterError(RuntimeError):
 
 class _Unavailable(Exception):
     pass
+
+
+def tls_verify(security: Security, url: str, component: str = "controller adapter"
+               ) -> ssl.SSLContext | bool:
+    """How a client of the policy server at ``url`` checks it (httpx's ``verify``): secure,
+    an ``https://`` URL and a context trusting only the PKI's CA (host names checked);
+    a plain ``http://`` URL is then refused (ValueError naming it). Insecure: no check
+    (warned, once per client)."""
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    if scheme not in ("http", "https"):
+        raise ValueError(f"base_url {url!r}: expected an http(s):// URL")
+    if security.warn_if_insecure(component):
+        return False
+    if scheme != "https":
+        raise ValueError(f"base_url {url!r}: the policy server is reached over TLS when "
+                         "security is on (use https://, or security.insecure=true to debug "
+                         "over plain HTTP)")
+    return ssl.create_default_context(cafile=str(security.pki.ca_cert))
+
+
+def http_client(base_url: str, api_key: str | None, timeout_s: float, security: Security,
+                component: str = "controller adapter") -> httpx.Client:
+    """The keep-alive client of an adapter (:func:`tls_verify`, the key header)."""
+    import httpx
+
+    return httpx.Client(base_url=base_url, timeout=timeout_s,
+                        verify=tls_verify(security, base_url, component),
+                        headers={"X-API-Key": api_key} if api_key else {})
 
 
 def send(client: httpx.Client | None, breaker: CircuitBreaker, retries: int, method: str,
@@ -193,7 +236,9 @@ class ControllerAdapter:
                  scenario_signature: dict | None = None, seed: int = 0,
                  decision_log: str | Path | None = None, trace_log: bool = False,
                  session_id: str | None = None, catalog: TypeCatalog | None = None,
-                 announce_url: str | None = None, announce_topic: str = DEFAULT_TOPIC) -> None:
+                 announce_url: str | None = None, announce_topic: str = DEFAULT_TOPIC,
+                 security: Security | None = None,
+                 bundle_trust: BundleTrust | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if retries < 0 or timeout_s <= 0:
@@ -222,12 +267,13 @@ class ControllerAdapter:
         self.cache_dir = Path(cache_dir) if cache_dir else None
         self._log = open(decision_log, "a") if decision_log else None  # noqa: SIM115 till close()
         self._messages: list[Message] | None = [] if trace_log else None
+        self.security = security if security is not None else Security()
+        # cached mode: the keys a downloaded bundle must be signed by
+        self.bundle_trust = (bundle_trust if bundle_trust is not None or mode != "cached"
+                             else BundleTrust.from_security(self.security))
         self._client: httpx.Client | None = None
         if base_url is not None:
-            import httpx
-
-            self._client = httpx.Client(base_url=base_url, timeout=timeout_s,
-                                        headers={"X-API-Key": api_key} if api_key else {})
+            self._client = http_client(base_url, api_key, timeout_s, self.security)
         kernels.warm_up()  # the local session's compiled loops, before the first decision
         if session_id is not None:
             self.attach(session_id)
@@ -238,7 +284,7 @@ class ControllerAdapter:
 
             self.subscriber = AnnouncementSubscriber(
                 announce_url, announce_topic, on_policy=self._on_policy_announced,
-                on_health=self._on_health_announced)
+                on_health=self._on_health_announced, security=self.security)
 
     def attach(self, session_id: str) -> None:
         """Take the server's session ``session_id`` as this adapter's (its types must have
@@ -446,7 +492,9 @@ class ControllerAdapter:
                 tmp.write_bytes(z.read(name))
                 os.replace(tmp, d / name)
         try:
-            bundle = load_bundle(d)
+            bundle = load_bundle(d, trust=self.bundle_trust)
+        except SignatureError:  # logged once by the verification, with the key id
+            return False
         except BundleError as e:
             log.error("downloaded bundle refused: %s", e)
             return False

@@ -18,6 +18,10 @@ send timed out; ``unavailable``: no producer yet, the broker away since start (t
 policy announcement is then ``deferred`` instead: sent when the producer is created, so
 adapters that outlived a server restart hear of its policy); ``dropped``: the local send
 queue full).
+
+The producer authenticates to the broker as the ``policy-server`` principal
+(:func:`security.pulsar.client_args`: mutual TLS with the PKI's identity, so the URL is then
+a ``pulsar+ssl://`` one) unless the server's ``security`` is insecure.
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 from pydantic import ValidationError
+
+from security.pulsar import client_args
+from security.tls import Security
 
 from .schemas import ChannelHealth
 
@@ -50,6 +57,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+PRINCIPAL = "policy-server"  # the identity the producer presents to the broker
 
 DEFAULT_TOPIC = "persistent://public/default/smart-announce"
 KINDS = ("policy", "health")
@@ -161,7 +169,7 @@ class Announcer:
 
     def __init__(self, url: str, topic: str = DEFAULT_TOPIC, *, send_timeout_s: float = 2.0,
                  registry: CollectorRegistry | None = None, retry_s: float = 0.5,
-                 max_retry_s: float = 30.0) -> None:
+                 max_retry_s: float = 30.0, security: Security | None = None) -> None:
         check_settings(url, topic)
         if send_timeout_s <= 0 or retry_s <= 0 or max_retry_s < retry_s:
             raise AnnounceError("announce: send_timeout_s and retry_s must be positive and "
@@ -174,9 +182,13 @@ class Announcer:
                                "server, by kind and outcome", ["kind", "outcome"],
                                registry=registry if registry is not None
                                else CollectorRegistry())
+        self.security = security if security is not None else Security()
+        if self.security.insecure:
+            self.security.warn_if_insecure("announcer")
         self._client = pulsar.Client(url, operation_timeout_seconds=max(3, int(send_timeout_s)),
                                      connection_timeout_ms=2000,
-                                     logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error))
+                                     logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error),
+                                     **client_args(self.security, PRINCIPAL))
         self._producer: Any = None
         self._deferred: bytes | None = None  # the latest policy announcement, no producer yet
         self._defer_lock = threading.Lock()

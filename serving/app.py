@@ -7,11 +7,26 @@ loaded policy bundle (ONNX Runtime) or, when no usable policy is there, the conf
 heuristic, saying so in the response.
 
 Failures, as a client sees them: 401 (no or wrong ``X-API-Key``), 403 (a policy swap without
-an admin key), 404 (unknown session), 409 (a request that contradicts the session's state, or
-a bundle refused on swap; the message names the type, field or session), 413 (body larger
-than ``max_body_bytes`` or a batch over ``max_batch``), 422 (validation: ``detail`` lists each
-field's location and problem), 429 (``max_sessions`` reached). No failed request changes
-any state.
+an admin key), 404 (unknown session, or a session another key created: the same answer), 409
+(a body the schema accepts that contradicts the session's state or itself, e.g. a
+destination node the session does not have, or a bundle refused on swap; the message names
+the type, field or session), 413 (body larger than ``max_body_bytes``), 422 (the body does
+not match the schema, lists included: more than ``max_batch`` types to decide or
+``max_types`` types, the limits the OpenAPI document states as ``maxItems``; ``detail``
+lists each field's location and problem), 429 (``max_sessions`` reached, or this key over
+its rate limit: then with ``Retry-After``). No failed request changes any state.
+
+Access (:mod:`serving.access`): each session belongs to the key that created it; admin keys
+may also read and delete other keys' sessions, audited; admin actions and refusals are logged
+on ``smart.audit`` (a key id, never the key); each key has its own token bucket
+(``rate_limit``). Transport: served over TLS by ``serve.py`` (uvicorn's own TLS, the
+``security`` setting; ``security.insecure`` for plain HTTP while debugging).
+
+Signed bundles (:mod:`serving.signing`): a policy or online policy bundle is loaded only if
+its signature verifies against a key of ``bundle_trust`` (the PKI's bundle-signing key and
+the configured public keys); a bundle unsigned, signed by another key or changed after
+signing is refused with 409 on ``PUT``, the reason (file, key id) in the message and the
+log, and the policy loaded before keeps serving.
 
 A session also holds the controller's channel health (``channel_health``: whether the MQ
 channel is up, the types rerouted to RPC or waiting, the nodes whose RPC endpoint is down),
@@ -42,21 +57,45 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from fastapi import Depends, FastAPI, HTTPException, Request, Response, Security
+from fastapi import Depends, FastAPI, HTTPException, Request, Response
+from fastapi.exception_handlers import (
+    http_exception_handler,
+    request_validation_exception_handler,
+)
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from fastapi.security import APIKeyHeader
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from envs.dsmd import kernels
 from envs.dsmd.errors import DSMDError
+from security.tls import Security as TransportSecurity
 
+from .access import (
+    ANONYMOUS,
+    API_KEY_HEADER,
+    AdminCaller,
+    AllowMiddleware,
+    Caller,
+    ControllerCaller,
+    RateLimit,
+    RateLimiter,
+    allowed_methods,
+    audit,
+    caller_for,
+    document_contract,
+    require_admin,
+    require_controller,
+    retry_after,
+)
 from .announce import DEFAULT_TOPIC, Announcer, check_settings
 from .metrics import MetricsMiddleware, ServerMetrics
 from .online_api import add_online_routes
 from .online_policy import OnlinePolicyStore
 from .policy_store import BundleError, BundleWatcher, LoadedPolicy, PolicyStore
 from .schemas import (
+    OUT_OF_RANGE,
     ChannelHealth,
     DecideBatchRequest,
     DecideRequest,
@@ -76,11 +115,14 @@ from .schemas import (
     TypeIn,
 )
 from .session import FALLBACKS, Decision, Session, SessionError, SessionSpec
+from .signing import BundleTrust
 
-__all__ = ["ServerSettings", "create_app"]
+__all__ = ["DEFAULT_RATE_LIMIT", "ServerSettings", "create_app"]
 
 log = logging.getLogger(__name__)
-API_KEY_HEADER = "X-API-Key"
+#: per key: far above what a controller, ``make run`` or the testbed sends, far below what
+#: one process serves (a flooding key is refused long before it slows the others)
+DEFAULT_RATE_LIMIT = RateLimit(requests_per_s=2000.0, burst=4000)
 
 
 @dataclass
@@ -114,8 +156,31 @@ class ServerSettings:
     announce_url: str | None = None
     announce_topic: str = DEFAULT_TOPIC  # ``announce.topic``
     announce_send_timeout_s: float = 2.0  # an announcement not confirmed by then: failed
+    #: transport security (``security: {insecure, pki_dir}``): TLS with the PKI's
+    #: ``policy-server`` identity unless ``tls_certfile``/``tls_keyfile`` name others;
+    #: insecure: plain HTTP (warned). Applied by ``serve.py`` (uvicorn's TLS options).
+    security: TransportSecurity = field(default_factory=TransportSecurity)
+    tls_certfile: str | None = None  # ``tls.certfile`` (PEM); with tls_keyfile
+    tls_keyfile: str | None = None  # ``tls.keyfile`` (PEM, unencrypted)
+    #: per-key token bucket (``rate_limit: {requests_per_s, burst}``); None: no limit
+    rate_limit: RateLimit | None = DEFAULT_RATE_LIMIT
+    #: the public keys a bundle's signature must verify against, for the policy and the
+    #: online policy (``bundle_trust: {keys, pki_key}``, :mod:`serving.signing`); None: the
+    #: PKI's ``bundle-signing.pub`` of ``security`` (unsigned bundles accepted, warned, when
+    #: ``security.insecure``)
+    bundle_trust: BundleTrust | None = None
 
     def __post_init__(self) -> None:
+        self.security = TransportSecurity.from_mapping(self.security)
+        self.rate_limit = RateLimit.from_mapping(self.rate_limit)
+        if (self.tls_certfile is None) != (self.tls_keyfile is None):
+            raise ValueError("tls: give both certfile and keyfile, or neither (then the "
+                             "PKI's policy-server identity is used)")
+        if self.security.insecure and self.tls_certfile is not None:
+            raise ValueError("tls.certfile is set but security.insecure is true: choose one")
+        if self.bundle_trust is not None and not isinstance(self.bundle_trust, BundleTrust):
+            raise ValueError(f"bundle_trust: expected a serving.signing.BundleTrust (or None), "
+                             f"got {type(self.bundle_trust).__name__}")
         if self.fallback not in FALLBACKS:
             raise ValueError(f"fallback must be one of {FALLBACKS}, got {self.fallback!r}")
         if self.auth and not self.api_keys:
@@ -132,12 +197,30 @@ class ServerSettings:
             raise ValueError(f"announce.send_timeout_s must be positive, got "
                              f"{self.announce_send_timeout_s}")
 
+    def trust(self) -> BundleTrust:
+        """``bundle_trust``, or the trust of ``security`` (:meth:`BundleTrust.from_security`:
+        the PKI's key; ``PkiError`` if it has none)."""
+        if self.bundle_trust is None:
+            self.bundle_trust = BundleTrust.from_security(self.security)
+        return self.bundle_trust
+
+    def tls_files(self) -> tuple[str, str, str | None] | None:
+        """(certfile, keyfile, CA file) uvicorn serves with; None when insecure (plain HTTP).
+        The PKI's ``policy-server`` identity unless ``tls_certfile`` is set (CA: None)."""
+        if self.security.insecure:
+            return None
+        if self.tls_certfile is not None and self.tls_keyfile is not None:
+            return self.tls_certfile, self.tls_keyfile, None
+        ident = self.security.identity("policy-server")
+        return str(ident.cert), str(ident.key), str(ident.ca)
+
 
 _ERRORS = {400: {"model": ErrorOut, "description": "Body is not parseable (not JSON)"},
            401: {"model": ErrorOut, "description": "Missing or invalid API key"},
            404: {"model": ErrorOut, "description": "Unknown session"},
-           409: {"model": ErrorOut, "description": "Conflicts with the session's state"},
-           413: {"model": ErrorOut, "description": "Body or batch too large"},
+           409: {"model": ErrorOut, "description": "Contradicts the session's state or "
+                 "itself (names what)"},
+           413: {"model": ErrorOut, "description": "Body too large"},
            422: {"model": ErrorOut, "description": "Validation error (field and problem)"}}
 
 
@@ -187,20 +270,31 @@ class _TooLarge(Exception):
     pass
 
 
+def too_many(loc: list[str | int], n: int, limit: int, setting: str) -> HTTPException:
+    """The 422 of a list longer than a configured limit (its ``maxItems``)."""
+    return HTTPException(422, [{"loc": ["body", *loc], "type": "too_long",
+                                "msg": f"at most {limit} items ({setting}), got {n}"}])
+
+
 def _check_channels(types: Iterable[TypeIn], num_topics: int) -> None:
     for i, t in enumerate(types):
         if t.channel is not None and t.channel > num_topics:
-            raise HTTPException(422, [{"loc": ["body", "types", i, "channel"],
+            raise HTTPException(409, [{"loc": ["body", "types", i, "channel"],
                                        "msg": f"channel {t.channel} > num_topics {num_topics}",
                                        "type": "value_error"}])
 
 
 def create_app(settings: ServerSettings | None = None, *,
                store: PolicyStore | None = None) -> FastAPI:
-    """The app; its lifespan loads ``settings.bundle`` (if any) and starts the watcher."""
+    """The app; its lifespan loads ``settings.bundle`` (if any) and starts the watcher.
+    Every bundle it loads (at start, by the watcher, on ``PUT /v1/policy`` and
+    ``PUT /v1/online/policy``) must be signed by a key of ``settings.trust()``; a refused
+    one is logged (key id and reason) and the current policy keeps serving (409 on a PUT).
+    A ``store`` given keeps its own trust."""
     cfg = settings or ServerSettings(auth=False)
-    store = store or PolicyStore(batch_threads=cfg.batch_threads)
-    online_store = OnlinePolicyStore()
+    trust = cfg.trust()
+    store = store or PolicyStore(batch_threads=cfg.batch_threads, trust=trust)
+    online_store = OnlinePolicyStore(trust=trust)
     metrics = ServerMetrics()
     sessions: dict[str, Session] = {}
 
@@ -224,7 +318,7 @@ def create_app(settings: ServerSettings | None = None, *,
         if cfg.announce_url is not None:  # before the first load, which it announces
             announcer = Announcer(cfg.announce_url, cfg.announce_topic,
                                   send_timeout_s=cfg.announce_send_timeout_s,
-                                  registry=metrics.registry)
+                                  registry=metrics.registry, security=cfg.security)
             app.state.announcer = announcer
             store.add_listener(announcer.policy)
         # the simulator's compiled loops (loaded from their on-disk cache, or compiled on a
@@ -260,32 +354,116 @@ def create_app(settings: ServerSettings | None = None, *,
     app.state.metrics = metrics
     app.state.announcer = None  # an Announcer while started with announce_url
 
-    api_key = APIKeyHeader(name=API_KEY_HEADER, auto_error=False,
-                           description="A controller's API key")
+    # every configured key and its caller (admin keys first: a key in both lists is admin)
+    known = [(k, caller_for(k, True)) for k in cfg.admin_keys] + [
+        (k, caller_for(k, False)) for k in cfg.api_keys if k not in cfg.admin_keys]
 
-    def _valid(key: str | None, keys: list[str]) -> bool:
-        return key is not None and any(secrets.compare_digest(key, k) for k in keys)
+    def rate_limited(who: str) -> None:
+        metrics.rate_limited.labels(who).inc()
+        metrics.refused.labels("rate_limit").inc()
 
-    async def controller(key: str | None = Security(api_key)) -> None:
-        if cfg.auth and not _valid(key, cfg.api_keys + cfg.admin_keys):
-            raise HTTPException(401, "missing or invalid API key",
-                                headers={"WWW-Authenticate": API_KEY_HEADER})
+    limiter = (RateLimiter(cfg.rate_limit, on_refused=rate_limited)
+               if cfg.auth and cfg.rate_limit is not None else None)
 
-    async def admin(key: str | None = Security(api_key)) -> None:
-        if cfg.auth and not _valid(key, cfg.admin_keys):
-            if _valid(key, cfg.api_keys):
+    def _peer(request: Request) -> str:
+        c = request.client
+        return f"{c.host}:{c.port}" if c is not None else "unknown-peer"
+
+    def _action(request: Request) -> str:
+        route = request.scope.get("route")
+        return f"{request.method} {getattr(route, 'path', request.url.path)}"
+
+    def identify(request: Request, key: str | None) -> Caller:
+        """The caller of a request (401, logged with the peer's address, if none)."""
+        if not cfg.auth:
+            return ANONYMOUS
+        if key is not None:
+            match = None
+            for k, c in known:  # every comparison made: the time does not say which key
+                if secrets.compare_digest(key.encode("utf-8", "surrogatepass"),
+                                          k.encode("utf-8", "surrogatepass")):
+                    match = match or c
+            if match is not None:
+                return match
+        metrics.refused.labels("unauthenticated").inc()
+        audit(_peer(request), _action(request), "-", "refused", "401: " + (
+            "no API key" if key is None else "invalid API key"), level=logging.WARNING)
+        raise HTTPException(401, "missing or invalid API key",
+                            headers={"WWW-Authenticate": API_KEY_HEADER})
+
+    def throttle(request: Request, caller: Caller) -> None:
+        if limiter is not None:
+            wait = limiter.take(caller.key_id, _action(request))
+            if wait > 0:
+                raise HTTPException(429, f"rate limit: this key is over "
+                                         f"{limiter.limit.requests_per_s:g} requests/s",
+                                    headers={"Retry-After": retry_after(wait)})
+
+    class _Gate:
+        """``app.state.access``: the callers of :func:`serving.access.require_controller`
+        and :func:`serving.access.require_admin`."""
+
+        def controller(self, request: Request, key: str | None) -> Caller:
+            caller = identify(request, key)
+            throttle(request, caller)
+            return caller
+
+        def admin(self, request: Request, key: str | None) -> Caller:
+            caller = identify(request, key)
+            if not caller.admin:
+                metrics.refused.labels("not_admin").inc()
+                audit(caller.key_id, _action(request), "-", "refused",
+                      "403: not an admin key", level=logging.WARNING)
                 raise HTTPException(403, "policy swaps need an admin key")
-            raise HTTPException(401, "missing or invalid API key",
-                                headers={"WWW-Authenticate": API_KEY_HEADER})
+            throttle(request, caller)
+            return caller
 
+    app.state.access = _Gate()
+    controller, admin = require_controller, require_admin
     # exposed for app.dependency_overrides (tests, embedding behind another auth layer)
     app.state.require_controller, app.state.require_admin = controller, admin
 
-    def get_session(session_id: str) -> Session:
+    def owned(what: str, session_id: str, owner: str | None, caller: Caller,
+              action: str) -> None:
+        """Another key's session is unknown to the caller (the same 404, logged), except
+        for an admin key reading or deleting it (audited)."""
+        if owner is None or owner == caller.owner:
+            return
+        target = f"{what} {session_id}"
+        if caller.admin and action in ("read", "delete"):
+            audit(caller.key_id, f"{what}.{action}", target, "ok",
+                  "another key's session (admin)")
+            return
+        metrics.refused.labels("foreign_session").inc()
+        audit(caller.key_id, f"{what}.{action}", target, "refused",
+              "404: another key's session", level=logging.WARNING)
+        raise HTTPException(404, f"unknown {what} {session_id!r}")
+
+    def get_session(session_id: str, caller: Caller = ANONYMOUS,
+                    action: str = "use") -> Session:
         s = sessions.get(session_id)
         if s is None:
             raise HTTPException(404, f"unknown session {session_id!r}")
+        owned("session", session_id, s.owner, caller, action)
         return s
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> Response:
+        errors = exc.errors()
+        if errors and all(e.get("type") == OUT_OF_RANGE for e in errors):
+            # the schema allows it (no bound a JSON number states exactly), the server
+            # cannot hold it: a conflict, not a schema violation
+            return JSONResponse({"detail": [{k: e[k] for k in ("type", "loc", "msg", "input")
+                                             if k in e} for e in errors]}, 409)
+        return await request_validation_exception_handler(request, exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 405:  # name every method of the resource, not one route's
+            methods = allowed_methods(app, request.scope["path"])
+            if methods is not None:
+                exc.headers = {**(exc.headers or {}), "Allow": ", ".join(methods)}
+        return await http_exception_handler(request, exc)
 
     @app.exception_handler(SessionError)
     async def _session_error(request: Request, exc: SessionError) -> JSONResponse:
@@ -363,26 +541,29 @@ def create_app(settings: ServerSettings | None = None, *,
                                  "X-Policy-Hash": p.hash})
 
     @app.put("/v1/policy", response_model=PolicyOut, tags=["policy"],
-             dependencies=[Depends(admin)],
              responses=_errors(400, 401, 409, 422) | {403: {"model": ErrorOut,
                                                        "description": "Not an admin key"}})
-    async def swap_policy(body: PolicySwap) -> PolicyOut:
+    async def swap_policy(body: PolicySwap, caller: AdminCaller) -> PolicyOut:
         try:
             p = await asyncio.to_thread(load, body.path, body.force)
         except BundleError as e:
+            audit(caller.key_id, "policy.load", body.path, "failed", f"409: {e}",
+                  level=logging.WARNING)
             raise HTTPException(409, str(e)) from None
+        audit(caller.key_id, "policy.load", body.path, "ok",
+              f"version {p.version} hash {p.hash[:16]}" + (" (forced)" if body.force else ""))
         return policy_out(p)
 
     # ------------------------------------------------------------------ sessions
     @app.post("/v1/sessions", response_model=SessionCreated, status_code=201, tags=["sessions"],
-              dependencies=[Depends(controller)],
-              responses=_errors(400, 401, 413, 422) | {429: {"model": ErrorOut,
+              responses=_errors(400, 401, 409, 413, 422) | {429: {"model": ErrorOut,
                                                         "description": "Too many sessions"}})
-    async def create_session(body: SessionCreate) -> SessionCreated:
+    async def create_session(body: SessionCreate,
+                             caller: ControllerCaller) -> SessionCreated:
         if len(sessions) >= cfg.max_sessions:
             raise HTTPException(429, f"session limit ({cfg.max_sessions}) reached")
         if len(body.types) > cfg.max_types:
-            raise HTTPException(413, f"types: {len(body.types)} > max_types {cfg.max_types}")
+            raise too_many(["types"], len(body.types), cfg.max_types, "max_types")
         _check_channels(body.types, body.num_topics)
         health = None if body.channel_health is None else body.channel_health.model_dump()
         try:
@@ -390,7 +571,7 @@ def create_app(settings: ServerSettings | None = None, *,
                                np.array([n.capacity_bps for n in body.nodes], np.int64),
                                body.controller.bandwidth_bps, body.controller.cpu,
                                body.num_topics, body.interval_s, dict(body.scenario_signature))
-            s = Session(spec, seed=body.seed)
+            s = Session(spec, seed=body.seed, owner=caller.owner)
             s.add_types((t.id, t.destinations) for t in body.types)
             s.update_rates({t.id: t.rate_bps for t in body.types if t.rate_bps is not None},
                            {t.id: t.messages for t in body.types if t.messages is not None})
@@ -398,7 +579,7 @@ def create_app(settings: ServerSettings | None = None, *,
             if health is not None:
                 s.set_health(health)
         except DSMDError as e:
-            raise HTTPException(422, str(e)) from None
+            raise HTTPException(409, str(e)) from None
         sid = uuid.uuid4().hex
         sessions[sid] = s
         why = s.compatibility(store.current())
@@ -406,16 +587,20 @@ def create_app(settings: ServerSettings | None = None, *,
                               policy_compatible=why is None, reason=why)
 
     @app.get("/v1/sessions/{session_id}", response_model=SessionOut, tags=["sessions"],
-             dependencies=[Depends(controller)], responses=_errors(401, 404))
-    async def read_session(session_id: str) -> SessionOut:
-        return session_out(session_id, get_session(session_id))
+             responses=_errors(401, 404))
+    async def read_session(session_id: str,
+                           caller: ControllerCaller) -> SessionOut:
+        return session_out(session_id, get_session(session_id, caller, "read"))
 
     @app.patch("/v1/sessions/{session_id}", response_model=SessionOut, tags=["sessions"],
-               dependencies=[Depends(controller)], responses=_errors(400, 401, 404, 409, 413, 422))
-    async def update_session(session_id: str, body: SessionUpdate) -> SessionOut:
-        s = get_session(session_id)
+               responses=_errors(400, 401, 404, 409, 413, 422))
+    async def update_session(session_id: str, body: SessionUpdate,
+                             caller: ControllerCaller) -> SessionOut:
+        s = get_session(session_id, caller, "update")
+        if len(body.types) > cfg.max_types:
+            raise too_many(["types"], len(body.types), cfg.max_types, "max_types")
         if s.catalog_size + len(body.types) > cfg.max_types:
-            raise HTTPException(413, f"types: the session would exceed max_types "
+            raise HTTPException(409, f"types: the session would exceed max_types "
                                      f"{cfg.max_types}")
         _check_channels(body.types, s.spec.num_topics)
         health = None if body.channel_health is None else body.channel_health.model_dump()
@@ -423,7 +608,7 @@ def create_app(settings: ServerSettings | None = None, *,
             try:
                 s.check_health(health)
             except SessionError as e:
-                raise HTTPException(422, [{"loc": ["body", "channel_health"], "msg": str(e),
+                raise HTTPException(409, [{"loc": ["body", "channel_health"], "msg": str(e),
                                            "type": "value_error"}]) from None
         if body.types or health is None:  # a health-only update leaves the rest alone
             s.add_types((t.id, t.destinations) for t in body.types)
@@ -438,26 +623,29 @@ def create_app(settings: ServerSettings | None = None, *,
         return session_out(session_id, s)
 
     @app.get("/v1/sessions/{session_id}/health", response_model=SessionHealthOut,
-             tags=["sessions"], dependencies=[Depends(controller)], responses=_errors(401, 404))
-    async def read_session_health(session_id: str) -> SessionHealthOut:
-        s = get_session(session_id)
+             tags=["sessions"], responses=_errors(401, 404))
+    async def read_session_health(session_id: str,
+                                  caller: ControllerCaller) -> SessionHealthOut:
+        s = get_session(session_id, caller, "read")
         return SessionHealthOut(session_id=session_id, version=s.version,
                                 channel_health=None if s.health is None
                                 else ChannelHealth(**s.health))
 
     @app.delete("/v1/sessions/{session_id}", status_code=204, tags=["sessions"],
-                dependencies=[Depends(controller)], responses=_errors(401, 404))
-    async def delete_session(session_id: str) -> Response:
-        get_session(session_id)
+                responses=_errors(401, 404))
+    async def delete_session(session_id: str,
+                             caller: ControllerCaller) -> Response:
+        get_session(session_id, caller, "delete")
         del sessions[session_id]
         return Response(status_code=204)
 
     @app.post("/v1/sessions/{session_id}/rates", response_model=RateUpdated, tags=["sessions"],
-              dependencies=[Depends(controller)], responses=_errors(400, 401, 404, 409, 413, 422))
-    async def update_rates(session_id: str, body: RateUpdate) -> RateUpdated:
-        s = get_session(session_id)
+              responses=_errors(400, 401, 404, 409, 413, 422))
+    async def update_rates(session_id: str, body: RateUpdate,
+                           caller: ControllerCaller) -> RateUpdated:
+        s = get_session(session_id, caller, "rates")
         if len(body.rates) > cfg.max_types:
-            raise HTTPException(413, f"rates: {len(body.rates)} > max_types {cfg.max_types}")
+            raise too_many(["rates"], len(body.rates), cfg.max_types, "max_types")
         s.update_rates({r.type: r.rate_bps for r in body.rates},
                        {r.type: r.messages for r in body.rates if r.messages is not None},
                        replace=body.replace)
@@ -465,22 +653,26 @@ def create_app(settings: ServerSettings | None = None, *,
 
     # ------------------------------------------------------------------ decisions
     @app.post("/v1/sessions/{session_id}/decide", response_model=DecisionSingleOut,
-              tags=["decisions"], dependencies=[Depends(controller)],
+              tags=["decisions"],
               responses=_errors(400, 401, 404, 409, 413, 422))
-    async def decide(session_id: str, body: DecideRequest) -> dict[str, Any]:
-        s = get_session(session_id)
+    async def decide(session_id: str, body: DecideRequest,
+                     caller: ControllerCaller) -> dict[str, Any]:
+        s = get_session(session_id, caller, "decide")
         p = store.current()  # one version for the whole request
         (d,) = s.decide([body.type], p, fallback=cfg.fallback, explain=body.explain)
         return decision_out(d) | _versions(p, s)
 
     @app.post("/v1/sessions/{session_id}/decide/batch", response_model=DecisionBatchOut,
-              tags=["decisions"], dependencies=[Depends(controller)],
+              tags=["decisions"],
               responses=_errors(400, 401, 404, 409, 413, 422))
-    async def decide_batch(session_id: str, body: DecideBatchRequest) -> dict[str, Any]:
-        s = get_session(session_id)
-        n = len(body.types) if body.types is not None else int(s.active.size)
-        if n > cfg.max_batch:
-            raise HTTPException(413, f"types: a batch of {n} exceeds max_batch {cfg.max_batch}")
+    async def decide_batch(session_id: str, body: DecideBatchRequest,
+                           caller: ControllerCaller) -> dict[str, Any]:
+        s = get_session(session_id, caller, "decide")
+        if body.types is not None and len(body.types) > cfg.max_batch:
+            raise too_many(["types"], len(body.types), cfg.max_batch, "max_batch")
+        if body.types is None and s.active.size > cfg.max_batch:
+            raise HTTPException(409, f"types: the session's {s.active.size} active types "
+                                     f"exceed max_batch {cfg.max_batch}: list the types")
         p = store.current()
         ds = s.decide(body.types, p, fallback=cfg.fallback, replan=body.replan,
                       explain=body.explain, parallel=body.parallel)
@@ -492,7 +684,22 @@ def create_app(settings: ServerSettings | None = None, *,
                 "session_version": s.version}
 
     add_online_routes(app, store=online_store, controller=controller, admin=admin,
-                      max_sessions=cfg.max_sessions, max_batch=cfg.max_batch)
+                      owned=owned, max_sessions=cfg.max_sessions, max_batch=cfg.max_batch)
+    base_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        fresh = app.openapi_schema is None
+        schema = base_openapi()
+        if not fresh:
+            return schema
+        return document_contract(schema, limiter is not None, {
+            ("SessionCreate", "types"): cfg.max_types, ("SessionUpdate", "types"): cfg.max_types,
+            ("RateUpdate", "rates"): cfg.max_types,
+            ("DecideBatchRequest", "types"): cfg.max_batch,
+            ("MessagesIn", "messages"): cfg.max_batch})
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    app.add_middleware(AllowMiddleware, api=app)
     app.add_middleware(BodyLimit, limit=cfg.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app

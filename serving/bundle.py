@@ -16,11 +16,15 @@ A bundle is a directory::
     metadata.json    format and version, observation layout, scenario signature, action
                      decoding, decision order, training facts, library versions, and the
                      SHA-256 of each actor file
+    SIGNATURE.json   the Ed25519 signature over the three files above, by the key that
+                     exported the bundle (:mod:`serving.signing`)
 
 :func:`load_bundle` refuses (:class:`BundleError`, naming the file and what differs) a bundle
 whose files are missing or unreadable, whose format or version this runtime does not read
-(:data:`READABLE_VERSIONS`), whose actor files do not match their recorded hashes, or whose
-observation layout or scenario signature differs from what the caller expects.
+(:data:`READABLE_VERSIONS`), whose signature is missing or does not verify against the
+trusted keys (:class:`serving.signing.SignatureError`, checked before any actor file is
+opened), whose actor files do not match their recorded hashes, or whose observation layout
+or scenario signature differs from what the caller expects.
 
 The two actor files are scored by :class:`OnnxScorer`, which holds one ONNX Runtime
 ``InferenceSession`` for each (``ort_session`` and ``row_ort_session``).
@@ -36,18 +40,23 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from envs.dsmd.observation import ObservationLayout
 
+if TYPE_CHECKING:
+    from .signing import BundleTrust
+
 __all__ = [
+    "BUNDLE_CONTENT",
     "BUNDLE_FILES",
     "BUNDLE_FORMAT",
     "BUNDLE_VERSION",
     "DECODING",
     "READABLE_VERSIONS",
+    "SIGNATURE_FILE",
     "BundleError",
     "OnnxScorer",
     "PolicyBundle",
@@ -63,8 +72,13 @@ BUNDLE_FORMAT = "smart-dsmd-policy"
 BUNDLE_VERSION = 4
 #: the versions :func:`load_bundle` reads
 READABLE_VERSIONS = (BUNDLE_VERSION,)
-#: every file a bundle holds (what is copied when a bundle is published or fetched)
-BUNDLE_FILES = ("metadata.json", "actor.onnx", "actor_row.onnx")
+#: the files the loader reads (every one covered by the signature)
+BUNDLE_CONTENT = ("metadata.json", "actor.onnx", "actor_row.onnx")
+#: the signature file of a signed bundle (:mod:`serving.signing`)
+SIGNATURE_FILE = "SIGNATURE.json"
+#: every file a bundle holds (what is copied when a bundle is published or fetched; an
+#: unsigned bundle, accepted only by an insecure loader, has no SIGNATURE.json)
+BUNDLE_FILES = (*BUNDLE_CONTENT, SIGNATURE_FILE)
 #: the decoding modes a bundle may record, and how each turns scores into a channel
 DECODING = {"argmax": "argmax over the K+1 channel scores (0 = RPC, t = MQ topic t); ties "
                       "broken uniformly at random",
@@ -217,11 +231,14 @@ class PolicyBundle:
     metadata: dict
     layout: ObservationLayout
     scorer: OnnxScorer
+    #: the id of the key whose signature was verified (None: an unsigned bundle, accepted
+    #: by an insecure loader)
+    signed_by: str | None = None
 
     @property
     def files(self) -> tuple[str, ...]:
-        """The bundle's files (:data:`BUNDLE_FILES`)."""
-        return BUNDLE_FILES
+        """The bundle's files (:data:`BUNDLE_FILES`; no signature file if unsigned)."""
+        return BUNDLE_FILES if self.signed_by is not None else BUNDLE_CONTENT
 
     @property
     def batch_threads(self) -> int:
@@ -373,8 +390,13 @@ def inference_session(path: Path, threads: int = 1) -> Any:
 
 def load_bundle(directory: str | Path, *, expect_layout: ObservationLayout | None = None,
                 expect_signature: dict | None = None, threads: int = 1,
-                batch_threads: int | None = None) -> PolicyBundle:
+                batch_threads: int | None = None,
+                trust: BundleTrust | None = None) -> PolicyBundle:
     """Load and verify a bundle with ONNX Runtime (CPU).
+
+    ``trust``: the public keys its signature must verify against
+    (:func:`serving.signing.verify_bundle`, before any actor file is opened); None: the
+    secure default, the PKI's ``bundle-signing.pub`` (:func:`serving.signing.default_trust`).
 
     ``threads``: ONNX Runtime's intra-op threads. The default, 1, runs each call on the
     caller's thread without spinning: these actors are small, and ORT's default (a worker
@@ -388,7 +410,10 @@ def load_bundle(directory: str | Path, *, expect_layout: ObservationLayout | Non
     (``bench/bench_serving.py``).
     """
     d = Path(directory)
-    meta = read_metadata(d, BUNDLE_FORMAT, READABLE_VERSIONS, BUNDLE_FILES[1:])
+    meta = read_metadata(d, BUNDLE_FORMAT, READABLE_VERSIONS, BUNDLE_CONTENT[1:])
+    from .signing import verify_bundle
+
+    signed_by = verify_bundle(d, trust, required=BUNDLE_CONTENT)
     meta_path = d / "metadata.json"
     try:
         _check_hash(d / "actor.onnx", meta, "actor_sha256")
@@ -421,4 +446,4 @@ def load_bundle(directory: str | Path, *, expect_layout: ObservationLayout | Non
     scorer = OnnxScorer(inference_session(d / "actor.onnx", threads),
                         inference_session(d / "actor_row.onnx", threads), layout.size,
                         layout.num_topics + 1, batch_threads)
-    return PolicyBundle(d, meta, layout, scorer)
+    return PolicyBundle(d, meta, layout, scorer, signed_by)

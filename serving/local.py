@@ -1,18 +1,30 @@
 """A policy server on a free loopback port, in a subprocess (``serve.py``): started, awaited
 until ready, killed or stopped by its process. Used by the end-to-end tests, the serving
-benchmark and the delivery testbed."""
+benchmark and the delivery testbed.
+
+Secure by default: the server serves HTTPS with the PKI's ``policy-server`` identity
+(``security``, :class:`security.tls.Security`; the subprocess inherits ``$SMART_PKI_DIR``
+and is told ``security.pki_dir`` if one is set), :attr:`LocalServer.url` is ``https://``, and
+:attr:`LocalServer.verify` / :meth:`LocalServer.client` check it against the PKI's CA.
+``Security(insecure=True)``: plain HTTP (the server warns). ``bundle_trust_keys``: the
+bundle-signing public keys the server trusts beside the PKI's (``bundle_trust.keys``; None:
+``configs/serve.yaml``'s, the committed example bundle's key)."""
 
 from __future__ import annotations
 
 import signal
+import ssl
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 from envs.netutil import free_ports
+from security.tls import Security
 
 __all__ = ["LocalServer"]
 
@@ -20,33 +32,69 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 class LocalServer:
-    """``python serve.py`` with ``bundle``, keys and extra Hydra overrides; ``cpu`` pins it
-    to those cores (``taskset``), ``log_dir`` keeps its stderr."""
+    """``python serve.py`` with ``bundle``, keys (``api_key``: one controller key or
+    several) and extra Hydra overrides; ``cpu`` pins it to those cores (``taskset``),
+    ``log_dir`` keeps its stderr."""
 
-    def __init__(self, bundle: str | Path | None, log_dir: str | Path, *, api_key: str,
-                 admin_key: str | None = None, port: int | None = None,
-                 overrides: list[str] | None = None, cpu: str | None = None,
-                 python_args: list[str] | None = None) -> None:
+    def __init__(self, bundle: str | Path | None, log_dir: str | Path, *,
+                 api_key: str | Sequence[str], admin_key: str | None = None,
+                 port: int | None = None, overrides: list[str] | None = None,
+                 cpu: str | None = None,
+                 python_args: list[str] | None = None,
+                 security: Security | None = None,
+                 bundle_trust_keys: Sequence[str | Path] | None = None) -> None:
         self.bundle, self.log_dir = bundle, Path(log_dir)
+        self.bundle_trust_keys = (None if bundle_trust_keys is None
+                                  else [str(k) for k in bundle_trust_keys])
         self.api_key, self.admin_key = api_key, admin_key
+        self.security = security if security is not None else Security()
         self.port = port or free_ports(1)[0]
-        self.url = f"http://127.0.0.1:{self.port}"
+        scheme = "http" if self.security.insecure else "https"
+        self.url = f"{scheme}://127.0.0.1:{self.port}"
         self.overrides, self.cpu = list(overrides or []), cpu
         self.python_args = list(python_args or [])  # e.g. ["-c", launcher]
         self.proc: subprocess.Popen | None = None
         self.start_s: float | None = None  # process start to ready, seconds
+        self._verify: ssl.SSLContext | bool | None = None
 
     @property
     def log_file(self) -> Path:
         return self.log_dir / f"server-{self.port}.log"
 
+    @property
+    def verify(self) -> ssl.SSLContext | bool:
+        """httpx's ``verify`` for this server: a context trusting the PKI's CA (False when
+        insecure: plain HTTP)."""
+        if self._verify is None:
+            self._verify = (False if self.security.insecure else
+                            ssl.create_default_context(cafile=str(self.security.pki.ca_cert)))
+        return self._verify
+
+    def client(self, key: str | None = None, **kw: Any) -> httpx.Client:
+        """A keep-alive client of this server verifying it (``key``: its ``X-API-Key``)."""
+        headers = dict(kw.pop("headers", {}))
+        if key is not None:
+            headers["X-API-Key"] = key
+        return httpx.Client(base_url=self.url, verify=self.verify, headers=headers, **kw)
+
+    def _security_overrides(self) -> list[str]:
+        sec = self.security
+        out = [f"security.insecure={'true' if sec.insecure else 'false'}"]
+        if sec.pki_dir is not None:
+            out.append(f"security.pki_dir={sec.pki_dir}")
+        if self.bundle_trust_keys is not None:
+            out.append(f"bundle_trust.keys={_keys(self.bundle_trust_keys)}")
+        return out
+
     def start(self, timeout_s: float = 60.0) -> LocalServer:
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        verify = self.verify  # the PKI exists (created if a development one) before the child
         cmd = [sys.executable, *self.python_args, str(ROOT / "serve.py"), f"port={self.port}",
                f"bundle={self.bundle if self.bundle is not None else 'null'}",
-               f"api_keys={self.api_key}", f"admin_keys={self.admin_key or ''}",
+               f"api_keys={_keys(self.api_key)}",
+               f"admin_keys={_keys(self.admin_key or [])}",
                "watch=false", "log_level=warning", f"hydra.run.dir={self.log_dir / 'hydra'}",
-               *self.overrides]
+               *self._security_overrides(), *self.overrides]
         if self.cpu is not None:
             cmd = ["taskset", "-c", self.cpu, *cmd]
         t0 = time.perf_counter()
@@ -55,7 +103,8 @@ class LocalServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
-                if httpx.get(self.url + "/v1/health/ready", timeout=0.5).status_code == 200:
+                if httpx.get(self.url + "/v1/health/ready", timeout=0.5,
+                             verify=verify).status_code == 200:
                     self.start_s = time.perf_counter() - t0
                     return self
             except httpx.HTTPError:
@@ -86,3 +135,10 @@ class LocalServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _keys(keys: str | Sequence[str]) -> str:
+    """A Hydra override value: a list of quoted strings (keys may hold ``,`` or ``=``)."""
+    items = [keys] if isinstance(keys, str) else list(keys)
+    quoted = ("'" + k.replace("\\", "\\\\").replace("'", "\\'") + "'" for k in items)
+    return "[" + ",".join(quoted) + "]"

@@ -30,6 +30,11 @@ class ServerMetrics:
         self.policy_version = Gauge("smart_policy_version", "Loaded policy version (0: none)",
                                     registry=r)
         self.sessions = Gauge("smart_sessions", "Live controller sessions", registry=r)
+        self.refused = Counter("smart_access_refused", "Requests refused by access control, "
+                               "by reason (unauthenticated, not_admin, foreign_session, "
+                               "rate_limit)", ["reason"], registry=r)
+        self.rate_limited = Counter("smart_rate_limited", "Requests refused by the per-key "
+                                    "rate limit, by key id", ["key"], registry=r)
 
     def decision(self, channel: int, source: str, reason: str | None) -> None:
         self.decisions.labels("rpc" if channel == 0 else f"topic_{channel}", source).inc()

@@ -24,6 +24,14 @@ the same messages. Two modes, as :class:`serving.adapter.ControllerAdapter`'s:
             lost (404, a restart) is restored so at once when the adapter asks for a plan.
             To restore, remote mode keeps every message and decision of the session.
 
+``security`` (secure by default) is the server's TLS check, as for
+:class:`serving.adapter.ControllerAdapter`: an ``https://`` URL verified against the PKI's
+CA; ``Security(insecure=True)`` for a plain ``http://`` URL (debugging; warned). In cached
+mode a fetched bundle is used only if its signature verifies against ``bundle_trust``
+(:class:`serving.signing.BundleTrust`; default: the PKI's bundle-signing key): one the
+server offers that does not is refused (logged once with the key id and the reason) and the
+adapter keeps the bundle it has.
+
 The fallback decider is :func:`serving.online_session.fallback_decider` (the knob executor
 re-planning on the last estimate). With ``trace_log`` every submitted message is kept and
 :meth:`OnlineAdapter.flush_trace` writes a trace directory (``messages.parquet``, the
@@ -51,14 +59,24 @@ from envs.dsmd.parser import BatchKey
 from envs.dsmd.scenarios import ScenarioSpec
 from envs.dsmd.topology import Topology
 from envs.dsmd.traces import Dataset, write_dataset
+from security.tls import Security
 
-from .adapter import MODES, AdapterError, CircuitBreaker, _Unavailable, get_bytes, send
+from .adapter import (
+    MODES,
+    AdapterError,
+    CircuitBreaker,
+    _Unavailable,
+    get_bytes,
+    http_client,
+    send,
+)
 from .bundle import BundleError
 from .online_bundle import OnlineBundle, load_online_bundle
 from .online_policy import unzip_bundle
 from .online_schemas import OnlineSessionCreate, PlanIn, PlannedIn, messages_body
 from .online_session import Closed, OnlineSession, Plan, fallback_decider
 from .schemas import NodeIn, request_body
+from .signing import BundleTrust, SignatureError
 
 __all__ = ["OnlineAdapter", "online_session_body"]
 
@@ -93,7 +111,9 @@ class OnlineAdapter:
                  timeout_s: float = 2.0, retries: int = 1, breaker_failures: int = 3,
                  breaker_reset_s: float = 2.0, refresh_s: float = 30.0,
                  cache_dir: str | Path | None = None, trace_log: bool = False,
-                 name: str = "live", chunk: int = 1000) -> None:
+                 name: str = "live", chunk: int = 1000,
+                 security: Security | None = None,
+                 bundle_trust: BundleTrust | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if retries < 0 or timeout_s <= 0 or chunk < 1:
@@ -103,12 +123,14 @@ class OnlineAdapter:
         self.timeout_s, self.retries, self.refresh_s = timeout_s, retries, refresh_s
         self.cache_dir = Path(cache_dir) if cache_dir else None
         self.breaker = CircuitBreaker(breaker_failures, breaker_reset_s)
+        self.security = security if security is not None else Security()
+        # cached mode: the keys a fetched bundle must be signed by
+        self.bundle_trust = (bundle_trust if bundle_trust is not None or mode != "cached"
+                             else BundleTrust.from_security(self.security))
         self._client = None
         if base_url is not None:
-            import httpx
-
-            self._client = httpx.Client(base_url=base_url, timeout=timeout_s,
-                                        headers={"X-API-Key": api_key} if api_key else {})
+            self._client = http_client(base_url, api_key, timeout_s, self.security,
+                                       "online adapter")
         self._bundle: tuple[OnlineBundle | None, int] = (None, 0)  # cached: (bundle, version)
         self._deciding = 0  # cached: the version the engine decides with (0: fallback)
         self._last_refresh = -float("inf")
@@ -339,7 +361,10 @@ class OnlineAdapter:
             return False
         root = self.cache_dir or Path.home() / ".cache" / "smart-dsmd" / "online-bundles"
         try:
-            bundle = load_online_bundle(unzip_bundle(raw, root / info["hash"][:16]))
+            bundle = load_online_bundle(unzip_bundle(raw, root / info["hash"][:16]),
+                                        self.bundle_trust)
+        except SignatureError:  # logged once by the verification, with the key id
+            return False
         except BundleError as e:
             log.error("downloaded online bundle refused: %s", e)
             return False

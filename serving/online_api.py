@@ -8,29 +8,32 @@ response places every type the plan does not cover, on its first message, and gi
 message's channel), ``POST .../intervals/{w}/close`` (the interval's realised terms). The
 engine is :class:`serving.online_session.OnlineSession`, the same as the online adapter's.
 
-Failures: 401 / 403 (keys, as for the static endpoints), 404 (unknown session), 409 (a
-request out of order with the session: an interval that is not the open one, a message of
-another interval or out of time order, no online policy loaded when one must plan, a plan
-already made, a bundle refused on swap), 413 (more than ``max_batch`` messages in one
-request), 422 (a body that can never be valid: a field, an unknown destination node, a
-message id sent before, a placement for a type the batch does not place), 429
-(``max_sessions`` online sessions open). Every message names what is wrong; a failed
-request changes nothing but, at most, the open interval's plan (due at its boundary anyway:
-the same plan whenever it is made).
+Failures: 401 / 403 (keys, as for the static endpoints), 404 (unknown session, or one
+another key created: each session belongs to the key that created it, as for the static
+endpoints, :mod:`serving.access`), 409 (a request out of order with the session: an
+interval that is not the open one, a message of another interval or out of time order, no
+online policy loaded when one must plan, a plan already made, a bundle refused on swap; and
+a body the schema accepts that contradicts itself or the session: an unknown dataset or
+destination node, a message id sent before, a placement for a type the batch does not
+place), 413 (a body over ``max_body_bytes``), 422 (a body the schema refuses, more than
+``max_batch`` messages included), 429 (``max_sessions`` online sessions open). Every
+message names what is wrong; a failed request changes nothing but, at most, the open
+interval's plan (due at its boundary anyway: the same plan whenever it is made).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import TypeVar
+from typing import Annotated, TypeVar
 
 import numpy as np
-from fastapi import Depends, FastAPI, HTTPException, Request, Response
+from fastapi import Depends, FastAPI, HTTPException, Path, Request, Response
 from fastapi.responses import JSONResponse
 
 from envs.dsmd.dataset import load_dataset_spec
@@ -40,6 +43,7 @@ from envs.dsmd.online_control import FEATURES
 from envs.dsmd.scenarios import ScenarioSpec
 from envs.dsmd.topology import Topology
 
+from .access import AdminCaller, Caller, ControllerCaller, audit
 from .online_policy import BundleError, LoadedOnlinePolicy, OnlinePolicyStore, bundle_zip
 from .online_schemas import (
     IntervalOut,
@@ -55,7 +59,7 @@ from .online_schemas import (
     PlanOut,
 )
 from .online_session import MessageRejected, OnlineSession, Plan, StateConflict, signature_scenario
-from .schemas import ErrorOut, PolicySwap
+from .schemas import MAX_JSON_INT, ErrorOut, PolicySwap
 
 __all__ = ["OnlineEntry", "add_online_routes"]
 
@@ -70,7 +74,11 @@ class OnlineEntry:
     session: OnlineSession
     lock: threading.Lock
     policy_version: int = 0
+    owner: str | None = None  # the owner id of the key that created it (serving.access)
 
+
+#: an interval index in a path (a JSON-safe integer: the same bound as every id)
+WindowParam = Annotated[int, Path(ge=0, le=MAX_JSON_INT, description="The interval index.")]
 
 _E = {c: {"model": ErrorOut} for c in (400, 401, 403, 404, 409, 413, 422, 429)}
 
@@ -80,7 +88,7 @@ def _errors(*codes: int) -> dict:
 
 
 def _scenario(body: OnlineSessionCreate) -> ScenarioSpec:
-    """The session's scenario (422 naming the field that is missing or disagrees)."""
+    """The session's scenario (409 naming the field that is missing or disagrees)."""
     if body.scenario is not None and body.dataset is not None:
         raise MessageRejected("give a scenario or a dataset, not both")
     if body.scenario is not None:
@@ -109,9 +117,16 @@ def _scenario(body: OnlineSessionCreate) -> ScenarioSpec:
 
 
 def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Callable,
-                      admin: Callable, max_sessions: int, max_batch: int) -> None:
-    """Register the online endpoints on ``app`` (module docstring)."""
+                      admin: Callable, max_sessions: int, max_batch: int,
+                      owned: Callable[[str, str, str | None, Caller, str], None] | None = None
+                      ) -> None:
+    """Register the online endpoints on ``app`` (module docstring). ``controller`` and
+    ``admin`` are the key dependencies of the endpoints that need no caller (those that do
+    take :data:`~serving.access.ControllerCaller` / :data:`~serving.access.AdminCaller`);
+    ``owned(what, session_id, owner, caller, action)`` raises the 404 for a session the
+    caller may not use."""
     sessions: dict[str, OnlineEntry] = {}
+    check_owner = owned or (lambda what, sid, owner, caller, action: None)
     app.state.online_sessions, app.state.online_store = sessions, store
 
     @app.exception_handler(StateConflict)
@@ -120,12 +135,13 @@ def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Cal
 
     @app.exception_handler(MessageRejected)
     async def _rejected(request: Request, exc: MessageRejected) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, 422)
+        return JSONResponse({"detail": str(exc)}, 409)
 
-    def entry(session_id: str) -> OnlineEntry:
+    def entry(session_id: str, caller: Caller, action: str = "use") -> OnlineEntry:
         e = sessions.get(session_id)
         if e is None:
             raise HTTPException(404, f"unknown online session {session_id!r}")
+        check_owner("online session", session_id, e.owner, caller, action)
         return e
 
     def at_boundary(e: OnlineEntry) -> None:
@@ -190,19 +206,23 @@ def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Cal
                         headers={"X-Policy-Version": str(p.version), "X-Policy-Hash": p.hash})
 
     @app.put("/v1/online/policy", response_model=OnlinePolicyOut, tags=["online"],
-             dependencies=[Depends(admin)], responses=_errors(400, 401, 403, 409, 422))
-    async def swap_online_policy(body: PolicySwap) -> OnlinePolicyOut:
+             responses=_errors(400, 401, 403, 409, 422))
+    async def swap_online_policy(body: PolicySwap, caller: AdminCaller) -> OnlinePolicyOut:
         try:
             p = await asyncio.to_thread(store.load, body.path)
         except BundleError as e:
+            audit(caller.key_id, "online_policy.load", body.path, "failed", f"409: {e}",
+                  level=logging.WARNING)
             raise HTTPException(409, str(e)) from None
+        audit(caller.key_id, "online_policy.load", body.path, "ok",
+              f"version {p.version} hash {p.hash[:16]}")
         return policy_out(p)
 
     # ------------------------------------------------------------------ sessions
     @app.post("/v1/online/sessions", response_model=OnlineSessionCreated, status_code=201,
-              tags=["online"], dependencies=[Depends(controller)],
-              responses=_errors(400, 401, 413, 422, 429))
-    async def create_online_session(body: OnlineSessionCreate) -> OnlineSessionCreated:
+              tags=["online"], responses=_errors(400, 401, 409, 413, 422, 429))
+    async def create_online_session(body: OnlineSessionCreate,
+                                    caller: ControllerCaller) -> OnlineSessionCreated:
         if len(sessions) >= max_sessions:
             raise HTTPException(429, f"online session limit ({max_sessions}) reached")
         p = store.current()
@@ -219,17 +239,17 @@ def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Cal
         except MessageRejected:
             raise
         except DSMDError as e:
-            raise HTTPException(422, str(e)) from None
+            raise HTTPException(409, str(e)) from None
         sid = uuid.uuid4().hex
-        sessions[sid] = OnlineEntry(s, threading.Lock())
+        sessions[sid] = OnlineEntry(s, threading.Lock(), owner=caller.owner)
         return OnlineSessionCreated(session_id=sid, window=s.window, start_ns=s.live.t0,
                                     scenario=spec.to_dict(), cost=asdict(cost),
                                     policy_version=0 if p is None else p.version)
 
     @app.get("/v1/online/sessions/{session_id}", response_model=OnlineSessionOut,
-             tags=["online"], dependencies=[Depends(controller)], responses=_errors(401, 404))
-    async def read_online_session(session_id: str) -> OnlineSessionOut:
-        e = entry(session_id)
+             tags=["online"], responses=_errors(401, 404))
+    async def read_online_session(session_id: str, caller: ControllerCaller) -> OnlineSessionOut:
+        e = entry(session_id, caller, "read")
         s = e.session
         cur = store.current()
         return OnlineSessionOut(session_id=session_id, window=s.window, planned=s.planned,
@@ -240,18 +260,17 @@ def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Cal
                                 else (cur.version if cur is not None else 0))
 
     @app.delete("/v1/online/sessions/{session_id}", status_code=204, tags=["online"],
-                dependencies=[Depends(controller)], responses=_errors(401, 404))
-    async def delete_online_session(session_id: str) -> Response:
-        entry(session_id)
+                responses=_errors(401, 404))
+    async def delete_online_session(session_id: str, caller: ControllerCaller) -> Response:
+        entry(session_id, caller, "delete")
         sessions.pop(session_id, None)
         return Response(status_code=204)
 
     # ------------------------------------------------------------------ intervals
     @app.get("/v1/online/sessions/{session_id}/intervals/{window}/plan",
-             response_model=PlanOut, tags=["online"], dependencies=[Depends(controller)],
-             responses=_errors(401, 404, 409))
-    async def get_plan(session_id: str, window: int) -> PlanOut:
-        e = entry(session_id)
+             response_model=PlanOut, tags=["online"], responses=_errors(401, 404, 409))
+    async def get_plan(session_id: str, window: WindowParam, caller: ControllerCaller) -> PlanOut:
+        e = entry(session_id, caller, "plan")
 
         def run() -> Plan:
             s = e.session
@@ -263,10 +282,11 @@ def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Cal
         return plan_out(e, await locked(e, run))
 
     @app.put("/v1/online/sessions/{session_id}/intervals/{window}/plan",
-             response_model=PlanOut, tags=["online"], dependencies=[Depends(controller)],
+             response_model=PlanOut, tags=["online"],
              responses=_errors(400, 401, 404, 409, 413, 422))
-    async def put_plan(session_id: str, window: int, body: PlanIn) -> PlanOut:
-        e = entry(session_id)
+    async def put_plan(session_id: str, window: WindowParam, body: PlanIn,
+                       caller: ControllerCaller) -> PlanOut:
+        e = entry(session_id, caller, "plan")
 
         def run() -> Plan:
             s = e.session
@@ -277,12 +297,15 @@ def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Cal
         return plan_out(e, await locked(e, run))
 
     @app.post("/v1/online/sessions/{session_id}/intervals/{window}/messages",
-              response_model=MessagesOut, tags=["online"], dependencies=[Depends(controller)],
+              response_model=MessagesOut, tags=["online"],
               responses=_errors(400, 401, 404, 409, 413, 422))
-    async def post_messages(session_id: str, window: int, body: MessagesIn) -> MessagesOut:
-        e = entry(session_id)
+    async def post_messages(session_id: str, window: WindowParam, body: MessagesIn,
+                            caller: ControllerCaller) -> MessagesOut:
+        e = entry(session_id, caller, "messages")
         if len(body.messages) > max_batch:
-            raise HTTPException(413, f"messages: {len(body.messages)} > max_batch {max_batch}")
+            raise HTTPException(422, [{"loc": ["body", "messages"], "type": "too_long",
+                                       "msg": f"at most {max_batch} items (max_batch), got "
+                                              f"{len(body.messages)}"}])
         given: dict[int, int] = {}
         for i, pl in enumerate(body.placements):
             if pl.type in given:
@@ -306,10 +329,10 @@ def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Cal
         return await locked(e, run)
 
     @app.post("/v1/online/sessions/{session_id}/intervals/{window}/close",
-              response_model=IntervalOut, tags=["online"], dependencies=[Depends(controller)],
-              responses=_errors(401, 404, 409))
-    async def close_interval(session_id: str, window: int) -> IntervalOut:
-        e = entry(session_id)
+              response_model=IntervalOut, tags=["online"], responses=_errors(401, 404, 409))
+    async def close_interval(session_id: str, window: WindowParam,
+                             caller: ControllerCaller) -> IntervalOut:
+        e = entry(session_id, caller, "close")
 
         def run() -> IntervalOut:
             s = e.session

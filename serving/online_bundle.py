@@ -11,32 +11,43 @@ A directory::
                     envs.dsmd.online_control.online_features); the knob map (ranges,
                     executor); the online cost it was trained for; the dataset and
                     scenario; training facts; the SHA-256 of actor.onnx
+    SIGNATURE.json  the Ed25519 signature over the two files above, by the key that
+                    exported the bundle (:mod:`serving.signing`)
 
 :func:`load_online_bundle` refuses (:class:`serving.bundle.BundleError`, naming what differs)
 a bundle whose files are missing or unreadable, whose format or version this runtime does
-not read, whose actor does not match its recorded hash, or whose features differ from this
-version's :data:`~envs.dsmd.online_control.FEATURES`.
+not read, whose signature is missing or does not verify against the trusted keys
+(:class:`serving.signing.SignatureError`, checked before the actor is opened), whose actor
+does not match its recorded hash, or whose features differ from this version's
+:data:`~envs.dsmd.online_control.FEATURES`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from envs.dsmd.online import OnlineCost
 from envs.dsmd.online_control import FEATURES, OBS_SIZE, KnobMap, KnobPolicy
 
-from .bundle import BundleError, read_metadata, sha256_file
+from .bundle import SIGNATURE_FILE, BundleError, read_metadata, sha256_file
 
-__all__ = ["ONLINE_BUNDLE_FORMAT", "ONLINE_BUNDLE_VERSION", "OnlineBundle",
-           "load_online_bundle"]
+if TYPE_CHECKING:
+    from .signing import BundleTrust
+
+__all__ = ["ONLINE_BUNDLE_CONTENT", "ONLINE_BUNDLE_FILES", "ONLINE_BUNDLE_FORMAT",
+           "ONLINE_BUNDLE_VERSION", "OnlineBundle", "load_online_bundle"]
 
 ONLINE_BUNDLE_FORMAT = "smart-dsmd-online-policy"
 #: the version :func:`agents.bundle_export.export_online_bundle` writes and this runtime reads
 ONLINE_BUNDLE_VERSION = 1
+#: the files the loader reads (every one covered by the signature)
+ONLINE_BUNDLE_CONTENT = ("metadata.json", "actor.onnx")
+#: every file an online bundle holds (no SIGNATURE.json if unsigned)
+ONLINE_BUNDLE_FILES = (*ONLINE_BUNDLE_CONTENT, SIGNATURE_FILE)
 
 
 @dataclass
@@ -49,6 +60,13 @@ class OnlineBundle:
     knob_map: KnobMap
     cost: OnlineCost
     ort_session: Any
+    #: the id of the key whose signature was verified (None: unsigned, insecure loader)
+    signed_by: str | None = None
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """The bundle's files (no signature file if unsigned)."""
+        return ONLINE_BUNDLE_FILES if self.signed_by is not None else ONLINE_BUNDLE_CONTENT
 
     def __post_init__(self) -> None:
         self._input = self.ort_session.get_inputs()[0].name
@@ -63,12 +81,18 @@ class OnlineBundle:
         return KnobPolicy(self.act, self.knob_map, cost or self.cost, name=name)
 
 
-def load_online_bundle(directory: str | Path) -> OnlineBundle:
-    """Open and check an online policy bundle (module docstring)."""
+def load_online_bundle(directory: str | Path,
+                       trust: BundleTrust | None = None) -> OnlineBundle:
+    """Open and check an online policy bundle (module docstring). ``trust``: the public keys
+    its signature must verify against (:func:`serving.signing.verify_bundle`); None: the
+    secure default, the PKI's ``bundle-signing.pub``."""
     d = Path(directory)
     what = "online policy bundle"
     meta = read_metadata(d, ONLINE_BUNDLE_FORMAT, (ONLINE_BUNDLE_VERSION,), ("actor.onnx",),
                          what)
+    from .signing import verify_bundle
+
+    signed_by = verify_bundle(d, trust, required=ONLINE_BUNDLE_CONTENT)
     onnx_path = d / "actor.onnx"
     if list(meta.get("features") or []) != list(FEATURES):
         raise BundleError(f"{what} {d}: observation features "
@@ -94,4 +118,4 @@ def load_online_bundle(directory: str | Path) -> OnlineBundle:
                                            providers=["CPUExecutionProvider"])
     except Exception as e:  # onnxruntime raises its own exception types
         raise BundleError(f"{what} {d}: actor.onnx cannot be loaded ({e})") from None
-    return OnlineBundle(d, meta, knob_map, cost, ort_session)
+    return OnlineBundle(d, meta, knob_map, cost, ort_session, signed_by)

@@ -5,7 +5,8 @@ A request reads :meth:`OnlinePolicyStore.current` once. An online session takes 
 current at each interval boundary (its plan and that interval's placements come from one
 version), so a swap takes effect at every session's next boundary and never inside an
 interval. A bundle that fails :func:`serving.online_bundle.load_online_bundle`'s checks is
-refused (:class:`serving.bundle.BundleError`) and the old one stays.
+refused (:class:`serving.bundle.BundleError`; a bad or missing signature,
+:class:`serving.signing.SignatureError`) and the old one stays.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from pathlib import Path
 
 from envs.dsmd.online_control import KnobPolicy
 
-from .bundle import BundleError
-from .online_bundle import OnlineBundle, load_online_bundle
+from .bundle import SIGNATURE_FILE, BundleError
+from .online_bundle import ONLINE_BUNDLE_FILES, OnlineBundle, load_online_bundle
+from .signing import BundleTrust
 
 __all__ = [
     "ONLINE_BUNDLE_FILES",
@@ -33,7 +35,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-ONLINE_BUNDLE_FILES = ("actor.onnx", "metadata.json")
 
 
 @dataclass(frozen=True, eq=False)
@@ -53,24 +54,34 @@ class LoadedOnlinePolicy:
     def path(self) -> Path:
         return self.bundle.directory
 
+    @property
+    def signed_by(self) -> str | None:
+        """The id of the key that signed it (None: unsigned, accepted as insecure)."""
+        return self.bundle.signed_by
+
     def decider(self) -> KnobPolicy:
         """A fresh decider over this bundle's actor, knob map and cost."""
         return self.bundle.decider(f"online-v{self.version}")
 
 
 def bundle_zip(directory: str | Path) -> bytes:
-    """The bundle's files as a zip (what ``GET /v1/online/policy/bundle`` returns)."""
+    """The bundle's files as a zip (what ``GET /v1/online/policy/bundle`` returns; its
+    signature too where it has one)."""
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
         for name in ONLINE_BUNDLE_FILES:
-            z.write(Path(directory) / name, name)
+            if name != SIGNATURE_FILE or (Path(directory) / name).is_file():
+                z.write(Path(directory) / name, name)
     return buf.getvalue()
 
 
 class OnlinePolicyStore:
-    """The server's current online policy (module docstring)."""
+    """The server's current online policy (module docstring). ``trust``: the public keys a
+    bundle's signature must verify against (None: :func:`serving.signing.default_trust`,
+    the PKI's key)."""
 
-    def __init__(self) -> None:
+    def __init__(self, trust: BundleTrust | None = None) -> None:
+        self.trust = trust
         self._current: LoadedOnlinePolicy | None = None
         self._lock = threading.Lock()  # serialises loads, not reads
         self._version = 0
@@ -82,7 +93,7 @@ class OnlinePolicyStore:
         """Load, verify and install the online bundle at ``path`` (``BundleError`` if
         refused; the current one stays)."""
         with self._lock:
-            bundle = load_online_bundle(path)
+            bundle = load_online_bundle(path, self.trust)
             cand = LoadedOnlinePolicy(bundle, self._version + 1, time.time())
             self._version = cand.version
             self._current = cand  # one reference assignment: atomic for readers

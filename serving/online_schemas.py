@@ -4,13 +4,25 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from envs.dsmd.message import Message, table1_problem
+from envs.dsmd.message import CONFIG_NAMES, OPERATION_NAMES, Message, table1_problem
 
-from .schemas import ControllerIn, NodeIn, request_body
+from .schemas import (
+    MAX_JSON_INT,
+    ControllerIn,
+    Id,
+    JsonFloat,
+    JsonInt,
+    NodeIn,
+    NsTime,
+    _json_int,
+    _json_number,
+    at_most,
+    request_body,
+)
 
 __all__ = [
     "IntervalOut",
@@ -30,8 +42,12 @@ __all__ = [
     "messages_body",
 ]
 
-_INT64 = 2**63 - 1
 _UINT32 = 2**32 - 1
+#: resource ids are unsigned 64-bit (409 above; :func:`serving.schemas.at_most`)
+ResourceId = Annotated[int, Field(ge=0), BeforeValidator(_json_int),
+                       at_most(2**64 - 1, "a resource id (64-bit)")]
+Seconds = Annotated[float, Field(gt=0, le=86400), BeforeValidator(_json_number)]
+_MAX = MAX_JSON_INT
 _STRICT = ConfigDict(extra="forbid")
 
 
@@ -39,15 +55,17 @@ class MessageIn(BaseModel):
     """One southbound message (Table I), as the adapter's trace log keeps it."""
 
     model_config = _STRICT
-    message_id: int = Field(ge=0, le=_UINT32, description="Unique in the session.")
-    request_id: int = Field(ge=0, le=_UINT32)
-    vpc_id: int = Field(ge=0, le=_UINT32)
-    configuration_type: str = Field(max_length=64)
-    operation_type: str = Field(max_length=64)
-    resource_id: int = Field(ge=0, le=2**64 - 1)
-    size_bytes: int = Field(gt=0, le=_INT64)
-    hosts: list[int] = Field(min_length=1, description="D(m): destination node ids.")
-    timestamp_ns: int = Field(ge=0, le=_INT64, description="Send time, ns since the epoch; "
+    message_id: JsonInt = Field(ge=0, le=_UINT32, description="Unique in the session.")
+    request_id: JsonInt = Field(ge=0, le=_UINT32)
+    vpc_id: JsonInt = Field(ge=0, le=_UINT32)
+    configuration_type: str = Field(max_length=64, json_schema_extra={
+        "enum": list(CONFIG_NAMES)})
+    operation_type: str = Field(max_length=64, json_schema_extra={
+        "enum": list(OPERATION_NAMES)})
+    resource_id: ResourceId
+    size_bytes: JsonInt = Field(gt=0, le=_MAX)
+    hosts: list[Id] = Field(min_length=1, description="D(m): destination node ids.")
+    timestamp_ns: NsTime = Field(description="Send time, ns since the epoch; "
                               "not earlier than the previous message's.")
 
     @model_validator(mode="after")
@@ -90,14 +108,15 @@ class OnlineSessionCreate(BaseModel):
                                 "config's name (configs/dataset/<name>.yaml): its scenario.")
     controller: ControllerIn | None = Field(default=None, description="C_b and C_p (without "
                                             "a scenario; with one they must agree).")
-    num_topics: int | None = Field(default=None, ge=1, le=4096, description="K.")
-    interval_s: float | None = Field(default=None, gt=0, le=86400, description="T, seconds.")
-    start_ns: int | None = Field(default=None, ge=0, le=_INT64, description="Start of "
+    num_topics: Annotated[int, Field(ge=1, le=4096), BeforeValidator(_json_int)] | None = (
+        Field(default=None, description="K."))
+    interval_s: Seconds | None = Field(default=None, description="T, seconds.")
+    start_ns: NsTime | None = Field(default=None, description="Start of "
                                  "interval 0 (default: the first message's time).")
     batch_key: Literal["hosts", "hosts+vpc", "hosts+vpc+config"] = "hosts"
     name: str = Field(default="live", min_length=1, max_length=100,
                       pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-    cost: dict[str, float] | None = Field(default=None, description="OnlineCost weights "
+    cost: dict[str, JsonFloat] | None = Field(default=None, description="OnlineCost weights "
                                           "the intervals are scored with (default: the "
                                           "loaded online policy's).")
 
@@ -127,9 +146,9 @@ class OnlineSessionOut(BaseModel):
 
 class PlannedIn(BaseModel):
     model_config = _STRICT
-    type: int = Field(ge=0, le=_INT64)
-    channel: int = Field(ge=0, le=4096, description="0 = RPC, t = MQ topic t.")
-    expected_rate_bps: int = Field(ge=0, le=_INT64)
+    type: JsonInt = Field(ge=0, le=_MAX)
+    channel: JsonInt = Field(ge=0, le=4096, description="0 = RPC, t = MQ topic t.")
+    expected_rate_bps: JsonInt = Field(ge=0, le=_MAX)
 
 
 class PlannedOut(BaseModel):
@@ -161,8 +180,8 @@ class PlanOut(BaseModel):
 
 class PlacementIn(BaseModel):
     model_config = _STRICT
-    type: int = Field(ge=0, le=_INT64)
-    channel: int = Field(ge=0, le=4096)
+    type: JsonInt = Field(ge=0, le=_MAX)
+    channel: JsonInt = Field(ge=0, le=4096)
 
 
 class MessagesIn(BaseModel):

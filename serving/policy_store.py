@@ -3,9 +3,9 @@
 A request reads :meth:`PolicyStore.current` once and uses that one object for all of its
 decisions, so a swap never mixes versions inside a response and never fails a request in
 flight: the old bundle stays alive until the last request holding it finishes. A new bundle
-is loaded and verified (:func:`serving.bundle.load_bundle`: files, content hash, format) and
-checked against the live sessions before it replaces the old one; a bundle that fails either
-check is refused and the old one stays.
+is loaded and verified (:func:`serving.bundle.load_bundle`: files, signature against the
+store's trusted keys, content hash, format) and checked against the live sessions before it
+replaces the old one; a bundle that fails either check is refused and the old one stays.
 
 :class:`BundleWatcher` reloads the bundle when its ``metadata.json`` changes on disk (the
 exporter writes bundles atomically, so a half-written bundle is never seen).
@@ -25,6 +25,7 @@ import numpy as np
 from envs.dsmd.observation import ObservationLayout
 
 from .bundle import BundleError, PolicyBundle, load_bundle
+from .signing import BundleTrust, SignatureError
 
 __all__ = ["BundleError", "BundleWatcher", "LoadedPolicy", "PolicyStore"]
 
@@ -63,6 +64,11 @@ class LoadedPolicy:
     def path(self) -> Path:
         return self.bundle.directory
 
+    @property
+    def signed_by(self) -> str | None:
+        """The id of the key that signed it (None: unsigned, accepted as insecure)."""
+        return self.bundle.signed_by
+
     def __call__(self, obs: np.ndarray) -> np.ndarray:
         return self.bundle(obs)
 
@@ -72,11 +78,14 @@ class LoadedPolicy:
 
 
 class PolicyStore:
-    """The server's current policy. ``batch_threads``: passed to
-    :func:`serving.bundle.load_bundle` for every bundle it loads (None: its default)."""
+    """The server's current policy. ``batch_threads`` and ``trust`` (the public keys a
+    bundle's signature must verify against): passed to :func:`serving.bundle.load_bundle`
+    for every bundle it loads (None: its defaults; the PKI's key for ``trust``)."""
 
-    def __init__(self, batch_threads: int | None = None) -> None:
+    def __init__(self, batch_threads: int | None = None,
+                 trust: BundleTrust | None = None) -> None:
         self.batch_threads = batch_threads
+        self.trust = trust
         self._current: LoadedPolicy | None = None
         self._lock = threading.Lock()  # serialises loads, not reads
         self._version = 0
@@ -105,7 +114,7 @@ class PolicyStore:
         the candidate would cause (e.g. live sessions it does not fit); any problem refuses
         it (``BundleError``) unless ``force``."""
         with self._lock:
-            bundle = load_bundle(path, batch_threads=self.batch_threads)
+            bundle = load_bundle(path, batch_threads=self.batch_threads, trust=self.trust)
             cand = LoadedPolicy(bundle, self._version + 1, time.time())
             problems = check(cand) if check is not None else []
             if problems and not force:
@@ -162,4 +171,5 @@ class BundleWatcher:
                 self.store.load(self.path, self.check)
             except BundleError as e:  # keep serving the old one, say why
                 self.errors.append(str(e))
-                log.error("bundle watch: %s", e)
+                if not isinstance(e, SignatureError):  # that one logged it already
+                    log.error("bundle watch: %s", e)

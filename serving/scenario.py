@@ -68,8 +68,9 @@ def adapter_for(problems: ProblemSet, base_url: str | None, mode: str = "remote"
     """A :class:`~serving.adapter.ControllerAdapter` for the scenario's controller: its
     topology and capacities, and its known types in the scenario's catalogue order (so the
     adapter's type ids are the simulator's catalogue indices). ``kw`` goes to the adapter
-    (e.g. ``api_key``, ``refresh_s``, and ``announce_url`` / ``announce_topic`` for the
-    server's announcements, :mod:`serving.subscriber`)."""
+    (e.g. ``api_key``, ``refresh_s``, ``announce_url`` / ``announce_topic`` for the
+    server's announcements, :mod:`serving.subscriber`, ``security`` for the server's TLS
+    and ``bundle_trust`` for the keys a cached bundle must be signed by)."""
     from .adapter import ControllerAdapter
 
     topo, spec = problems.dataset.topology, problems.spec

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, Strict
+from pydantic_core import PydanticCustomError
 
 __all__ = [
     "ChannelHealth",
@@ -38,8 +39,70 @@ __all__ = [
     "request_body",
 ]
 
-_INT64 = 2**63 - 1
+#: the largest integer every JSON client holds exactly (an IEEE double's 53-bit mantissa):
+#: the bound of every id, count and rate
+MAX_JSON_INT = 2**53 - 1
+#: the bound of nanosecond times (2**62 ns: the year 2116). Above 2**53, where JSON clients
+#: and schema validators disagree on integers, so it is not a schema ``maximum``: the
+#: server refuses a larger time with 409 (:func:`at_most`)
+MAX_NS = 2**62
+#: the 409 of a value the schema allows that the server cannot hold (:func:`at_most`)
+OUT_OF_RANGE = "out_of_range"
+_MAX = MAX_JSON_INT
 _STRICT = ConfigDict(extra="forbid")
+
+
+def _json_int(v: Any) -> Any:
+    """Only a JSON integer is an integer: not ``true``/``false`` or a string of digits (the
+    lax conversions pydantic would make); a number with a zero fraction (``3.0``) is one,
+    as JSON Schema says."""
+    if isinstance(v, bool | str | bytes):
+        raise PydanticCustomError("int_type", "Input should be an integer, not {kind}",
+                                  {"kind": "a boolean" if isinstance(v, bool) else "a string"})
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return v
+
+
+def _json_number(v: Any) -> Any:
+    """Only a JSON number is a number (not ``true``/``false`` or a string)."""
+    if isinstance(v, bool | str | bytes):
+        raise PydanticCustomError("float_type", "Input should be a number, not {kind}",
+                                  {"kind": "a boolean" if isinstance(v, bool) else "a string"})
+    return v
+
+
+def at_most(bound: int, what: str) -> AfterValidator:
+    """An upper bound above 2**53, which no JSON Schema ``maximum`` states reliably (clients
+    and validators that hold numbers as doubles cannot tell integers near it apart): not in
+    the schema, checked here, refused with 409 (:data:`OUT_OF_RANGE`, mapped by the app)."""
+
+    def check(v: int) -> int:
+        if v > bound:
+            raise PydanticCustomError(OUT_OF_RANGE, "{what} must be at most {le}",
+                                      {"le": bound, "what": what})
+        return v
+
+    return AfterValidator(check)
+
+
+# (a constraint before the BeforeValidator: so it shows as minimum/maximum in the schema
+# of a list's items and of an optional field too)
+#: an integer field of a request: JSON integers only (``seed: false`` is refused)
+JsonInt = Annotated[int, BeforeValidator(_json_int)]
+#: a number field of a request: JSON numbers only
+JsonFloat = Annotated[float, BeforeValidator(_json_number)]
+#: a boolean field of a request: ``true`` or ``false`` only (not 1, 0 or "yes")
+JsonBool = Annotated[bool, Strict()]
+#: an id, rate or count (>= 0)
+Id = Annotated[int, Field(ge=0, le=MAX_JSON_INT), BeforeValidator(_json_int)]
+#: a count (>= 1)
+Count = Annotated[int, Field(ge=1, le=MAX_JSON_INT), BeforeValidator(_json_int)]
+#: a channel as a session holds it (-1 undecided, 0 RPC, t topic t)
+Channel = Annotated[int, Field(ge=-1, le=4096), BeforeValidator(_json_int)]
+#: a time in ns since the epoch (at most :data:`MAX_NS`: 409 above)
+NsTime = Annotated[int, Field(ge=0), BeforeValidator(_json_int),
+                   at_most(MAX_NS, "a time in ns (2**62: the year 2116)")]
 
 
 def request_body(model: BaseModel) -> dict[str, Any]:
@@ -53,27 +116,27 @@ def request_body(model: BaseModel) -> dict[str, Any]:
 # ---------------------------------------------------------------------- requests
 class NodeIn(BaseModel):
     model_config = _STRICT
-    id: int = Field(ge=0, le=_INT64, description="Compute node id (as the controller knows it).")
-    capacity_bps: int = Field(gt=0, le=_INT64, description="s(n): the node's bandwidth for "
+    id: JsonInt = Field(ge=0, le=_MAX, description="Compute node id (as the controller knows it).")
+    capacity_bps: JsonInt = Field(gt=0, le=_MAX, description="s(n): the node's bandwidth for "
                               "southbound messages, bit/s.")
 
 
 class ControllerIn(BaseModel):
     model_config = _STRICT
-    bandwidth_bps: int = Field(gt=0, le=_INT64, description="C_b: controller bandwidth, bit/s.")
-    cpu: int = Field(gt=0, le=_INT64, description="C_p: messages the controller can send per "
+    bandwidth_bps: JsonInt = Field(gt=0, le=_MAX, description="C_b: controller bandwidth, bit/s.")
+    cpu: JsonInt = Field(gt=0, le=_MAX, description="C_p: messages the controller can send per "
                      "interval.")
 
 
 class TypeIn(BaseModel):
     model_config = _STRICT
-    id: int = Field(ge=0, le=_INT64, description="The controller's id of the message type "
+    id: JsonInt = Field(ge=0, le=_MAX, description="The controller's id of the message type "
                     "(e.g. its index in the adapter's TypeCatalog).")
-    destinations: list[int] = Field(min_length=1, description="D(m): destination node ids.")
-    rate_bps: int | None = Field(default=None, ge=0, le=_INT64, description="Current f(m), "
+    destinations: list[Id] = Field(min_length=1, description="D(m): destination node ids.")
+    rate_bps: Id | None = Field(default=None, description="Current f(m), "
                                  "bit/s (restoring a session).")
-    messages: int | None = Field(default=None, ge=1, le=_INT64)
-    channel: int | None = Field(default=None, ge=-1, le=4096, description="Current channel "
+    messages: Count | None = None
+    channel: Channel | None = Field(default=None, description="Current channel "
                                 "(restoring a session; -1 = undecided).")
 
 
@@ -87,17 +150,17 @@ class ChannelHealth(BaseModel):
     model_config = _STRICT
     mq: Literal["up", "down"] = Field(default="up", description="The MQ channel (broker) "
                                       "state.")
-    since_ns: int = Field(default=0, ge=0, le=_INT64, description="Unix time (ns) of the "
+    since_ns: NsTime = Field(default=0, description="Unix time (ns) of the "
                           "last MQ state change (0: never changed).")
-    rerouted: list[Annotated[int, Field(ge=0, le=_INT64)]] = Field(
+    rerouted: list[Id] = Field(
         default_factory=list, description="Types moved from their topic to RPC while the MQ "
         "channel is down.")
-    waiting: list[Annotated[int, Field(ge=0, le=_INT64)]] = Field(
+    waiting: list[Id] = Field(
         default_factory=list, description="Types held until the MQ channel is back (RPC had "
         "no room for them within C_b and C_p).")
-    unreachable: list[Annotated[int, Field(ge=0, le=_INT64)]] = Field(
+    unreachable: list[Id] = Field(
         default_factory=list, description="Nodes whose RPC endpoint is down.")
-    relayed: list[Annotated[int, Field(ge=0, le=_INT64)]] = Field(
+    relayed: list[Id] = Field(
         default_factory=list, description="Of the unreachable nodes, those reached through "
         "a topic they subscribe to instead.")
 
@@ -106,14 +169,14 @@ class SessionCreate(BaseModel):
     model_config = _STRICT
     nodes: list[NodeIn] = Field(min_length=1, description="Every compute node.")
     controller: ControllerIn
-    num_topics: int = Field(ge=0, le=4096, description="K: MQ topics.")
-    interval_s: float = Field(default=1.0, gt=0, le=86400, description="Rate-estimation "
+    num_topics: JsonInt = Field(ge=0, le=4096, description="K: MQ topics.")
+    interval_s: JsonFloat = Field(default=1.0, gt=0, le=86400, description="Rate-estimation "
                               "interval T, seconds.")
     types: list[TypeIn] = Field(default_factory=list, description="Known message types.")
-    scenario_signature: dict[str, str | int | float] = Field(
+    scenario_signature: dict[str, str | JsonInt | JsonFloat] = Field(
         default_factory=dict, description="Optional facts the policy must match (keys of a "
         "bundle's scenario_signature, e.g. num_nodes, topology).")
-    seed: int = Field(default=0, ge=0, le=2**32 - 1, description="Seed of the session's "
+    seed: JsonInt = Field(default=0, ge=0, le=2**32 - 1, description="Seed of the session's "
                       "tie-breaking RNG.")
     channel_health: ChannelHealth | None = Field(default=None, description="The "
                                                  "controller's channel health (restoring a "
@@ -131,44 +194,44 @@ class SessionUpdate(BaseModel):
 
 class RateIn(BaseModel):
     model_config = _STRICT
-    type: int = Field(ge=0, le=_INT64, description="Type id.")
-    rate_bps: int = Field(ge=0, le=_INT64, description="f(m), bit/s (0: inactive).")
-    messages: int | None = Field(default=None, ge=1, le=_INT64, description="Messages in the "
+    type: JsonInt = Field(ge=0, le=_MAX, description="Type id.")
+    rate_bps: JsonInt = Field(ge=0, le=_MAX, description="f(m), bit/s (0: inactive).")
+    messages: Count | None = Field(default=None, description="Messages in the "
                                  "interval (optional).")
 
 
 class RateUpdate(BaseModel):
     model_config = _STRICT
     rates: list[RateIn] = Field(description="New estimates.")
-    replace: bool = Field(default=False, description="The interval's whole estimate: types "
+    replace: JsonBool = Field(default=False, description="The interval's whole estimate: types "
                           "not listed become inactive.")
 
 
 class DecideRequest(BaseModel):
     model_config = _STRICT
-    type: int = Field(ge=0, le=_INT64, description="The type to decide (re-decided if it "
+    type: JsonInt = Field(ge=0, le=_MAX, description="The type to decide (re-decided if it "
                       "already has a channel).")
-    explain: bool = Field(default=False, description="Return the observation and scores.")
+    explain: JsonBool = Field(default=False, description="Return the observation and scores.")
 
 
 class DecideBatchRequest(BaseModel):
     model_config = _STRICT
-    types: list[int] | None = Field(default=None, description="Types to decide, in order; "
+    types: list[Id] | None = Field(default=None, description="Types to decide, in order; "
                                     "null: every active undecided type (all with replan) in "
                                     "the policy's decision order.")
-    replan: bool = Field(default=False, description="Clear the assignment first (one "
+    replan: JsonBool = Field(default=False, description="Clear the assignment first (one "
                          "environment episode).")
-    parallel: bool = Field(default=False, description="Score every type from the batch's "
+    parallel: JsonBool = Field(default=False, description="Score every type from the batch's "
                            "starting state in one policy call (fast; observations do not see "
                            "the batch's earlier decisions), instead of one by one.")
-    explain: bool = False
+    explain: JsonBool = False
 
 
 class PolicySwap(BaseModel):
     model_config = _STRICT
     path: str = Field(min_length=1, max_length=4096, description="Bundle directory on the "
                       "server.")
-    force: bool = Field(default=False, description="Load even if live sessions do not match "
+    force: JsonBool = Field(default=False, description="Load even if live sessions do not match "
                         "it (they then get heuristic decisions).")
 
 

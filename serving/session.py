@@ -149,9 +149,12 @@ def compatibility(policy: ScoringPolicy | None, spec: SessionSpec, catalog_size:
 class Session:
     """A controller's world as the server (or the cached adapter) keeps it."""
 
-    def __init__(self, spec: SessionSpec, *, seed: int = 0) -> None:
+    def __init__(self, spec: SessionSpec, *, seed: int = 0, owner: str | None = None) -> None:
         self.spec = spec
         self.seed = int(seed)
+        #: the server's owner id of the session (the SHA-256 of the key that created it,
+        #: :mod:`serving.access`; never the key); not part of the snapshot
+        self.owner = owner
         self.rng = np.random.default_rng(seed)
         self._node_index = {int(n): i for i, n in enumerate(spec.node_ids.tolist())}
         self.type_ids: list[int] = []  # slot -> client's type id

@@ -13,6 +13,9 @@ counted in :attr:`AnnouncementSubscriber.counts` (``(kind, outcome)``: ``applied
 ``ignored`` (not for this adapter, or nothing new), ``malformed``, ``failed``). While the
 broker is away the reader is re-created in the background with a bounded backoff; the
 adapters' polling (``refresh_s``) keeps working meanwhile.
+
+The reader authenticates as the ``controller`` principal (the adapter lives in the
+controller; :func:`security.pulsar.client_args`), unless ``security`` is insecure.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ import logging
 import threading
 from collections.abc import Callable
 from typing import Any
+
+from security.pulsar import client_args
+from security.tls import Security
 
 from .announce import (
     DEFAULT_TOPIC,
@@ -36,6 +42,7 @@ from .announce import (
 __all__ = ["AnnouncementSubscriber"]
 
 log = logging.getLogger(__name__)
+PRINCIPAL = "controller"  # the identity the reader presents to the broker
 
 
 class _ClientPool:
@@ -44,30 +51,32 @@ class _ClientPool:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._clients: dict[str, list[Any]] = {}  # url -> [client, references]
+        # (url, security) -> [client, references]
+        self._clients: dict[tuple[str, Security], list[Any]] = {}
 
-    def acquire(self, url: str) -> Any:
+    def acquire(self, url: str, security: Security) -> Any:
         import pulsar
 
         with self._lock:
-            entry = self._clients.get(url)
+            entry = self._clients.get((url, security))
             if entry is None:
                 client = pulsar.Client(url, operation_timeout_seconds=5,
                                        connection_timeout_ms=2000,
-                                       logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error))
-                entry = self._clients[url] = [client, 0]
+                                       logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error),
+                                       **client_args(security, PRINCIPAL))
+                entry = self._clients[(url, security)] = [client, 0]
             entry[1] += 1
             return entry[0]
 
-    def release(self, url: str) -> None:
+    def release(self, url: str, security: Security) -> None:
         with self._lock:
-            entry = self._clients.get(url)
+            entry = self._clients.get((url, security))
             if entry is None:
                 return
             entry[1] -= 1
             if entry[1] > 0:
                 return
-            del self._clients[url]
+            del self._clients[(url, security)]
         _quiet_close(entry[0])
 
     def close_all(self) -> None:
@@ -96,7 +105,8 @@ class AnnouncementSubscriber:
     def __init__(self, url: str, topic: str = DEFAULT_TOPIC, *,
                  on_policy: Callable[[PolicyAnnouncement], bool],
                  on_health: Callable[[HealthAnnouncement], bool], retry_s: float = 0.5,
-                 max_retry_s: float = 30.0, read_timeout_s: float = 0.2) -> None:
+                 max_retry_s: float = 30.0, read_timeout_s: float = 0.2,
+                 security: Security | None = None) -> None:
         check_settings(url, topic, "announce_url", "announce_topic")
         if retry_s <= 0 or max_retry_s < retry_s or read_timeout_s <= 0:
             raise ValueError("subscriber: retry_s and read_timeout_s must be positive and "
@@ -109,7 +119,10 @@ class AnnouncementSubscriber:
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._released = False
-        self._client = _CLIENTS.acquire(url)
+        self.security = security if security is not None else Security()
+        if self.security.insecure:
+            self.security.warn_if_insecure("announcement subscriber")
+        self._client = _CLIENTS.acquire(url, self.security)
         self._thread = threading.Thread(target=self._run, name="announce-subscriber",
                                         daemon=True)
         self._thread.start()
@@ -194,7 +207,7 @@ class AnnouncementSubscriber:
         self._thread.join(timeout=self.read_timeout_s + 0.1)
         if not self._released:
             self._released = True
-            _CLIENTS.release(self.url)
+            _CLIENTS.release(self.url, self.security)
         self._thread.join(timeout=timeout)
 
 

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
+# gRPC's C core logs each refused TLS handshake (the negative tests make many) at INFO;
+# set before anything imports grpc, inherited by the subprocesses tests start
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
@@ -10,6 +16,28 @@ from hypothesis import strategies as st
 from envs.dsmd.instance import DSMDInstance
 from envs.dsmd.problems import build_problems
 from envs.dsmd.scenarios import load_scenario
+
+
+def pytest_configure(config) -> None:
+    """One development PKI (:mod:`security.pki`) for the whole run, outside the user's own:
+    set here in the controlling process, so every xdist worker and every subprocess a test
+    starts inherits it (``$SMART_PKI_DIR``)."""
+    import os
+    import tempfile
+
+    if os.environ.get("PYTEST_XDIST_WORKER") or os.environ.get("SMART_PKI_DIR"):
+        return
+    os.environ["SMART_PKI_DIR"] = tempfile.mkdtemp(prefix="smart-test-pki-")
+    config._smart_pki_dir = os.environ["SMART_PKI_DIR"]
+
+
+def pytest_unconfigure(config) -> None:
+    import shutil
+
+    d = getattr(config, "_smart_pki_dir", None)
+    if d:
+        shutil.rmtree(d, ignore_errors=True)
+
 
 settings.register_profile("default", deadline=None, max_examples=60,
                           suppress_health_check=[HealthCheck.too_slow])
@@ -108,21 +136,33 @@ def no_broker(reason: str) -> None:
     pytest.skip(f"no real Pulsar broker here: {reason}")
 
 
-@pytest.fixture(scope="session")
-def pulsar_broker():
-    """One real Pulsar standalone broker (``delivery.broker``) for the whole test session.
+def start_or_skip(broker):
+    """Start ``broker`` (a ``PulsarStandalone``) and return it; where Java or Maven is
+    missing, close it and skip (or fail, see :func:`no_broker`)."""
+    from delivery.broker import JavaNotFoundError, MavenNotFoundError
 
-    Tests share it: each uses its own topic prefix (a uuid) and its own metadata store and
-    record directory under ``tmp_path``. Skipped where there is no Java or Maven."""
-    pytest.importorskip("pulsar")
-    from delivery.broker import JavaNotFoundError, MavenNotFoundError, PulsarStandalone
-
-    broker = PulsarStandalone(progress=None)
     try:
         broker.start()
     except (JavaNotFoundError, MavenNotFoundError) as exc:
         broker.close()
         no_broker(str(exc))
+    return broker
+
+
+@pytest.fixture(scope="session")
+def pulsar_broker():
+    """One real Pulsar standalone broker (``delivery.broker``) for the whole test session.
+
+    Tests share it: each uses its own topic prefix (a uuid) and its own metadata store and
+    record directory under ``tmp_path``. Secure (the default): TLS only, mutual-TLS
+    authentication and the grant model of :mod:`security.pulsar`, with the session's PKI
+    (``$SMART_PKI_DIR``); a client connects as a principal with
+    ``pulsar.Client(broker.service_url, **broker.client_args(principal))``. Skipped where
+    there is no Java or Maven."""
+    pytest.importorskip("pulsar")
+    from delivery.broker import PulsarStandalone
+
+    broker = start_or_skip(PulsarStandalone(progress=None))
     try:
         yield broker
     finally:

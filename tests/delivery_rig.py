@@ -1,6 +1,10 @@
 """The delivery rig shared by the delivery tests: a controller and agents on a real broker,
 a ledger of what the controller was asked to send, and the audits that judge delivery from the
-agents' programming records (see ``tests/test_delivery.py``'s docstring)."""
+agents' programming records (see ``tests/test_delivery.py``'s docstring).
+
+The rig is secure by default (mutual TLS on every gRPC channel, Pulsar clients with their
+identities, the session's development PKI of ``tests/conftest.py``); ``Rig(...,
+security=Security(insecure=True))`` builds the plain one for comparisons."""
 
 from __future__ import annotations
 
@@ -12,21 +16,23 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from delivery.agent import AgentConfig, read_record
 from delivery.agent_host import AgentHost, host_spec
 from delivery.broker import PulsarStandalone
 from delivery.controller import RPC, Controller, ControllerConfig, topic_name
+from delivery.rpc import open_channel
 from delivery.store import MetadataStore
 from envs.dsmd.message import Message
 from envs.netutil import free_ports
+from security.pulsar import admin_call, subscription_name
+from security.tls import Security
 
 from .waiting import wait_until
 
@@ -168,36 +174,34 @@ def assert_arrived(r: Rig, timeout: float = 20.0) -> None:
 
 
 def admin_subscriptions(broker: PulsarStandalone, topic: str) -> set[str]:
-    """The durable subscriptions of a topic (admin REST API); empty if there is no topic."""
-    path = topic.removeprefix("persistent://")
-    try:
-        with urllib.request.urlopen(f"{broker.admin_url}/admin/v2/persistent/{path}/"
-                                    f"subscriptions", timeout=10) as resp:
-            return set(json.loads(resp.read()))
-    except urllib.error.HTTPError as e:
-        if e.code == 404:
-            return set()
-        raise
+    """The durable subscriptions of a topic (admin REST API, as ``admin`` over HTTPS when
+    the broker is secure); empty if there is no topic."""
+    path = "/admin/v2/persistent/" + topic.removeprefix("persistent://") + "/subscriptions"
+    got = admin_call(broker.admin_url, "GET", path, security=broker.security, ok=(404,))
+    return set(got or ())
 
 
 class Rig:
     """A controller and in-process agents (one AgentHost) on a broker, with a fresh store,
-    record directory and topic prefix."""
+    record directory and topic prefix; ``security`` (default: secure) for all of them."""
 
     def __init__(self, broker: PulsarStandalone, tmp: Path, nodes: Iterable[int], *,
                  ctl_kw: dict | None = None, agent_kw: dict | None = None,
-                 agents_in_process: bool = True) -> None:
+                 agents_in_process: bool = True, security: Security | None = None) -> None:
         self.broker = broker
+        self.security = security or Security()
         self.nodes = list(nodes)
         self.tmp = tmp
         self.store_url = f"sqlite:///{tmp / 'meta.db'}"
         self.record_dir = tmp / "records"
         self.prefix = f"persistent://public/default/td-{uuid.uuid4().hex[:10]}"
         self.ports = dict(zip(self.nodes, free_ports(len(self.nodes))))
-        kw = {"collect_period_s": 0.3, "reprogram_period_s": 0.2, "push_timeout_s": 2.0}
+        kw = {"collect_period_s": 0.3, "reprogram_period_s": 0.2, "push_timeout_s": 2.0,
+              "pulsar_admin_url": broker.admin_url}
         kw.update(ctl_kw or {})
         self.ctl = Controller(ControllerConfig(broker.service_url, self.store_url,
-                                               topic_prefix=self.prefix, **kw),
+                                               topic_prefix=self.prefix,
+                                               security=self.security, **kw),
                               {n: f"127.0.0.1:{p}" for n, p in self.ports.items()}).start()
         self.agent_kw: dict = {"pack_period_s": 0.1}
         self.agent_kw.update(agent_kw or {})
@@ -205,13 +209,24 @@ class Rig:
         if agents_in_process:
             cfgs = [AgentConfig(n, self.store_url, self.record_dir,
                                 pulsar_url=broker.service_url,
-                                controller=self.ctl.reply_address, port=p, **self.agent_kw)
+                                controller=self.ctl.reply_address, port=p,
+                                security=self.security, **self.agent_kw)
                     for n, p in self.ports.items()]
             self.host = AgentHost(cfgs, broker.service_url).start()
         self.ledger = Ledger()
 
     def topic(self, c: int) -> str:
         return topic_name(self.prefix, c)
+
+    def channel(self, address: str, principal: str = "controller") -> Any:
+        """A gRPC channel to ``address`` presenting ``principal``'s certificate (plain when
+        the rig is insecure)."""
+        return open_channel(address, self.security, principal)
+
+    def agent_channel(self, node: int, principal: str = "controller") -> Any:
+        """A channel to node ``node``'s agent, as ``principal`` (the controller's by
+        default: what may push to it)."""
+        return self.channel(f"127.0.0.1:{self.ports[node]}", principal)
 
     def send(self, type_id: int, resource_id: int, hosts: Iterable[int], **kw) -> Message:
         return self.ledger.send(self.ctl, type_id, resource_id, hosts, **kw)
@@ -247,7 +262,8 @@ class Rig:
 
         def broker_agrees() -> bool:
             return all(admin_subscriptions(self.broker, t)
-                       == {f"node-{n}" for n in self.nodes if t in want[n]} for t in used)
+                       == {subscription_name(n) for n in self.nodes if t in want[n]}
+                       for t in used)
 
         wait_until(broker_agrees, timeout, lambda: "durable subscriptions " + str(
             {t: admin_subscriptions(self.broker, t) for t in used}) + f" vs {want}")
@@ -332,4 +348,5 @@ class HostProcess(ModuleProcess):
         super().__init__(r.tmp / "host-spec.json", r.tmp / "host-ready.json", r.tmp / "host.log")
         self.spec.write_text(json.dumps(host_spec(
             {n: r.ports[n] for n in nodes}, store_url=r.store_url, record_dir=r.record_dir,
-            pulsar_url=r.broker.service_url, controller=r.ctl.reply_address, **r.agent_kw)))
+            pulsar_url=r.broker.service_url, controller=r.ctl.reply_address,
+            security=r.security, **r.agent_kw)))

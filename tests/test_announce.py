@@ -1,8 +1,10 @@
 """Subscribed global knowledge (Stemflow Section IV): the policy server announces policy swaps
 and channel-health changes on a topic of a real Pulsar broker, and cached adapters act on
 them at once; with the broker away the server still starts and answers, and polling carries
-the change. Real components throughout: ``serve.py`` under uvicorn (``LocalServer``), the
-broker of ``delivery.broker`` and the adapters' HTTP and Pulsar clients."""
+the change. Real components throughout: ``serve.py`` under uvicorn (``LocalServer``, HTTPS),
+the secure broker of ``delivery.broker`` (TLS, mutual-TLS authentication and the grants of
+:mod:`security.pulsar`: the server produces as ``policy-server`` on the topics granted to it,
+the adapters read as ``controller``) and the adapters' HTTP and Pulsar clients."""
 
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import httpx
 import pytest
 
 from envs.netutil import free_ports
+from security.pulsar import client_args, grant_default_roles
+from security.tls import Security
 from serving.adapter import AdapterError, ControllerAdapter
 from serving.announce import (
     AnnounceError,
@@ -54,12 +58,12 @@ def _adapter(ps, server_url, mode, tmp_path, name, **kw) -> ControllerAdapter:
 
 
 def _put(server: LocalServer, bundle) -> httpx.Response:
-    return httpx.put(server.url + "/v1/policy", json={"path": str(bundle)},
+    return httpx.put(server.url + "/v1/policy", verify=server.verify, json={"path": str(bundle)},
                      headers={"X-API-Key": ADMIN}, timeout=30)
 
 
 def _metric(server: LocalServer, kind: str, outcome: str) -> float:
-    text = httpx.get(server.url + "/v1/metrics", timeout=5).text
+    text = httpx.get(server.url + "/v1/metrics", verify=server.verify, timeout=5).text
     want = f'smart_announcements_total{{kind="{kind}",outcome="{outcome}"}}'
     for line in text.splitlines():
         if line.startswith(want):
@@ -69,7 +73,8 @@ def _metric(server: LocalServer, kind: str, outcome: str) -> float:
 
 def _swap(server: LocalServer, bundles) -> int:
     """PUT whichever tiny bundle is not loaded now; returns the new version."""
-    r = httpx.get(server.url + "/v1/policy", headers={"X-API-Key": KEY}, timeout=5).json()
+    r = httpx.get(server.url + "/v1/policy", verify=server.verify,
+                  headers={"X-API-Key": KEY}, timeout=5).json()
     other = "b" if r["hash"] == load_bundle(bundles["a"]).content_hash else "a"
     t0 = time.perf_counter()
     r = _put(server, bundles[other])
@@ -79,7 +84,8 @@ def _swap(server: LocalServer, bundles) -> int:
 
 
 def _current(server: LocalServer) -> int:
-    return int(httpx.get(server.url + "/v1/policy", headers={"X-API-Key": KEY},
+    return int(httpx.get(server.url + "/v1/policy", verify=server.verify,
+                         headers={"X-API-Key": KEY},
                          timeout=5).json()["version"])
 
 
@@ -158,7 +164,7 @@ def test_broker_away(tiny_problems, tiny_bundles, tmp_path):
     polling."""
     pytest.importorskip("pulsar")
     ps = tiny_problems
-    dead = f"pulsar://127.0.0.1:{free_ports(1)[0]}"
+    dead = f"pulsar+ssl://127.0.0.1:{free_ports(1)[0]}"
     topic = _topic()
     srv = _server(tiny_bundles["a"], tmp_path, dead, topic).start()
     try:
@@ -203,8 +209,10 @@ def test_broker_away(tiny_problems, tiny_bundles, tmp_path):
 def announcing(pulsar_broker, tiny_bundles, tmp_path_factory):
     """One server announcing on a topic of the real broker, shared by the tests below (each
     swaps to the other tiny bundle and waits for that version): (server, broker URL,
-    topic)."""
+    topic). The topic is this module's own: the ``policy-server`` role is granted produce
+    on it (the broker grants the default announcement topic only)."""
     topic = _topic()
+    grant_default_roles(pulsar_broker.admin_url, Security(), announce_topics=[topic])
     srv = _server(tiny_bundles["a"], tmp_path_factory.mktemp("announcing"),
                   pulsar_broker.service_url, topic).start()
     try:
@@ -250,7 +258,8 @@ def test_malformed_announcements_are_ignored(announcing, tiny_problems, tiny_bun
 
     ps = tiny_problems
     srv, url, topic = announcing
-    client = pulsar.Client(url, logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error))
+    client = pulsar.Client(url, logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error),
+                           **client_args(Security(), "controller"))
     ad = _adapter(ps, srv.url, "cached", tmp_path, "m", refresh_s=600, announce_url=url,
                   announce_topic=topic)
     try:
@@ -298,7 +307,8 @@ def test_channel_health_through_the_session(announcing, tiny_problems, tmp_path)
                   "unreachable": [node], "relayed": [node]}
         remote.set_channel_health(health)
         assert remote.channel_health.model_dump() == health
-        got = httpx.get(f"{srv.url}/v1/sessions/{sid}", headers={"X-API-Key": KEY},
+        got = httpx.get(f"{srv.url}/v1/sessions/{sid}", verify=srv.verify,
+                        headers={"X-API-Key": KEY},
                         timeout=5).json()
         assert got["channel_health"] == health
         wait_until(lambda: cached.channel_health is not None, 3,
@@ -316,14 +326,17 @@ def test_channel_health_through_the_session(announcing, tiny_problems, tmp_path)
             with pytest.raises(AdapterError, match=field):
                 remote.set_channel_health(bad)
         assert remote.channel_health.model_dump() == health
-        r = httpx.patch(f"{srv.url}/v1/sessions/{sid}", headers={"X-API-Key": KEY}, timeout=5,
+        r = httpx.patch(f"{srv.url}/v1/sessions/{sid}", verify=srv.verify,
+                        headers={"X-API-Key": KEY}, timeout=5,
                         json={"types": [{"id": 10**6, "destinations": [node]}],
                               "channel_health": {"unreachable": [10**9]}})
-        assert r.status_code == 422 and "channel_health.unreachable" in r.text
-        got = httpx.get(f"{srv.url}/v1/sessions/{sid}/health", headers={"X-API-Key": KEY},
+        assert r.status_code == 409 and "channel_health.unreachable" in r.text
+        got = httpx.get(f"{srv.url}/v1/sessions/{sid}/health", verify=srv.verify,
+                        headers={"X-API-Key": KEY},
                         timeout=5).json()
         assert got["channel_health"] == health  # nothing stored from the refused update
-        snap = httpx.get(f"{srv.url}/v1/sessions/{sid}", headers={"X-API-Key": KEY},
+        snap = httpx.get(f"{srv.url}/v1/sessions/{sid}", verify=srv.verify,
+                         headers={"X-API-Key": KEY},
                          timeout=5).json()
         assert all(t["id"] != 10**6 for t in snap["types"])
 
@@ -331,7 +344,7 @@ def test_channel_health_through_the_session(announcing, tiny_problems, tmp_path)
         replay_window(remote, ps, w1)
         remote.decide(replan=True)
         assert remote.session_id != sid
-        got = httpx.get(f"{srv.url}/v1/sessions/{remote.session_id}/health",
+        got = httpx.get(f"{srv.url}/v1/sessions/{remote.session_id}/health", verify=srv.verify,
                         headers={"X-API-Key": KEY}, timeout=5).json()
         assert got["channel_health"] == health
     finally:

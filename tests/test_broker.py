@@ -2,12 +2,14 @@
 
 No mocks: one real broker (JVM) is shared by the module and started on first use; the tests
 that run a JVM of their own stop it first, so at most one broker runs at a time. The first
-run fetches Pulsar's jars with Maven (about a minute and a half, once per machine).
+run fetches Pulsar's jars with Maven (about a minute and a half, once per machine). The
+brokers are secure (the default; clients connect as ``admin``), except the command line's
+first start, which checks the ``--insecure`` broker too. Roles and refusals:
+``tests/test_security_pulsar.py``.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -15,7 +17,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +31,8 @@ from delivery.broker import (
     PortInUseError,
     PulsarStandalone,
 )
+from security.pulsar import client_args
+from security.tls import Security
 from tests.conftest import no_broker
 
 pulsar = pytest.importorskip("pulsar")
@@ -70,7 +73,7 @@ def one_broker_at_a_time(shared_broker: PulsarStandalone) -> None:
 
 def _client(b: PulsarStandalone) -> pulsar.Client:
     return pulsar.Client(b.service_url, operation_timeout_seconds=30,
-                         logger=logging.getLogger("pulsar-client"))
+                         logger=logging.getLogger("pulsar-client"), **b.client_args("admin"))
 
 
 def _topic() -> str:
@@ -79,9 +82,8 @@ def _topic() -> str:
 
 def _backlog(b: PulsarStandalone, topic: str, subscription: str) -> int:
     path = topic.removeprefix("persistent://")
-    with urllib.request.urlopen(f"{b.admin_url}/admin/v2/persistent/{path}/stats",
-                                timeout=10) as resp:
-        return int(json.loads(resp.read())["subscriptions"][subscription]["msgBacklog"])
+    stats = b.admin("GET", f"/admin/v2/persistent/{path}/stats")
+    return int(stats["subscriptions"][subscription]["msgBacklog"])
 
 
 def _receive_all(consumer: pulsar.Consumer, n: int, timeout_ms: int = 20000) -> list[int]:
@@ -233,9 +235,10 @@ def test_restart_keeps_unacknowledged_messages(broker: PulsarStandalone) -> None
 # ------------------------------------------------------------------ command line
 
 
-def _cli_start(pid_file: Path, data: Path) -> tuple[subprocess.Popen[str], str, int]:
+def _cli_start(pid_file: Path, data: Path, *flags: str
+               ) -> tuple[subprocess.Popen[str], str, int]:
     cmd = [sys.executable, "-m", "delivery.broker", "start", "--pid-file", str(pid_file),
-           "--data", str(data)]
+           "--data", str(data), *flags]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=os.environ | {"PYTHONUNBUFFERED": "1"})
     assert proc.stdout is not None
@@ -261,12 +264,16 @@ def _cli_stop(proc: subprocess.Popen[str], pid_file: Path, pid: int) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_cli_start_stop_and_data_kept(one_broker_at_a_time, tmp_path: Path) -> None:
-    """``start --data DIR`` twice: what the first run stored, the second run delivers."""
+    """``start --data DIR`` twice: what the first run stored, the second run delivers. The
+    first run is ``--insecure`` (plain text, open); the second, on the same data, secure
+    with ``--pki-dir``."""
     pid_file, data, topic = tmp_path / "broker.pid", tmp_path / "data", _topic()
+    sec = Security(pki_dir=os.environ.get("SMART_PKI_DIR") or str(tmp_path / "pki"))
     procs = []
     try:
-        proc, url, pid = _cli_start(pid_file, data)
+        proc, url, pid = _cli_start(pid_file, data, "--insecure")
         procs.append(proc)
+        assert url.startswith("pulsar://")
         client = pulsar.Client(url, logger=logging.getLogger("pulsar-client"))
         try:
             client.subscribe(topic, "cli").close()  # a durable subscription, nothing consumed
@@ -276,9 +283,11 @@ def test_cli_start_stop_and_data_kept(one_broker_at_a_time, tmp_path: Path) -> N
         _cli_stop(proc, pid_file, pid)
         assert (data / "bk").is_dir()
 
-        proc, url, pid = _cli_start(pid_file, data)
+        proc, url, pid = _cli_start(pid_file, data, "--pki-dir", str(sec.pki_dir))
         procs.append(proc)
-        client = pulsar.Client(url, logger=logging.getLogger("pulsar-client"))
+        assert url.startswith("pulsar+ssl://")
+        client = pulsar.Client(url, logger=logging.getLogger("pulsar-client"),
+                               **client_args(sec, "admin"))
         try:
             consumer = client.subscribe(topic, "cli")
             assert int(consumer.receive(timeout_millis=20000).data()) == 7

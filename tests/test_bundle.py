@@ -255,7 +255,8 @@ def test_one_row_actor_file_and_unreadable_versions(exported, tmp_path):
 
     d, _, layout, _ = exported
     b = load_bundle(d)
-    assert b.files == ("metadata.json", "actor.onnx", "actor_row.onnx")
+    assert b.files == ("metadata.json", "actor.onnx", "actor_row.onnx", "SIGNATURE.json")
+    assert b.signed_by is not None
     x = np.random.default_rng(2).uniform(-1, 1, (4, layout.size)).astype(np.float32)
     batch = b(x)
     for i, row in enumerate(x):

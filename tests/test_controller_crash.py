@@ -31,9 +31,10 @@ from delivery.agent_host import AgentHost
 from delivery.broker import PulsarStandalone
 from delivery.controller import RPC
 from delivery.controller_host import controller_spec, load_spec
-from delivery.rpc import pb, pb_grpc
+from delivery.rpc import open_channel, pb, pb_grpc
 from delivery.store import MetadataStore
 from envs.netutil import free_ports
+from security.tls import Security
 
 from .delivery_rig import OP, ROOT, ModuleProcess, Resource, assert_delivered, wait_until
 
@@ -42,17 +43,21 @@ pytestmark = pytest.mark.xdist_group("pulsar")
 
 
 class ControllerProcess(ModuleProcess):
-    """``python -m delivery.controller_host`` and a client of its ingress."""
+    """``python -m delivery.controller_host`` and a client of its ingress (the management
+    plane's: the ``admin`` identity)."""
 
     module = "delivery.controller_host"
 
-    def __init__(self, tmp: Path, agents: Mapping[int, str], **config: Any) -> None:
+    def __init__(self, tmp: Path, agents: Mapping[int, str], *,
+                 security: Security | None = None, **config: Any) -> None:
         super().__init__(tmp / "controller-spec.json", tmp / "controller-ready.json",
                          tmp / "controller.log")
+        security = security or Security()
         self.reply_port, self.ingress_port = free_ports(2)
         self.spec.write_text(json.dumps(controller_spec(
-            agents, ingress_port=self.ingress_port, reply_port=self.reply_port, **config)))
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.ingress_port}", options=[
+            agents, ingress_port=self.ingress_port, reply_port=self.reply_port,
+            security=security, **config)))
+        self.channel = open_channel(f"127.0.0.1:{self.ingress_port}", security, "admin", [
             ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 500)])
         self.stub = pb_grpc.ControllerIngressStub(self.channel)
@@ -154,7 +159,8 @@ class CrashRig:
         ports = dict(zip(self.nodes, free_ports(len(self.nodes))))
         self.ctl = ControllerProcess(
             tmp, {n: f"127.0.0.1:{p}" for n, p in ports.items()},
-            pulsar_url=broker.service_url, store_url=self.store_url, topic_prefix=self.prefix,
+            pulsar_url=broker.service_url, pulsar_admin_url=broker.admin_url,
+            store_url=self.store_url, topic_prefix=self.prefix,
             **{"collect_period_s": 0.3, "reprogram_period_s": 0.2, "push_timeout_s": 2.0,
                **ctl_kw})
         self.restart_s = [self.ctl.start()]
@@ -355,7 +361,9 @@ def test_controller_spec_refused_naming_the_key(tmp_path):
             "reply_port": 6650}
     agents = {0: "127.0.0.1:7000"}
     cases = [({"bogus": 1}, "bogus"), ({"reply_port": 0}, "reply_port"),
-             ({"push_timeout_s": "fast"}, "push_timeout_s")]
+             ({"push_timeout_s": "fast"}, "push_timeout_s"),
+             ({"security": {"insecure": "yes"}}, r"delivery config: security\.insecure"),
+             ({"security": {"pki": "/x"}}, r"delivery config: security: unknown key")]
     for change, key in cases:
         with pytest.raises(ValueError, match=key):
             controller_spec(agents, ingress_port=7001, **{**base, **change})
@@ -364,6 +372,12 @@ def test_controller_spec_refused_naming_the_key(tmp_path):
     with pytest.raises(ValueError, match="ingress_port"):
         controller_spec(agents, ingress_port=70000, **base)
     spec = controller_spec(agents, ingress_port=7001, **base)
+    assert load_spec(spec)[0].security == Security()          # secure by default
+    debug = controller_spec(agents, ingress_port=7001, security=Security(insecure=True),
+                            **base)
+    assert json.loads(json.dumps(debug))["controller"]["security"] == {"insecure": True,
+                                                                        "pki_dir": None}
+    assert load_spec(debug)[0].security.insecure
     with pytest.raises(ValueError, match="extra"):
         load_spec({**spec, "extra": 1})
 

@@ -19,7 +19,6 @@ import json
 import threading
 import time
 
-import grpc
 import pulsar
 import pytest
 
@@ -30,6 +29,7 @@ from delivery.rpc import pb, pb_grpc
 from delivery.store import MetadataStore
 from delivery.wire import envelope
 from envs.dsmd.message import Message
+from security.pulsar import client_args, subscription_name
 
 from .delivery_rig import (
     OP,
@@ -364,14 +364,8 @@ def test_subscribe_info_retried_after_rpc_outage(pulsar_broker, tmp_path):
         r.ctl.flush()
         assert agent.topics() == {}
 
-        async def serve_again() -> None:
-            server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-            pb_grpc.add_MessageAgentServicer_to_server(agent, server)
-            assert server.add_insecure_port(f"127.0.0.1:{agent.port}") == agent.port
-            await server.start()
-            agent._server = server
-
-        r.host.call(serve_again())
+        port = agent.port
+        assert r.host.call(agent.serve()) == port      # the same (mutual TLS) endpoint again
         wait_until(lambda: not r.ctl.pending_subscribe_infos(), 15, "queued SubscribeInfos")
         assert r.host.agents[1] is agent             # the same agent, never restarted
         # it reads the backlogs of topics 1 and 2 at once: an older message of topic 1 may come
@@ -401,9 +395,10 @@ def test_crash_between_leaving_a_topic_and_deleting_its_subscription(pulsar_brok
         store.close()
         with open(r.record_dir / "node-1.record", "a") as f:   # as if it died right there
             f.write(f"S\t{r.topic(1)}\tunsubscribed\t{until}\n")
-        assert "node-1" in admin_subscriptions(r.broker, r.topic(1))
+        assert subscription_name(1) in admin_subscriptions(r.broker, r.topic(1))
         r.host.start_agent(1)
-        wait_until(lambda: "node-1" not in admin_subscriptions(r.broker, r.topic(1)), 15,
+        wait_until(lambda: subscription_name(1) not in admin_subscriptions(r.broker,
+                                                                       r.topic(1)), 15,
                    "the leftover durable subscription deleted")
         _, subs = read_record(r.record_dir / "node-1.record")
         assert subs[r.topic(1)] == ("deleted", until)
@@ -497,7 +492,7 @@ def test_malformed_input_is_rejected_and_reported(pulsar_broker, tmp_path):
     nodes = (0, 1)
     hosts = {0: nodes, 1: nodes}
     with rig(pulsar_broker, tmp_path, nodes, ctl_kw={"collect_period_s": 3600}) as r, \
-            grpc.insecure_channel(f"127.0.0.1:{r.ports[0]}") as ch:
+            r.agent_channel(0) as ch:
         r.ctl.set_channels({0: RPC, 1: 1}, hosts)
         stub = pb_grpc.MessageAgentStub(ch)
         ok = pb.ConfigMessage(message_id=9001, vpc_id=1, timestamp_ns=r.ctl.timestamp(),
@@ -513,9 +508,11 @@ def test_malformed_input_is_rejected_and_reported(pulsar_broker, tmp_path):
         ack = stub.Push(pb.ConfigBatch(messages=[unknown_type, no_hosts]), timeout=5)
         assert (ack.accepted, ack.rejected) == (0, 2)
         for info in (pb.SubscribeInfo(url="http://nowhere", topic=r.topic(1),
-                                      subscription="node-0", timestamp_ns=1, operation=True),
+                                      subscription=subscription_name(0), timestamp_ns=1,
+                                      operation=True),
                      pb.SubscribeInfo(url=pulsar_broker.service_url, topic="",
-                                      subscription="node-0", timestamp_ns=1, operation=True)):
+                                      subscription=subscription_name(0), timestamp_ns=1,
+                                      operation=True)):
             sack = stub.Subscribe(info, timeout=5)
             assert not sack.ok and sack.error
         # node 0 is told to leave topic 1 (as in a switch, before the controller's fence): it
@@ -526,11 +523,13 @@ def test_malformed_input_is_rejected_and_reported(pulsar_broker, tmp_path):
         good.message_id, good.resource_id, good.timestamp_ns = 9100, 5, r.ctl.timestamp()
         r.ledger.sent[0][(1, "SUBNET", 5)].append((good.timestamp_ns, 9100))
         leave = pb.SubscribeInfo(url=pulsar_broker.service_url, topic=r.topic(1),
-                                 subscription="node-0", timestamp_ns=r.ctl.timestamp(),
+                                 subscription=subscription_name(0),
+                                 timestamp_ns=r.ctl.timestamp(),
                                  operation=False)
         assert stub.Subscribe(leave, timeout=5).ok
         assert r.host.agents[0].topics() == {r.topic(1): "draining"}
-        client = pulsar.Client(pulsar_broker.service_url)
+        client = pulsar.Client(pulsar_broker.service_url,
+                               **client_args(r.security, "controller"))
         try:
             producer = client.create_producer(r.topic(1))
             producer.send(b"\xff\xfe garbage, not a TopicEnvelope \x00\x01")
@@ -618,7 +617,7 @@ def test_packed_replies_reported_by_agents(pulsar_broker, tmp_path):
         # a repeated (old) reply and a collection now add nothing
         old = pb.PackedReply(node_id=0, sequence=1, results=[pb.ProgrammingResult(
             message_id=1, outcome=pb.APPLIED, result_seq=1, node_id=0)])
-        with grpc.insecure_channel(r.ctl.reply_address) as ch:
+        with r.channel(r.ctl.reply_address, "agent-0") as ch:
             ack = pb_grpc.ControllerRepliesStub(ch).Report(old, timeout=5)
         assert ack.acknowledged >= 1
         assert r.ctl.collect() == 0

@@ -21,6 +21,7 @@ from delivery.broker import PulsarStandalone
 from delivery.controller import RPC, ConfigError, Controller, ControllerConfig
 from delivery.store import MetadataStore
 from envs.netutil import free_ports
+from security.pulsar import subscription_name
 
 from .delivery_rig import assert_arrived, assert_delivered, rig, wait_until
 
@@ -112,7 +113,9 @@ def test_restart_rebuilds_state_from_store(pulsar_broker, tmp_path):
             t.join(5)
         b = Controller(ControllerConfig(pulsar_broker.service_url, r.store_url,
                                         topic_prefix=r.prefix, collect_period_s=0.3,
-                                        reprogram_period_s=0.2, **ctl_kw),
+                                        reprogram_period_s=0.2, security=r.security,
+                                        pulsar_admin_url=pulsar_broker.admin_url,
+                                        **ctl_kw),
                        dict(a.agents)).start()
         try:
             r.ctl = b
@@ -154,7 +157,8 @@ def test_corrupt_outbox_row_refused_others_delivered(pulsar_broker, tmp_path):
             db.execute("UPDATE outbox SET body = X'00ff00ff' WHERE ts_ns = ?", (bad,))
         r.ctl = Controller(ControllerConfig(pulsar_broker.service_url, r.store_url,
                                             topic_prefix=r.prefix, collect_period_s=0.3,
-                                            reprogram_period_s=0.2),
+                                            reprogram_period_s=0.2, security=r.security,
+                                            pulsar_admin_url=pulsar_broker.admin_url),
                            dict(r.ctl.agents)).start()
         assert r.ctl.stats.outbox_corrupt == 1
         r.host.start_agent(1)
@@ -242,7 +246,7 @@ def test_node_subscription_down_rpc_up(pulsar_broker, tmp_path):
         r.delivered(every=True)
         with agent._sub_guard:
             agent._consumers.pop(r.topic(1))
-        agent._subscribe(r.topic(1), "node-1", pulsar_broker.service_url)
+        agent._subscribe(r.topic(1), subscription_name(1), pulsar_broker.service_url)
         for k in range(15, 20):
             r.send(0, resource_id=k % 3, hosts=nodes)
         r.delivered(every=True)

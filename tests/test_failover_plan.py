@@ -442,9 +442,14 @@ def _wait(cond, timeout: float, what: str) -> float:
 
 
 def _client(url: str, operation_timeout: int = 15):
+    """A Pulsar client as the controller's (its identity: the health probe's producer)."""
     pulsar = pytest.importorskip("pulsar")
+    from security.pulsar import client_args
+    from security.tls import Security
+
     return pulsar.Client(url, operation_timeout_seconds=operation_timeout,
-                         logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error))
+                         logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error),
+                         **client_args(Security(), "controller"))
 
 
 def test_health_broker_unreachable_from_the_start():
@@ -511,16 +516,11 @@ def test_health_broker_sigkill_and_restart(tmp_path):
     ``detection_bound_s`` + 1 s; restarted (same ports and data), it is declared up again;
     killed again, ``close`` returns within 2.5 s while the broker is away."""
     pytest.importorskip("pulsar")
-    from delivery.broker import JavaNotFoundError, MavenNotFoundError, PulsarStandalone
-    from tests.conftest import no_broker
+    from delivery.broker import PulsarStandalone
+    from tests.conftest import start_or_skip
 
     cfg = FailoverConfig()  # the defaults: what the controller runs with
-    broker = PulsarStandalone(progress=None, work_dir=tmp_path / "broker")
-    try:
-        broker.start()
-    except (JavaNotFoundError, MavenNotFoundError) as exc:
-        broker.close()
-        no_broker(str(exc))
+    broker = start_or_skip(PulsarStandalone(progress=None, work_dir=tmp_path / "broker"))
     with broker:
         client = _client(broker.service_url)
         rec = Recorder()

@@ -48,14 +48,18 @@ _SERVE = textwrap.dedent("""
     from serving.bundle import load_bundle
     from serving.online_schemas import OnlineSessionCreate
     from serving.schemas import SessionCreate, request_body
+    from serving.signing import BundleTrust
 
     bundle_dir = {bundle!r}
+    # the committed bundle's signer (the development PKI is not needed for it)
+    trust = BundleTrust.from_security(keys=[{key!r}], pki_key=False)
     app = create_app(ServerSettings(bundle=bundle_dir, auth=False, watch=False,
-                                    freeze_gc=False))
+                                    freeze_gc=False, bundle_trust=trust))
     with TestClient(app) as client:  # the lifespan loads the bundle
         policy = client.get("/v1/policy").json()
         assert policy["loaded"] and policy["hash"], policy
-    bundle = load_bundle(bundle_dir)
+    bundle = load_bundle(bundle_dir, trust=trust)
+    assert bundle.signed_by in trust.keys, bundle.signed_by
     scores = bundle(np.zeros(bundle.layout.size, np.float32))
     assert scores.shape == (bundle.layout.num_topics + 1,), scores.shape
     assert np.isfinite(scores).all()
@@ -66,14 +70,16 @@ _SERVE = textwrap.dedent("""
 
 
 def _script(blocked: tuple[str, ...], bundle: Path) -> str:
-    return _BLOCKER.format(blocked=blocked) + _SERVE.format(blocked=blocked, bundle=str(bundle))
+    key = ROOT / "configs" / "keys" / "example-bundle.pub"
+    return _BLOCKER.format(blocked=blocked) + _SERVE.format(blocked=blocked, bundle=str(bundle),
+                                                            key=str(key))
 
 
 def test_serving_runs_without_the_training_stack():
     """In a fresh interpreter where torch, Ray, ``agents``, gymnasium and MLflow cannot be
     imported: ``serving`` and its server and adapters import, the app starts and loads
-    ``checkpoints/default``, the bundle scores an observation, and none of the blocked
-    packages was imported."""
+    ``checkpoints/default`` (its signature verified against the committed example key), the
+    bundle scores an observation, and none of the blocked packages was imported."""
     script = _script(TRAINING_STACK, ROOT / "checkpoints" / "default")
     r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
                        text=True, timeout=300, check=False)

@@ -143,7 +143,7 @@ def test_train_ddpg_tiny_budget_end_to_end(tmp_path):
         row = pw[(pw.policy == "ddpg") & (pw.instance == inst.name)].iloc[0]
         assert m.total_node_traffic_bps == row["total_node_traffic_bps"]
     assert {a.path for a in client.list_artifacts(res["run_id"], "policy_bundle")} == {
-        "policy_bundle/actor.onnx", "policy_bundle/actor_row.onnx",
+        "policy_bundle/actor.onnx", "policy_bundle/actor_row.onnx", "policy_bundle/SIGNATURE.json",
         "policy_bundle/metadata.json"}
     assert (tmp_path / "out" / "rllib_checkpoint").is_dir()
     mlflow.set_tracking_uri("")

@@ -107,7 +107,7 @@ def test_errors_name_what_is_wrong(tiny_problems, tiny_bundles):
         body = session_body(ps)
         body["types"][0]["destinations"] = [10**9]
         r = c.post("/v1/sessions", json=body, headers=H)
-        assert r.status_code == 422 and "unknown destination node" in r.json()["detail"]
+        assert r.status_code == 409 and "unknown destination node" in r.json()["detail"]
         r = c.post("/v1/sessions/nope/decide", json={"type": 0}, headers=H)
         assert r.status_code == 404 and "nope" in r.json()["detail"]
         sid = new_session(c, ps)["session_id"]
@@ -117,7 +117,12 @@ def test_errors_name_what_is_wrong(tiny_problems, tiny_bundles):
                                                                  "rate_bps": 5}]}, headers=H)
         assert r.status_code == 409 and "not registered" in r.json()["detail"]
         r = c.post(f"/v1/sessions/{sid}/decide/batch", json={"types": [0, 1, 2]}, headers=H)
-        assert r.status_code == 413
+        assert r.status_code == 422 and "at most 2 items (max_batch)" in r.text  # maxItems
+        busy = new_session(c, ps, ps.windows["test"][0])["session_id"]  # > 2 active types
+        r = c.post(f"/v1/sessions/{busy}/decide/batch", json={"replan": True}, headers=H)
+        assert r.status_code == 409 and "exceed max_batch 2" in r.text  # the session's state
+        spec = c.get("/openapi.json").json()["components"]["schemas"]
+        assert spec["DecideBatchRequest"]["properties"]["types"]["anyOf"][0]["maxItems"] == 2
         r = c.post(f"/v1/sessions/{sid}/rates", content=b"x" * 300_000,
                    headers=H | {"content-type": "application/json"})
         assert r.status_code == 413
@@ -360,3 +365,136 @@ def test_compatibility_is_not_confused_by_a_reused_object_id(tiny_problems, tiny
         good = PolicyStore().load(tiny_bundles["a"])
         assert s.compatibility(good) is None
         del good
+
+
+# --------------------------------------------------------------------------- the contract
+
+
+def test_integers_are_json_integers(client, tiny_problems):
+    """Where the schema says integer, only a JSON integer passes (not ``false`` or "1"), as
+    for numbers and booleans; an integral number (``3.0``) is an integer, as JSON Schema
+    says."""
+    ps = tiny_problems
+    body = session_body(ps)
+    for bad in (False, True, "1", 1.5):
+        r = client.post("/v1/sessions", json=body | {"seed": bad}, headers=H)
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "seed"], bad
+    assert client.post("/v1/sessions", json=body | {"seed": 3.0}, headers=H).json()["version"]
+    for bad in ({"interval_s": True}, {"interval_s": "1"}):
+        assert client.post("/v1/sessions", json=body | bad, headers=H).status_code == 422
+    sid = new_session(client, ps)["session_id"]
+    for bad in ({"type": True}, {"type": "0"}, {"type": 0, "explain": 1},
+                {"type": 0, "explain": "true"}):
+        r = client.post(f"/v1/sessions/{sid}/decide", json=bad, headers=H)
+        assert r.status_code == 422, bad
+    node = body["nodes"][0]
+    for bad in ({"id": False}, {"capacity_bps": "5"}):
+        r = client.post("/v1/sessions", json=body | {"nodes": [node | bad]}, headers=H)
+        assert r.status_code == 422, bad
+
+
+def test_integer_bounds_are_exact_json_numbers():
+    """Every bound of the OpenAPI document is a number a JSON client (an IEEE double) holds
+    exactly: ids, counts and rates at most 2**53 - 1; nanosecond times and resource ids are
+    64-bit, bounded by powers of two (or the largest double below 2**64)."""
+    spec = create_app(ServerSettings(auth=False)).openapi()
+    bounds = []
+
+    def walk(x):
+        if isinstance(x, dict):
+            bounds.extend(v for k, v in x.items() if k in ("maximum", "exclusiveMaximum",
+                                                            "minimum", "exclusiveMinimum"))
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+
+    walk(spec)
+    assert bounds and all(float(b) == b for b in bounds)
+    assert 2**53 - 1 in bounds and 2**63 - 1 not in bounds and 2**64 - 1 not in bounds
+
+
+def test_options_and_405_name_every_method(client):
+    for path, methods in (("/v1/sessions/abc", "DELETE, GET, OPTIONS, PATCH"),
+                          ("/v1/policy", "GET, OPTIONS, PUT"),
+                          ("/v1/online/sessions/abc/intervals/0/plan", "GET, OPTIONS, PUT")):
+        r = client.options(path)
+        assert r.status_code == 204 and r.headers["allow"] == methods, path
+    r = client.put("/v1/sessions/abc", headers=H)
+    assert r.status_code == 405 and r.headers["allow"] == "DELETE, GET, OPTIONS, PATCH"
+    assert client.options("/v1/nowhere").status_code == 404
+
+
+def test_openapi_links_lead_from_creation_to_every_session_operation():
+    spec = create_app(ServerSettings(api_keys=[KEY])).openapi()
+    paths = spec["paths"]
+    for create, prefix in (("/v1/sessions", "/v1/sessions/{session_id}"),
+                           ("/v1/online/sessions", "/v1/online/sessions/{session_id}")):
+        links = paths[create]["post"]["responses"]["201"]["links"]
+        ops = {op["operationId"] for p, item in paths.items() if p.startswith(prefix)
+               for op in item.values()}
+        assert {ln["operationId"] for ln in links.values()} == ops and len(ops) >= 4
+        for ln in links.values():
+            assert ln["parameters"]["session_id"] == "$response.body#/session_id"
+    # every operation taking a key documents the rate limit's 429 and Retry-After
+    for item in paths.values():
+        for op in item.values():
+            if op.get("security"):
+                assert "Retry-After" in op["responses"]["429"]["headers"]
+
+
+def test_sessions_belong_to_their_key_in_process(tiny_problems, caplog):
+    """The ownership rule and the audit lines, in process (the real server:
+    tests/test_security_server.py)."""
+    other, admin_log = "other-controller-key", "smart.audit"
+    app = create_app(ServerSettings(api_keys=[KEY, other], admin_keys=[ADMIN]))
+    with TestClient(app) as c, caplog.at_level("INFO", logger=admin_log):
+        sid = new_session(c, tiny_problems)["session_id"]
+        r = c.get(f"/v1/sessions/{sid}", headers={"X-API-Key": other})
+        assert r.status_code == 404 and r.json() == {"detail": f"unknown session {sid!r}"}
+        assert c.delete(f"/v1/sessions/{sid}", headers={"X-API-Key": other}).status_code == 404
+        assert c.get(f"/v1/sessions/{sid}", headers=H).status_code == 200
+        assert c.delete(f"/v1/sessions/{sid}", headers=HA).status_code == 204
+    from serving.access import key_id
+
+    lines = [r.getMessage() for r in caplog.records if r.name == admin_log]
+    assert sum(f"who={key_id(other)}" in ln and "outcome=refused" in ln for ln in lines) == 2
+    assert sum(f"who={key_id(ADMIN)}" in ln and "session.delete" in ln and "outcome=ok" in ln
+               for ln in lines) == 1
+    assert not any(k in caplog.text for k in (KEY, other, ADMIN))
+
+
+def test_rate_limit_settings(tiny_problems):
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    from serve import settings_from
+    from serving.access import RateLimit
+    from serving.app import DEFAULT_RATE_LIMIT
+
+    with initialize_config_dir(str(Path(__file__).resolve().parents[1] / "configs"),
+                               version_base="1.3"):
+        def settings(*over):
+            return settings_from(compose("serve", overrides=["auth=false", *over]))
+
+        assert settings().rate_limit == DEFAULT_RATE_LIMIT
+        assert settings("rate_limit=null").rate_limit is None
+        assert settings("rate_limit.burst=7").rate_limit == RateLimit(
+            DEFAULT_RATE_LIMIT.requests_per_s, 7)
+        assert settings("security.insecure=true").security.insecure is True
+        with pytest.raises(ValueError, match=r"rate_limit\.requests_per_s"):
+            settings("rate_limit.requests_per_s=0")
+        with pytest.raises(ValueError, match="tls: give both"):
+            settings("tls.certfile=/x.pem")
+    # in process: a burst of 3, then 429 with Retry-After for that key only
+    app = create_app(ServerSettings(api_keys=[KEY, "k2"], rate_limit=RateLimit(0.5, 3)))
+    with TestClient(app) as c:
+        codes = [c.get("/v1/policy", headers=H).status_code for _ in range(5)]
+        assert codes == [200, 200, 200, 429, 429]
+        r = c.get("/v1/policy", headers=H)
+        assert r.headers["retry-after"] == "2" and "rate limit" in r.json()["detail"]
+        assert c.get("/v1/policy", headers={"X-API-Key": "k2"}).status_code == 200
+        assert 'smart_access_refused_total{reason="rate_limit"} 3.0' in c.get(
+            "/v1/metrics").text

@@ -98,7 +98,7 @@ def test_hot_swap_under_concurrent_load(server, tiny_problems, tiny_bundles):
     results, errors, stop = [], [], threading.Event()
 
     def load_worker():
-        with httpx.Client(base_url=server.url, headers=h, timeout=10) as c:
+        with httpx.Client(base_url=server.url, verify=server.verify, headers=h, timeout=10) as c:
             sid = c.post("/v1/sessions", json=session_body(ps, w)).json()["session_id"]
             while not stop.is_set():
                 r = c.post(f"/v1/sessions/{sid}/decide/batch", json={"replan": True})
@@ -110,7 +110,8 @@ def test_hot_swap_under_concurrent_load(server, tiny_problems, tiny_bundles):
     threads = [threading.Thread(target=load_worker) for _ in range(4)]
     for t in threads:
         t.start()
-    with httpx.Client(base_url=server.url, headers={"X-API-Key": ADMIN}, timeout=30) as c:
+    with httpx.Client(base_url=server.url, verify=server.verify,
+                      headers={"X-API-Key": ADMIN}, timeout=30) as c:
         for i in range(6):
             time.sleep(0.15)
             r = c.put("/v1/policy", json={"path": str(tiny_bundles["b" if i % 2 == 0
@@ -137,7 +138,8 @@ def test_cached_adapter_follows_a_new_policy_version(server, tiny_problems, tiny
     with make_adapter(ps, server.url, "cached", tmp_path, refresh_s=0.2) as ad:
         replay_window(ad, ps, w)
         assert {d.policy_version for d in ad.decide(replan=True)} == {1}
-        r = httpx.put(server.url + "/v1/policy", json={"path": str(tiny_bundles["b"])},
+        r = httpx.put(server.url + "/v1/policy", verify=server.verify,
+                      json={"path": str(tiny_bundles["b"])},
                       headers={"X-API-Key": ADMIN}, timeout=30)
         assert r.status_code == 200
         time.sleep(0.3)

@@ -35,7 +35,7 @@ def live_session(tiny_problems, tiny_bundles):
     with TestClient(APP) as c:
         r = c.post("/v1/sessions", json=session_body(tiny_problems,
                                                      tiny_problems.windows["test"][0]),
-                   headers={"X-API-Key": KEY})
+                   headers={"X-API-Key": ADMIN})  # the key the fuzzer uses: its own
         assert r.status_code == 201
         return r.json()["session_id"]
 
@@ -48,6 +48,6 @@ def test_openapi_fuzz(case, live_session):
         if case.method.upper() == "DELETE":  # a session of its own to delete
             with TestClient(APP) as c:
                 sid = c.post("/v1/sessions", json=session_body(_PS[0]),
-                             headers={"X-API-Key": KEY}).json()["session_id"]
+                             headers={"X-API-Key": ADMIN}).json()["session_id"]
         case.path_parameters["session_id"] = sid
     case.call_and_validate(headers={"X-API-Key": ADMIN}, checks=CHECKS)

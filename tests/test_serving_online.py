@@ -117,7 +117,7 @@ def test_engine_equals_the_simulator_on_every_trace(online):
 
 
 def test_server_serves_the_simulators_plans_and_costs(server, online):
-    with httpx.Client(base_url=server.url, headers=H, timeout=30) as c:
+    with httpx.Client(base_url=server.url, verify=server.verify, headers=H, timeout=30) as c:
         for t in online.held_out:
             res, knobs = expected(online, t)
             body = online_session_body(t.data.topology, online.ds.scenario,
@@ -205,7 +205,7 @@ def test_remote_adapter_asks_the_server(server, online):
             if w == lost:
                 first = ad.session_id
                 assert httpx.delete(f"{server.url}/v1/online/sessions/{first}",
-                                    headers=H).status_code == 204
+                                    verify=server.verify, headers=H).status_code == 204
             assert ad.plan().knobs == knobs[w]
             assert ad.plan().source == "policy" and ad.reason is None
             want = channel_in(res, t, w)
@@ -213,7 +213,8 @@ def test_remote_adapter_asks_the_server(server, online):
                 assert ad.submit(t.messages[r]) == want[int(t.trace.parsed.message_type[r])]
             assert_interval(ad.close_interval(), res, t, w)
         assert ad.session_id != first and ad.policy_version == 1
-        s = httpx.get(f"{server.url}/v1/online/sessions/{ad.session_id}", headers=H).json()
+        s = httpx.get(f"{server.url}/v1/online/sessions/{ad.session_id}", verify=server.verify,
+                      headers=H).json()
         assert s["window"] == t.trace.num_windows and s["last"] == res[-1].as_dict()
 
 
@@ -244,7 +245,7 @@ def test_remote_adapter_falls_back_then_restores_the_server_session(server, onli
     t, k = online.test[0], 6
     res, _ = expected(online, t, _Switch(fallback_decider(online.cost),
                                          online.bundle.decider(), k))
-    dead = f"http://127.0.0.1:{free_ports(1)[0]}"  # nothing listens there
+    dead = f"https://127.0.0.1:{free_ports(1)[0]}"  # nothing listens there
     with OnlineAdapter(t.data.topology, online.ds.scenario, base_url=dead, api_key=KEY,
                        mode="remote", start_ns=t.data.meta["start_ns"], cost=online.cost,
                        timeout_s=1.0, breaker_failures=2, breaker_reset_s=0.05,
@@ -260,7 +261,8 @@ def test_remote_adapter_falls_back_then_restores_the_server_session(server, onli
             for r in rows_of(t, w):
                 assert ad.submit(t.messages[r]) == want[int(t.trace.parsed.message_type[r])]
             assert_interval(ad.close_interval(), res, t, w)
-        s = httpx.get(f"{server.url}/v1/online/sessions/{ad.session_id}", headers=H).json()
+        s = httpx.get(f"{server.url}/v1/online/sessions/{ad.session_id}", verify=server.verify,
+                      headers=H).json()
         assert s["window"] == t.trace.num_windows and s["last"] == res[-1].as_dict()
 
 
@@ -269,24 +271,25 @@ def test_bad_requests_say_what_is_wrong(server, online):
     msgs = t.messages
     body = online_session_body(t.data.topology, online.ds.scenario,
                                start_ns=t.data.meta["start_ns"])
-    with httpx.Client(base_url=server.url, headers=H, timeout=30) as c:
+    with httpx.Client(base_url=server.url, verify=server.verify, headers=H, timeout=30) as c:
         def err(r, code: int, *words: str) -> None:
             assert r.status_code == code, (r.status_code, r.text)
             text = str(r.json()["detail"])
             for wd in words:
                 assert wd in text, (wd, text)
 
-        err(httpx.post(f"{server.url}/v1/online/sessions", json=body), 401, "API key")
+        err(httpx.post(f"{server.url}/v1/online/sessions", verify=server.verify,
+                       json=body), 401, "API key")
         err(c.put("/v1/online/policy", json={"path": str(online.bundle_dir)}), 403, "admin")
         err(c.put("/v1/online/policy", json={"path": "/nonexistent"}, headers=HA), 409,
             "metadata.json is missing")
         err(c.get("/v1/online/sessions/nope/intervals/0/plan"), 404, "nope")
         no_scenario = {k: v for k, v in body.items() if k != "scenario"}
-        err(c.post("/v1/online/sessions", json=no_scenario), 422,
+        err(c.post("/v1/online/sessions", json=no_scenario), 409,
             "controller, num_topics, interval_s must be given")
-        err(c.post("/v1/online/sessions", json=body | {"num_topics": 5}), 422,
+        err(c.post("/v1/online/sessions", json=body | {"num_topics": 5}), 409,
             "num_topics 5 disagrees with the scenario's 2")
-        err(c.post("/v1/online/sessions", json=no_scenario | {"dataset": "nope"}), 422,
+        err(c.post("/v1/online/sessions", json=no_scenario | {"dataset": "nope"}), 409,
             "unknown dataset 'nope'")
         r = c.post("/v1/online/sessions", json=no_scenario | {"dataset": "tiny_online"})
         assert r.status_code == 201 and r.json()["scenario"] == online.ds.scenario.to_dict()
@@ -307,27 +310,27 @@ def test_bad_requests_say_what_is_wrong(server, online):
         assert m9.message_id not in (m0.message_id, m1.message_id)
         err(post(0, m0, late), 409, "falls in interval 2; close interval 0 first",
             f"message_id {late.message_id}")
-        err(post(0, m0, hosts=[999_999]), 422, "unknown destination node 999999")
-        err(post(0, m0, hosts=[m0.hosts[0], m0.hosts[0]]), 422, "listed twice")
+        err(post(0, m0, hosts=[999_999]), 409, "unknown destination node 999999")
+        err(post(0, m0, hosts=[m0.hosts[0], m0.hosts[0]]), 409, "listed twice")
         err(post(0, m0, configuration_type="VLAN"), 422, "configuration_type must be one of")
-        err(post(0, m0, m0), 422, f"message_id {m0.message_id} was already sent")
+        err(post(0, m0, m0), 409, f"message_id {m0.message_id} was already sent")
         err(post(0, m1, m0), 409, "earlier than the previous message's")
         r = c.post(f"{base}/0/messages", json={"messages": [MessageIn.of(m1)],
                                               "placements": [{"type": 7, "channel": 1}]})
-        err(r, 422, "placement was given for type 7")
+        err(r, 409, "placement was given for type 7")
         # none of that changed the session: interval 0 still takes its first messages
         s = c.get(f"/v1/online/sessions/{sid}").json()
         assert s["window"] == 0 and s["num_types"] == 0
         assert post(0, m0, m1).status_code == 200
-        err(post(0, m0), 422, "was already sent")
+        err(post(0, m0), 409, "was already sent")
         err(c.put(f"{base}/0/plan", json={"plan": []}), 409, "interval 0 is already planned")
         assert c.post(f"{base}/0/close").status_code == 200
         err(c.put(f"{base}/1/plan", json={"plan": [{"type": 99, "channel": 0,
                                                      "expected_rate_bps": 1}]}),
-            422, "planned type 99 has not been seen")
+            409, "planned type 99 has not been seen")
         err(c.put(f"{base}/1/plan", json={"plan": [{"type": 0, "channel": 3,
                                                      "expected_rate_bps": 1}]}),
-            422, "outside 0..2")
+            409, "outside 0..2")
         err(post(1, m9), 409, "falls in interval 0, which is closed")
 
 

@@ -44,7 +44,8 @@ def test_control_plane_requests(tmp_path: Path, pulsar_broker) -> None:
     with AgentHost(cfgs, pulsar_broker.service_url) as host:
         agents = {n: f"127.0.0.1:{p}" for n, p in host.ports().items()}
         ccfg = ControllerConfig(pulsar_broker.service_url, store,
-                                topic_prefix=f"persistent://public/default/cp-{uuid.uuid4().hex}")
+                                topic_prefix=f"persistent://public/default/cp-{uuid.uuid4().hex}",
+                                pulsar_admin_url=pulsar_broker.admin_url)
         with Controller(ccfg, agents) as ctl:
             plane = ControlPlane(ctl, adapter_for(ps, None), make_policy("idcs"))
             multicast, unicast = nodes[:4], nodes[5:6]
@@ -103,7 +104,8 @@ def test_testbed_small(tmp_path: Path, pulsar_broker, tiny_bundles) -> None:
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose(config_name="testbed", overrides=[
             "experiment=testbed_small", f"bundle={tiny_bundles['a']}",
-            f"broker.url={pulsar_broker.service_url}", f"out_dir={tmp_path / 'out'}",
+            f"broker.url={pulsar_broker.service_url}",
+            f"broker.admin_url={pulsar_broker.admin_url}", f"out_dir={tmp_path / 'out'}",
             f"logger.tracking_uri=sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}",
             f"logger.artifact_location={tmp_path / 'mlruns' / 'artifacts'}"])
     res = run_testbed(cfg)

@@ -1,0 +1,317 @@
+"""Who calls the policy server and what each key may do: the caller's key id and owner id,
+the audit log of admin actions, the per-key rate limit, and the ``Allow`` answer of every
+resource.
+
+* A key is never stored, logged or returned: a caller is known by its **owner id** (the
+  SHA-256 of its key, stored on every session it creates) and, in logs, by its **key id**
+  (``key-`` and the first 12 hex digits of that digest).
+* **Ownership.** A session (``/v1/sessions``, ``/v1/online/sessions``) belongs to the key
+  that created it; any other key gets the same 404 as for an unknown id. An admin key may
+  read and delete any session (to clean up after a controller that is gone); each such
+  access to another key's session is audited. It may not change another key's session.
+* **Audit.** Every admin action (policy and online-policy loads, an admin's access to
+  another key's session) and every refused one (a controller key asking for an admin
+  action, an invalid key on an admin endpoint) is logged once on the ``smart.audit`` logger
+  as ``audit who=<key id> action=<action> target=<target> outcome=<outcome>[ detail=...]``
+  (INFO when done, WARNING when refused or failed). Refused session accesses (another
+  key's session) are logged there too, at WARNING.
+* **Rate limit.** One token bucket per key (``requests_per_s`` refill, ``burst`` capacity):
+  a key over its limit gets 429 with ``Retry-After`` (whole seconds, at least 1) while the
+  other keys are served as before; counted in ``smart_rate_limited_total{key}``; the first
+  refusal of a run of refusals is logged (WARNING), and how many there were at the first
+  request served a second or more after the run's last refusal (INFO).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import re
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any, Protocol
+
+from fastapi import Depends, FastAPI, Request, Security
+from fastapi.security import APIKeyHeader
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+__all__ = ["ANONYMOUS", "API_KEY_HEADER", "AUDIT", "AdminCaller", "AllowMiddleware", "Caller",
+           "ControllerCaller", "RateLimit", "RateLimiter", "allowed_methods", "audit",
+           "caller_for", "document_contract", "key_id", "require_admin", "require_controller"]
+
+AUDIT = logging.getLogger("smart.audit")
+API_KEY_HEADER = "X-API-Key"
+
+
+def _digest(key: str) -> str:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def key_id(key: str) -> str:
+    """The name of a key in logs: ``key-`` and 12 hex digits of its SHA-256."""
+    return "key-" + _digest(key)[:12]
+
+
+@dataclass(frozen=True)
+class Caller:
+    """An authenticated caller: ``owner`` (the SHA-256 of its key, stored on its sessions),
+    ``key_id`` (its name in logs) and whether it holds an admin key."""
+
+    owner: str
+    key_id: str
+    admin: bool
+
+    def __repr__(self) -> str:
+        return f"Caller({self.key_id}, admin={self.admin})"
+
+
+#: the caller of a server without authentication (``auth=false``): one caller, admin
+ANONYMOUS = Caller("anonymous", "anonymous", True)
+
+
+def caller_for(key: str, admin: bool) -> Caller:
+    d = _digest(key)
+    return Caller(d, "key-" + d[:12], admin)
+
+
+def _clean(value: object) -> str:
+    """A log field: one line, bounded, quoted when it has spaces."""
+    s = re.sub(r"[\x00-\x1f\x7f]", "?", str(value))[:300]
+    return repr(s) if (" " in s or "=" in s or not s) else s
+
+
+def audit(who: str, action: str, target: object, outcome: str, detail: object = None, *,
+          level: int = logging.INFO) -> None:
+    """One line on ``smart.audit``: who (a key id or a peer address, never a key), what,
+    on what, and how it ended."""
+    msg = (f"audit who={_clean(who)} action={_clean(action)} target={_clean(target)} "
+           f"outcome={outcome}")
+    if detail is not None:
+        msg += f" detail={_clean(detail)}"
+    AUDIT.log(level, "%s", msg)
+
+
+# --------------------------------------------------------------------------- dependencies
+
+
+class Gate(Protocol):
+    """What an app keeps in ``app.state.access`` (``serving.app.create_app``): the caller of
+    a request, or the HTTPException refusing it."""
+
+    def controller(self, request: Request, key: str | None) -> Caller: ...
+
+    def admin(self, request: Request, key: str | None) -> Caller: ...
+
+
+api_key_header = APIKeyHeader(name=API_KEY_HEADER, auto_error=False,
+                              description="A controller's API key")
+
+
+async def require_controller(request: Request,
+                             key: str | None = Security(api_key_header)) -> Caller:
+    """The dependency of every endpoint that takes a key (``app.dependency_overrides`` may
+    replace it)."""
+    gate: Gate = request.app.state.access
+    return gate.controller(request, key)
+
+
+async def require_admin(request: Request, key: str | None = Security(api_key_header)) -> Caller:
+    """The dependency of the admin endpoints (a policy swap)."""
+    gate: Gate = request.app.state.access
+    return gate.admin(request, key)
+
+
+#: an endpoint parameter: the caller, any valid key
+ControllerCaller = Annotated[Caller, Depends(require_controller)]
+#: an endpoint parameter: the caller, an admin key
+AdminCaller = Annotated[Caller, Depends(require_admin)]
+
+
+# --------------------------------------------------------------------------- rate limit
+
+
+@dataclass(frozen=True)
+class RateLimit:
+    """``requests_per_s``: tokens added per second to each key's bucket; ``burst``: its
+    capacity (the requests a key may send at once after a quiet period)."""
+
+    requests_per_s: float
+    burst: int
+
+    def __post_init__(self) -> None:
+        if (isinstance(self.requests_per_s, bool) or not isinstance(self.requests_per_s,
+                                                                       int | float)
+                or not math.isfinite(self.requests_per_s) or self.requests_per_s <= 0):
+            raise ValueError(f"rate_limit.requests_per_s must be a positive number, got "
+                             f"{self.requests_per_s!r}")
+        if isinstance(self.burst, bool) or not isinstance(self.burst, int) or self.burst < 1:
+            raise ValueError(f"rate_limit.burst must be an integer >= 1, got {self.burst!r}")
+
+    @classmethod
+    def from_mapping(cls, m: Mapping[str, Any] | RateLimit | None) -> RateLimit | None:
+        """``{requests_per_s, burst}``; ``None``: no limit. Unknown keys are refused."""
+        if m is None or isinstance(m, RateLimit):
+            return m
+        if not isinstance(m, Mapping):
+            raise ValueError(f"rate_limit: expected a mapping {{requests_per_s, burst}} or "
+                             f"null, got {type(m).__name__}")
+        unknown = sorted(set(m) - {"requests_per_s", "burst"})
+        if unknown:
+            raise ValueError(f"rate_limit: unknown key(s) {unknown}; known: "
+                             f"['burst', 'requests_per_s']")
+        missing = sorted({"requests_per_s", "burst"} - set(m))
+        if missing:
+            raise ValueError(f"rate_limit: missing {missing} (or set rate_limit: null)")
+        return cls(m["requests_per_s"], m["burst"])
+
+
+class RateLimiter:
+    """One token bucket per key id (only valid keys reach it, so it holds at most one
+    bucket per configured key). Not thread-safe: called on the server's event loop."""
+
+    def __init__(self, limit: RateLimit, on_refused: Callable[[str], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.limit, self.clock, self.on_refused = limit, clock, on_refused
+        self._buckets: dict[str, list[float]] = {}  # key id -> [tokens, last refill time]
+        # key id -> [refusals in the current run, time of the last one]
+        self._refused: dict[str, list[float]] = {}
+        #: a run of refusals ends at the first request served this long after the last one
+        self.quiet_s = max(1.0, 1.0 / limit.requests_per_s)
+
+    def take(self, who: str, what: str) -> float:
+        """Take one token of ``who``'s bucket: 0.0 if there was one, else the seconds until
+        there is (the request is refused)."""
+        now = self.clock()
+        b = self._buckets.get(who)
+        if b is None:
+            b = self._buckets[who] = [float(self.limit.burst), now]
+        tokens = min(float(self.limit.burst), b[0] + (now - b[1]) * self.limit.requests_per_s)
+        b[1] = now
+        run = self._refused.get(who)
+        if tokens >= 1.0:
+            b[0] = tokens - 1.0
+            if run is not None and now - run[1] >= self.quiet_s:
+                del self._refused[who]
+                audit(who, "rate_limit", "-", "lifted",
+                      f"{int(run[0])} request(s) refused meanwhile")
+            return 0.0
+        b[0] = tokens
+        wait = (1.0 - tokens) / self.limit.requests_per_s
+        if run is None:
+            run = self._refused[who] = [0, now]
+        run[0] += 1
+        run[1] = now
+        if run[0] == 1:
+            audit(who, what, "-", "refused",
+                  f"429: over its rate limit ({self.limit.requests_per_s:g} requests/s, burst "
+                  f"{self.limit.burst}); retry after {wait:.3f} s; further refusals are "
+                  "counted, not logged, until it is under its limit", level=logging.WARNING)
+        if self.on_refused is not None:
+            self.on_refused(who)
+        return wait
+
+
+def retry_after(wait_s: float) -> str:
+    """The ``Retry-After`` value (whole seconds, at least 1) for a wait."""
+    return str(max(1, math.ceil(wait_s)))
+
+
+# --------------------------------------------------------------------------- methods
+
+
+def allowed_methods(app: FastAPI, path: str) -> list[str] | None:
+    """Every method some route of ``app`` takes on ``path`` (and OPTIONS), or None if no
+    route matches the path."""
+    methods: set[str] = set()
+    for r in app.router.routes:
+        rx, ms = getattr(r, "path_regex", None), getattr(r, "methods", None)
+        if rx is not None and ms and rx.match(path):
+            methods |= set(ms)
+    return sorted(methods | {"OPTIONS"}) if methods else None
+
+
+class AllowMiddleware:
+    """Pure ASGI: ``OPTIONS`` on any resource answers 204 with an ``Allow`` header naming
+    every method the resource takes (the router alone would name only the first route's
+    methods)."""
+
+    def __init__(self, app: ASGIApp, api: FastAPI) -> None:
+        self.app, self.api = app, api
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "OPTIONS":
+            methods = allowed_methods(self.api, scope["path"])
+            if methods is not None:
+                await send({"type": "http.response.start", "status": 204,
+                            "headers": [(b"allow", ", ".join(methods).encode())]})
+                await send({"type": "http.response.body", "body": b""})
+                return
+        await self.app(scope, receive, send)
+
+
+# --------------------------------------------------------------------------- OpenAPI
+
+_RETRY_AFTER = {"description": "Seconds to wait before this key's next request is served "
+                "(429 for the rate limit).",
+                "schema": {"type": "integer", "minimum": 1}}
+_RATE_LIMITED = "This key is over its rate limit (see `Retry-After`)"
+_FOREIGN = " (or one another key created: the same answer)"
+
+#: (creation path, the paths of its sessions' operations, the ids the creation gives them)
+SESSION_FAMILIES = (("/v1/sessions", "/v1/sessions/{session_id}", ("session_id",)),
+                    ("/v1/online/sessions", "/v1/online/sessions/{session_id}",
+                     ("session_id", "window")))
+
+
+def document_contract(schema: dict[str, Any], rate_limited: bool,
+                      max_items: Mapping[tuple[str, str], int] | None = None
+                      ) -> dict[str, Any]:
+    """Complete ``schema`` (the app's OpenAPI document, changed in place): links from each
+    session creation (its 201 response) to every operation on the session it created, so a
+    client or a stateful fuzzer can follow them; the ownership rule on the 404s; with
+    ``rate_limited``, the 429 (with ``Retry-After``) of every operation that takes a key;
+    and ``max_items`` ((model, field) -> the app's limit) as those lists' ``maxItems``."""
+    paths: dict[str, dict[str, Any]] = schema.get("paths", {})
+    models = schema.get("components", {}).get("schemas", {})
+    for (model, name), limit in (max_items or {}).items():
+        prop = models.get(model, {}).get("properties", {}).get(name)
+        if prop is not None:
+            for s in [prop, *prop.get("anyOf", [])]:
+                if s.get("type") == "array":
+                    s["maxItems"] = limit
+    for create, prefix, ids in SESSION_FAMILIES:
+        created = paths.get(create, {}).get("post", {}).get("responses", {}).get("201")
+        if created is None:
+            continue
+        links: dict[str, Any] = {}
+        for path, ops in paths.items():
+            if not (path == prefix or path.startswith(prefix + "/")):
+                continue
+            for method, op in ops.items():
+                if not isinstance(op, dict) or "operationId" not in op:
+                    continue
+                params = {p: f"$response.body#/{p}" for p in ids if "{" + p + "}" in path}
+                name = "".join(w.capitalize() for w in re.split(r"[^A-Za-z0-9]+",
+                                                               f"{method} {path[len(prefix):]}")
+                               if w)
+                links[name or method.capitalize()] = {
+                    "operationId": op["operationId"], "parameters": params,
+                    "description": f"{method.upper()} {path} on the session just created"}
+                r404 = op.get("responses", {}).get("404")
+                if r404 is not None and _FOREIGN not in r404.get("description", ""):
+                    r404["description"] = r404.get("description", "Not Found") + _FOREIGN
+        created["links"] = links
+    if rate_limited:
+        for ops in paths.values():
+            for op in ops.values():
+                if not isinstance(op, dict) or not op.get("security"):
+                    continue
+                rs = op.setdefault("responses", {})
+                r = rs.setdefault("429", {"description": _RATE_LIMITED, "content": {
+                    "application/json": {"schema": {"$ref": "#/components/schemas/ErrorOut"}}}})
+                if _RATE_LIMITED not in r.get("description", ""):
+                    r["description"] = f"{r.get('description', '')}, or: {_RATE_LIMITED}"
+                r.setdefault("headers", {})["Retry-After"] = _RETRY_AFTER
+    return schema
