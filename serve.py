@@ -6,6 +6,8 @@ Served over HTTPS by default (uvicorn's own TLS: ``ssl_certfile``/``ssl_keyfile`
 Every bundle it loads must be signed by a key of ``bundle_trust`` (``keys``: public key
 files, ``pki_key``: the PKI's ``bundle-signing.pub`` too; :mod:`serving.signing`)."""
 
+import logging
+
 import hydra
 from omegaconf import DictConfig
 
@@ -69,6 +71,7 @@ def settings_from(cfg: DictConfig):
                           admin_keys=keys(cfg.admin_keys), auth=bool(cfg.auth),
                           fallback=cfg.fallback, max_body_bytes=int(cfg.max_body_bytes),
                           max_batch=int(cfg.max_batch), max_sessions=int(cfg.max_sessions),
+                          max_sessions_per_key=int(cfg.get("max_sessions_per_key", 100)),
                           max_types=int(cfg.max_types), watch=bool(cfg.watch),
                           watch_period_s=float(cfg.watch_period_s),
                           require_policy=bool(cfg.require_policy),
@@ -88,6 +91,10 @@ def main(cfg: DictConfig) -> None:
 
     settings = settings_from(cfg)
     settings.security.warn_if_insecure("policy server (plain HTTP, unsigned bundles accepted)")
+    if not settings.auth:
+        logging.getLogger("smart.security").warning(
+            "SECURITY OFF: policy server runs without API keys (auth=false): every caller is "
+            "one anonymous admin, sessions have no owner and no rate limit applies")
     tls = settings.tls_files()
     app = create_app(settings)
     ssl = {} if tls is None else {"ssl_certfile": tls[0], "ssl_keyfile": tls[1]}

@@ -273,11 +273,14 @@ class MessageAgent(pb_grpc.MessageAgentServicer):
         """(Re)open the RPC server on its port (``cfg.port`` at :meth:`start`, the one bound
         then when serving again: the fault tests stop it and serve again); returns it."""
         address = f"{self.cfg.host}:{self.port}"
-        if self.guard is None:  # insecure
+        if self.cfg.security.insecure:
             server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
             pb_grpc.add_MessageAgentServicer_to_server(self, server)
             port = server.add_insecure_port(address)
         else:
+            if self.guard is None:
+                raise WireError(f"agent {self.cfg.node_id}: serve() before start(): no "
+                                f"credentials or role check yet")
             server = grpc.aio.server(options=[("grpc.so_reuseport", 0)],
                                      interceptors=[self.guard])
             pb_grpc.add_MessageAgentServicer_to_server(self, server)
@@ -609,6 +612,10 @@ class PulsarClients:
         with self._lock:
             c = self._clients.get(key)
             if c is None:
+                if not security.insecure and not url.startswith("pulsar+ssl://"):
+                    log.warning("%s: security is on but the Pulsar URL %r is not "
+                                "pulsar+ssl://: neither encrypted nor authenticated",
+                                principal, url)
                 c = self._clients[key] = pulsar.Client(
                     url, operation_timeout_seconds=10, message_listener_threads=self._threads,
                     logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error),

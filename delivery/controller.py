@@ -340,6 +340,10 @@ class Controller(pb_grpc.ControllerRepliesServicer):
 
         sec = self.cfg.security
         insecure = sec.warn_if_insecure("controller")
+        if not insecure and not self.cfg.pulsar_url.startswith("pulsar+ssl://"):
+            log.warning("controller: security is on but pulsar_url %r is not pulsar+ssl://: "
+                        "the MQ channel is neither encrypted nor authenticated",
+                        self.cfg.pulsar_url)
         self._client = pulsar.Client(self.cfg.pulsar_url, operation_timeout_seconds=15,
                                      logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error),
                                      **client_args(sec, "controller"))
@@ -424,12 +428,16 @@ class Controller(pb_grpc.ControllerRepliesServicer):
                 if not reachable:
                     log.warning("recovery: the broker did not answer; the durable "
                                 "subscriptions of the last switch are left to the agents")
-        if self._grants is not None and any(self.node_topics.values()):
-            try:  # bound when they first subscribed; a broker replaced since needs them again
-                self._grants.ensure(n for n, ts in self.node_topics.items() if ts)
+        if self._grants is not None:
+            # every node this controller serves, before any subscribes: until its binding
+            # exists, another agent's role could take its subscription name (Prefix mode);
+            # once per node and broker (nothing for nodes bound before)
+            try:
+                self._grants.ensure(set(self.agents) | {n for n, ts in self.node_topics.items()
+                                                        if ts})
             except SecurityError as e:
-                log.warning("recovery: binding the nodes' subscriptions to their agents: %s "
-                            "(bound again when they next subscribe)", e)
+                log.warning("binding the nodes' subscriptions to their agents: %s (bound "
+                            "again when they next subscribe)", e)
         redelivered = corrupt = 0
         if self.cfg.outbox:
             for row in st.outbox_unconfirmed():

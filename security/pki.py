@@ -28,6 +28,7 @@ import contextlib
 import datetime as dt
 import fcntl
 import ipaddress
+import logging
 import os
 import re
 import sys
@@ -41,6 +42,8 @@ if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+log = logging.getLogger("smart.security")
+
 PKI_ENV = "SMART_PKI_DIR"
 """Environment variable naming the PKI directory (overrides the default)."""
 
@@ -49,6 +52,7 @@ STANDARD_PRINCIPALS = ("controller", "broker", "policy-server", "admin")
 SIGNING_KEY, VERIFY_KEY = "bundle-signing.key", "bundle-signing.pub"
 _PRINCIPAL = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
 _VALIDITY = dt.timedelta(days=3650)
+_RESERVED = frozenset({"ca", "bundle-signing"})  # file stems of the CA and the signing key
 
 
 class PkiError(ValueError):
@@ -144,6 +148,9 @@ class Pki:
         with pki._lock():
             if not pki.ca_cert.exists():
                 pki._create_ca()
+                log.warning("created a DEVELOPMENT PKI in %s (its CA key is beside it: for "
+                            "development and tests only; deployments use their own PKI "
+                            "directory without ca.key)", pki.dir)
             for p in STANDARD_PRINCIPALS:
                 pki._issue_if_missing(p)
             for n in agents:
@@ -155,9 +162,9 @@ class Pki:
     def identity(self, principal: str) -> TlsIdentity:
         """The identity of ``principal`` (issued now if this is a development CA and it does
         not exist yet); :class:`PkiError` if its files are missing and cannot be issued."""
-        if not _PRINCIPAL.match(principal):
+        if not _PRINCIPAL.match(principal) or principal in _RESERVED:
             raise PkiError(f"invalid principal {principal!r}: lower-case letters, digits and "
-                           f"'-', starting with a letter")
+                           f"'-', starting with a letter, not 'ca' or 'bundle-signing'")
         ident = TlsIdentity(principal, self.ca_cert, self.dir / f"{principal}.crt",
                             self.dir / f"{principal}.key")
         if ident.cert.exists() and ident.key.exists():

@@ -78,7 +78,7 @@ from envs.dsmd.traces import write_trace
 from security.tls import Security
 
 from .announce import DEFAULT_TOPIC, HealthAnnouncement, PolicyAnnouncement
-from .bundle import BUNDLE_FILES, BundleError, PolicyBundle, load_bundle
+from .bundle import BUNDLE_FILES, HEX_DIGEST, BundleError, PolicyBundle, load_bundle
 from .schemas import (
     ChannelHealth,
     ControllerIn,
@@ -483,6 +483,10 @@ class ControllerAdapter:
                         self._cached[1])
             return False
         root = self.cache_dir or Path.home() / ".cache" / "smart-dsmd" / "bundles"
+        if not isinstance(info.get("hash"), str) or not HEX_DIGEST.fullmatch(info["hash"]):
+            log.warning("policy refresh: the server's bundle hash %r is not a hex digest; "
+                        "keeping version %d", info.get("hash"), self._cached[1])
+            return False
         d = root / info["hash"][:16]
         d.mkdir(parents=True, exist_ok=True)
         with zipfile.ZipFile(io.BytesIO(raw)) as z:

@@ -133,13 +133,14 @@ class ServerSettings:
     #: online policy bundle (serving.online_bundle) loaded at start; None: none until a
     #: PUT /v1/online/policy (serving/online_api.py)
     online_bundle: str | None = None
-    api_keys: list[str] = field(default_factory=list)  # controllers' keys
-    admin_keys: list[str] = field(default_factory=list)  # may swap the policy over the API
+    api_keys: list[str] = field(default_factory=list, repr=False)  # controllers' keys
+    admin_keys: list[str] = field(default_factory=list, repr=False)  # may swap the policy
     auth: bool = True  # False only for local experiments
     fallback: str = "greedy"  # heuristic when no usable policy: greedy | rpc
     max_body_bytes: int = 4 * 1024 * 1024
     max_batch: int = 20_000
     max_sessions: int = 1_000
+    max_sessions_per_key: int = 100  # one key cannot take every slot (each family)
     max_types: int = 200_000  # per session
     watch: bool = False  # reload the bundle when its files change
     watch_period_s: float = 2.0
@@ -186,7 +187,8 @@ class ServerSettings:
         if self.auth and not self.api_keys:
             raise ValueError("auth is on but no api_keys are configured (set serve.api_keys, "
                              "e.g. SMART_API_KEYS=key1,key2, or auth=false for local use)")
-        for k in ("max_body_bytes", "max_batch", "max_sessions", "max_types"):
+        for k in ("max_body_bytes", "max_batch", "max_sessions", "max_sessions_per_key",
+                  "max_types"):
             if getattr(self, k) <= 0:
                 raise ValueError(f"{k} must be positive")
         if self.batch_threads is not None and self.batch_threads < 1:
@@ -410,12 +412,12 @@ def create_app(settings: ServerSettings | None = None, *,
 
         def admin(self, request: Request, key: str | None) -> Caller:
             caller = identify(request, key)
+            throttle(request, caller)  # before the role check: refusals cost tokens too
             if not caller.admin:
                 metrics.refused.labels("not_admin").inc()
                 audit(caller.key_id, _action(request), "-", "refused",
                       "403: not an admin key", level=logging.WARNING)
                 raise HTTPException(403, "policy swaps need an admin key")
-            throttle(request, caller)
             return caller
 
     app.state.access = _Gate()
@@ -562,6 +564,9 @@ def create_app(settings: ServerSettings | None = None, *,
                              caller: ControllerCaller) -> SessionCreated:
         if len(sessions) >= cfg.max_sessions:
             raise HTTPException(429, f"session limit ({cfg.max_sessions}) reached")
+        if sum(s.owner == caller.owner for s in sessions.values()) >= cfg.max_sessions_per_key:
+            raise HTTPException(429, f"this key holds {cfg.max_sessions_per_key} sessions "
+                                     f"(max_sessions_per_key): close one first")
         if len(body.types) > cfg.max_types:
             raise too_many(["types"], len(body.types), cfg.max_types, "max_types")
         _check_channels(body.types, body.num_topics)
@@ -684,7 +689,8 @@ def create_app(settings: ServerSettings | None = None, *,
                 "session_version": s.version}
 
     add_online_routes(app, store=online_store, controller=controller, admin=admin,
-                      owned=owned, max_sessions=cfg.max_sessions, max_batch=cfg.max_batch)
+                      owned=owned, max_sessions=cfg.max_sessions,
+                      max_sessions_per_key=cfg.max_sessions_per_key, max_batch=cfg.max_batch)
     base_openapi = app.openapi
 
     def openapi() -> dict[str, Any]:

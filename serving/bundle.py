@@ -36,6 +36,7 @@ import hashlib
 import json
 import os
 import queue
+import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -79,6 +80,9 @@ SIGNATURE_FILE = "SIGNATURE.json"
 #: every file a bundle holds (what is copied when a bundle is published or fetched; an
 #: unsigned bundle, accepted only by an insecure loader, has no SIGNATURE.json)
 BUNDLE_FILES = (*BUNDLE_CONTENT, SIGNATURE_FILE)
+#: a bundle's content hash as the server announces it (a SHA-256 hex digest): adapters name
+#: their cache directories after it, so nothing else is accepted
+HEX_DIGEST = re.compile(r"[0-9a-f]{64}")
 #: the decoding modes a bundle may record, and how each turns scores into a channel
 DECODING = {"argmax": "argmax over the K+1 channel scores (0 = RPC, t = MQ topic t); ties "
                       "broken uniformly at random",

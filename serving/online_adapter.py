@@ -70,7 +70,7 @@ from .adapter import (
     http_client,
     send,
 )
-from .bundle import BundleError
+from .bundle import HEX_DIGEST, BundleError
 from .online_bundle import OnlineBundle, load_online_bundle
 from .online_policy import unzip_bundle
 from .online_schemas import OnlineSessionCreate, PlanIn, PlannedIn, messages_body
@@ -360,6 +360,10 @@ class OnlineAdapter:
                         self._bundle[1])
             return False
         root = self.cache_dir or Path.home() / ".cache" / "smart-dsmd" / "online-bundles"
+        if not isinstance(info.get("hash"), str) or not HEX_DIGEST.fullmatch(info["hash"]):
+            log.warning("online policy refresh: the server's bundle hash %r is not a hex "
+                        "digest; keeping version %d", info.get("hash"), self._bundle[1])
+            return False
         try:
             bundle = load_online_bundle(unzip_bundle(raw, root / info["hash"][:16]),
                                         self.bundle_trust)

@@ -118,6 +118,7 @@ def _scenario(body: OnlineSessionCreate) -> ScenarioSpec:
 
 def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Callable,
                       admin: Callable, max_sessions: int, max_batch: int,
+                      max_sessions_per_key: int | None = None,
                       owned: Callable[[str, str, str | None, Caller, str], None] | None = None
                       ) -> None:
     """Register the online endpoints on ``app`` (module docstring). ``controller`` and
@@ -225,6 +226,10 @@ def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Cal
                                     caller: ControllerCaller) -> OnlineSessionCreated:
         if len(sessions) >= max_sessions:
             raise HTTPException(429, f"online session limit ({max_sessions}) reached")
+        if max_sessions_per_key is not None and sum(
+                e.owner == caller.owner for e in sessions.values()) >= max_sessions_per_key:
+            raise HTTPException(429, f"this key holds {max_sessions_per_key} online sessions "
+                                     f"(max_sessions_per_key): close one first")
         p = store.current()
         try:
             spec = _scenario(body)

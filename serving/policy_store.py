@@ -24,7 +24,7 @@ import numpy as np
 
 from envs.dsmd.observation import ObservationLayout
 
-from .bundle import BundleError, PolicyBundle, load_bundle
+from .bundle import BUNDLE_FILES, BundleError, PolicyBundle, load_bundle
 from .signing import BundleTrust, SignatureError
 
 __all__ = ["BundleError", "BundleWatcher", "LoadedPolicy", "PolicyStore"]
@@ -147,11 +147,17 @@ class BundleWatcher:
         self.errors: list[str] = []
 
     def _stamp(self) -> tuple | None:
-        try:
-            st = (self.path / "metadata.json").stat()
-            return (st.st_mtime_ns, st.st_size, st.st_ino)
-        except OSError:
-            return None
+        """The files' (mtime, size, inode): a re-signed bundle (only ``SIGNATURE.json``
+        changed) is loaded again too."""
+        out: list[tuple[int, int, int] | None] = []
+        for name in BUNDLE_FILES:
+            try:
+                st = (self.path / name).stat()
+            except OSError:
+                out.append(None)
+                continue
+            out.append((st.st_mtime_ns, st.st_size, st.st_ino))
+        return None if all(x is None for x in out) else tuple(out)
 
     def start(self) -> BundleWatcher:
         self._thread.start()

@@ -143,3 +143,10 @@ def test_grpc_mutual_tls_and_peer_principal(tmp_path):
         assert len(seen) == 1
     finally:
         server.stop(0)
+
+
+def test_reserved_names_are_not_principals(tmp_path):
+    pki = Pki.ensure(tmp_path)
+    for name in ("ca", "bundle-signing"):
+        with pytest.raises(PkiError, match="invalid principal"):
+            pki.identity(name)

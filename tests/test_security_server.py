@@ -262,3 +262,41 @@ def test_insecure_mode_is_plain_http_and_warns_once(tmp_path):
                       verify=False)
     log = server_log(s)
     assert log.count("SECURITY OFF") == 1 and "policy server" in log
+
+
+def test_one_key_cannot_take_every_session_slot(tiny_problems):
+    """``max_sessions_per_key``: a key holding its quota gets 429 for one more session;
+    another key still opens its own; closing one frees a slot of the first key's."""
+    from fastapi.testclient import TestClient
+
+    from serving.app import ServerSettings, create_app
+
+    app = create_app(ServerSettings(api_keys=["key-a", "key-b"], admin_keys=["adm"],
+                                    max_sessions=10, max_sessions_per_key=2))
+    body = session_body(tiny_problems)
+    with TestClient(app) as c:
+        a = {"X-API-Key": "key-a"}
+        sids = [c.post("/v1/sessions", json=body, headers=a).json()["session_id"]
+                for _ in range(2)]
+        r = c.post("/v1/sessions", json=body, headers=a)
+        assert r.status_code == 429 and "max_sessions_per_key" in r.json()["detail"]
+        assert c.post("/v1/sessions", json=body,
+                      headers={"X-API-Key": "key-b"}).status_code == 201
+        assert c.delete(f"/v1/sessions/{sids[0]}", headers=a).status_code == 204
+        assert c.post("/v1/sessions", json=body, headers=a).status_code == 201
+
+
+def test_refused_admin_calls_are_rate_limited_too():
+    """A controller key calling an admin endpoint is throttled before it is refused, so
+    refusals cannot flood the server or its audit log."""
+    from fastapi.testclient import TestClient
+
+    from serving.access import RateLimit
+    from serving.app import ServerSettings, create_app
+
+    app = create_app(ServerSettings(api_keys=["key-a"], admin_keys=["adm"],
+                                    rate_limit=RateLimit(requests_per_s=0.01, burst=3)))
+    with TestClient(app) as c:
+        codes = [c.put("/v1/policy", json={"path": "/nowhere"},
+                       headers={"X-API-Key": "key-a"}).status_code for _ in range(5)]
+    assert codes == [403, 403, 403, 429, 429]
