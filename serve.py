@@ -52,16 +52,8 @@ def settings_from(cfg: DictConfig):
     rate = block("rate_limit") if "rate_limit" in cfg else {
         "requests_per_s": DEFAULT_RATE_LIMIT.requests_per_s, "burst": DEFAULT_RATE_LIMIT.burst}
     security = Security.from_mapping(block("security"))
-
-    class Warned(Security):
-        """``security``, whose insecure warning ``main`` gives once for the whole server
-        (bundle verification included)."""
-
-        def warn_if_insecure(self, component: str) -> bool:
-            return self.insecure
-
-    trust = BundleTrust.from_mapping(block("bundle_trust"),
-                                     Warned(security.insecure, security.pki_dir))
+    # ``main`` warns once for the whole server, bundle verification included
+    trust = BundleTrust.from_mapping(block("bundle_trust"), security, warn=False)
     return ServerSettings(security=security, bundle_trust=trust,
                           tls_certfile=tls.get("certfile") or None,
                           tls_keyfile=tls.get("keyfile") or None,

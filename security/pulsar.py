@@ -44,7 +44,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from security.pki import PkiError, agent_principal, parse_ranges
-from security.tls import Security, SecurityError
+from security.tls import Security, SecurityError, client_ssl_context
 
 log = logging.getLogger("smart.security.pulsar")
 
@@ -91,10 +91,7 @@ def subscription_name(node: int) -> str:
 def ssl_context(security: Security, principal: str = "admin") -> ssl.SSLContext:
     """An HTTPS client context presenting ``principal``'s certificate and verifying the
     server (and its host name) against the PKI's CA."""
-    ident = security.identity(principal)
-    ctx = ssl.create_default_context(cafile=str(ident.ca))
-    ctx.load_cert_chain(str(ident.cert), str(ident.key))
-    return ctx
+    return client_ssl_context(security, principal)
 
 
 class PulsarAdmin:

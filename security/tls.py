@@ -14,6 +14,7 @@ for the servicer's role check.
 from __future__ import annotations
 
 import logging
+import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,6 +87,19 @@ class Security:
                         "(security.insecure=true); anyone who reaches its ports can use it",
                         component)
         return self.insecure
+
+
+# --------------------------------------------------------------------------- HTTPS
+
+
+def client_ssl_context(security: Security, principal: str | None = None) -> ssl.SSLContext:
+    """An HTTPS client context trusting only the PKI's CA (host names checked), presenting
+    ``principal``'s certificate if one is given (mutual TLS)."""
+    ctx = ssl.create_default_context(cafile=str(security.pki.ca_cert))
+    if principal is not None:
+        ident = security.identity(principal)
+        ctx.load_cert_chain(str(ident.cert), str(ident.key))
+    return ctx
 
 
 # --------------------------------------------------------------------------- gRPC

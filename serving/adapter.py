@@ -75,7 +75,7 @@ from envs.dsmd.message import Message, messages_to_trace
 from envs.dsmd.parser import BatchKey, IntervalEstimate, MessageParser, TypeCatalog
 from envs.dsmd.topology import Topology
 from envs.dsmd.traces import write_trace
-from security.tls import Security
+from security.tls import Security, client_ssl_context
 
 from .announce import DEFAULT_TOPIC, HealthAnnouncement, PolicyAnnouncement
 from .bundle import BUNDLE_FILES, HEX_DIGEST, BundleError, PolicyBundle, load_bundle
@@ -127,7 +127,7 @@ def tls_verify(security: Security, url: str, component: str = "controller adapte
         raise ValueError(f"base_url {url!r}: the policy server is reached over TLS when "
                          "security is on (use https://, or security.insecure=true to debug "
                          "over plain HTTP)")
-    return ssl.create_default_context(cafile=str(security.pki.ca_cert))
+    return client_ssl_context(security)
 
 
 def http_client(base_url: str, api_key: str | None, timeout_s: float, security: Security,

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 
 from envs.netutil import free_ports
-from security.tls import Security
+from security.tls import Security, client_ssl_context
 
 __all__ = ["LocalServer"]
 
@@ -67,7 +67,7 @@ class LocalServer:
         insecure: plain HTTP)."""
         if self._verify is None:
             self._verify = (False if self.security.insecure else
-                            ssl.create_default_context(cafile=str(self.security.pki.ca_cert)))
+                            client_ssl_context(self.security))
         return self._verify
 
     def client(self, key: str | None = None, **kw: Any) -> httpx.Client:

@@ -221,15 +221,16 @@ class BundleTrust:
     @classmethod
     def from_security(cls, sec: Security | None = None,
                       keys: Sequence[str | Path] | None = None, *,
-                      pki_key: bool = True) -> BundleTrust:
+                      pki_key: bool = True, warn: bool = True) -> BundleTrust:
         """The trust of a component configured with ``sec``: the PKI's
         ``bundle-signing.pub`` (unless ``pki_key`` is false; the development PKI is created
         on first use) and the public key files ``keys`` (e.g. a release key, or the previous
         key while rotating). ``sec.insecure``: unsigned bundles are accepted with a warning
-        (logged here, once per trust)."""
+        (logged here, once per trust, unless ``warn`` is false: a component that warned for
+        itself already)."""
         sec = sec or Security()
         paths: list[str | Path] = list(keys or [])
-        if sec.warn_if_insecure("bundle verification"):
+        if sec.warn_if_insecure("bundle verification") if warn else sec.insecure:
             if pki_key:
                 from security.pki import Pki
 
@@ -248,10 +249,10 @@ class BundleTrust:
 
     @classmethod
     def from_mapping(cls, m: Mapping[str, Any] | None, sec: Security | None = None,
-                     section: str = "bundle_trust") -> BundleTrust:
+                     section: str = "bundle_trust", *, warn: bool = True) -> BundleTrust:
         """From a config block ``{keys: [pem paths] | null, pki_key: bool}`` (both optional:
         the PKI's key alone); an unknown key or a wrong type is a :class:`PkiError` naming
-        it."""
+        it. ``warn``: see :meth:`from_security`."""
         m = m or {}
         if not isinstance(m, Mapping):
             raise PkiError(f"{section}: expected a mapping, got {type(m).__name__}")
@@ -264,7 +265,7 @@ class BundleTrust:
         pki_key = m.get("pki_key", True)
         if not isinstance(pki_key, bool):
             raise PkiError(f"{section}.pki_key: expected true or false, got {pki_key!r}")
-        return cls.from_security(sec, list(keys), pki_key=pki_key)
+        return cls.from_security(sec, list(keys), pki_key=pki_key, warn=warn)
 
 
 def default_trust() -> BundleTrust:
