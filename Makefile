@@ -5,7 +5,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed-$(shell cat requirements.lock pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: setup run test test-all bench sweep ablation clean lock docs report lint typecheck pki
+.PHONY: setup run test test-all bench sweep ablation clean lock docs report lint typecheck pki nettools
 
 $(STAMP): requirements.lock pyproject.toml
 	@command -v $(PY) >/dev/null || { echo "error: $(PY) not found; run make PY=/path/to/python3.11"; exit 1; }
@@ -15,6 +15,13 @@ $(STAMP): requirements.lock pyproject.toml
 	$(VPY) -m uv pip install -q --python $(VPY) -r requirements.lock
 	$(VPY) -m uv pip install -q --python $(VPY) --no-deps -e .
 	@rm -f $(VENV)/.installed-*; touch $(STAMP)
+	@$(MAKE) -s nettools
+
+nettools:                       ## nftables for the emulated network's packet loss (as root, Debian)
+	@command -v nft >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  { apt-get install -y -q nftables >/dev/null 2>&1 || \
+	    { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q nftables >/dev/null 2>&1; }; } \
+	  && echo "installed nftables" || echo "note: nftables not installed (needs root and apt-get): the emulated network cannot drop packets"; }
 
 setup: $(STAMP)
 

@@ -590,8 +590,10 @@ class PulsarClients:
     when insecure, one per agent when secure (each authenticates as its own node, the role
     the broker authorises for that node's subscriptions only)."""
 
-    def __init__(self, default_url: str | None, listener_threads: int = 1) -> None:
+    def __init__(self, default_url: str | None, listener_threads: int = 1,
+                 per_agent: bool = False) -> None:
         self.default_url = default_url
+        self.per_agent = per_agent  # one client per agent also when insecure (netem)
         self._clients: dict[tuple[str, Security, str | None], Any] = {}
         self._lock = threading.Lock()
         self._threads = listener_threads
@@ -608,7 +610,7 @@ class PulsarClients:
         security = security or Security()
         if principal is None and not security.insecure:
             raise WireError("a secure Pulsar client needs the principal it authenticates as")
-        key = (url, security, None if security.insecure else principal)
+        key = (url, security, None if security.insecure and not self.per_agent else principal)
         with self._lock:
             c = self._clients.get(key)
             if c is None:

@@ -19,31 +19,40 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
+import os
 import signal
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from envs.netutil import node_address
+from security.pulsar import ANNOUNCE_TOPIC
 from security.tls import Security
 
 from .agent import AgentConfig, MessageAgent, PulsarClients
 from .health import security_setting
 
-__all__ = ["AgentHost", "host_spec", "main"]
+__all__ = ["AgentHost", "HostProcesses", "cpu_seconds", "host_spec", "main"]
 
 log = logging.getLogger(__name__)
 
 
 class AgentHost:
     def __init__(self, configs: Sequence[AgentConfig], pulsar_url: str | None,
-                 listener_threads: int = 1) -> None:
+                 listener_threads: int = 1, netns: Mapping[int, str] | None = None) -> None:
         self.configs = {c.node_id: c for c in configs}
-        self.clients = PulsarClients(pulsar_url, listener_threads)
+        self.netns = {int(n): ns for n, ns in (netns or {}).items()}
+        self.clients = PulsarClients(pulsar_url, listener_threads, per_agent=bool(self.netns))
         self.agents: dict[int, MessageAgent] = {}
         self.loop = asyncio.new_event_loop()
         self._thread: threading.Thread | None = None
@@ -65,10 +74,33 @@ class AgentHost:
         """Start (or restart, recovering from its record and the store) one node's agent."""
         cfg = self.configs[node_id]
         agent = MessageAgent(cfg, self.clients)
-        port = self.call(agent.start())
+        ns = self.netns.get(node_id)
+        if ns is None:
+            port = self.call(agent.start())
+        else:
+            self._prime_client(cfg, ns)
+            port = self.call(_start_in(ns, agent))
         cfg.port = port  # a restart binds the same port
         self.agents[node_id] = agent
         return port
+
+    def _prime_client(self, cfg: AgentConfig, ns: str) -> None:
+        """Create the node's Pulsar client from a thread in the node's namespace and make it
+        connect once: its I/O thread starts there, so every connection of that client (and
+        the broker's traffic to the node) crosses the node's link."""
+        from .netem import in_netns
+
+        def prime() -> None:
+            with in_netns(ns):
+                client = self.clients.get(cfg.pulsar_url, cfg.security, cfg.principal)
+                try:
+                    client.get_topic_partitions(ANNOUNCE_TOPIC)
+                except Exception as e:  # the connection is made before any refusal
+                    log.debug("node %d: priming lookup: %s", cfg.node_id, e)
+
+        t = threading.Thread(target=prime, name=f"netns-{cfg.node_id}")
+        t.start()
+        t.join()
 
     def stop_agent(self, node_id: int) -> None:
         agent = self.agents.pop(node_id)
@@ -98,15 +130,104 @@ class AgentHost:
         self.close()
 
 
+async def _start_in(ns: str, agent: MessageAgent) -> int:
+    """``agent.start()`` with the loop's thread in namespace ``ns``: the agent's RPC server
+    listens there (:func:`delivery.netem.in_netns`)."""
+    from .netem import in_netns
+
+    with in_netns(ns):
+        return await agent.start()
+
+
 def host_spec(nodes: dict[int, int], *, store_url: str, record_dir: str | Path,
               pulsar_url: str, controller: str | None,
-              security: Security | Mapping[str, Any] | None = None, **agent_kw: Any) -> dict:
+              security: Security | Mapping[str, Any] | None = None,
+              netns: Mapping[int, str] | None = None, **agent_kw: Any) -> dict:
     """The JSON spec of an agent-host process: node id -> port, and the shared settings
-    (``security``: a :class:`Security` or its mapping; None is the secure default)."""
+    (``security``: a :class:`Security` or its mapping; None is the secure default;
+    ``netns``: node id -> the emulated network's namespace of the node, where its agent
+    listens on the node's address, :func:`envs.netutil.node_address`)."""
     sec = security_setting(security)
     return {"nodes": {str(n): int(p) for n, p in nodes.items()}, "store_url": store_url,
             "record_dir": str(record_dir), "pulsar_url": pulsar_url, "controller": controller,
-            "security": dataclasses.asdict(sec), "agent": agent_kw}
+            "security": dataclasses.asdict(sec), "agent": agent_kw,
+            "netns": {str(n): ns for n, ns in (netns or {}).items()}}
+
+
+@dataclass
+class HostProcesses:
+    """Agent-host processes (``python -m delivery.agent_host``) over which nodes are spread
+    round-robin: started by :meth:`start`, waited for by :meth:`wait_ready`, stopped by
+    :meth:`stop` (SIGTERM, each agent writes its counters; SIGKILL after a grace). The
+    testbed and the switch-cost bench run their agents this way."""
+
+    workdir: Path
+    procs: list[tuple[subprocess.Popen, Path, Any]] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, ports: Mapping[int, int], processes: int, workdir: Path,
+              netns_tag: str | None = None, **spec_kw: Any) -> HostProcesses:
+        """``ports``: node -> RPC port; ``netns_tag``: the emulated network whose node
+        namespaces the agents start in; ``spec_kw``: :func:`host_spec`'s settings."""
+        hosts = cls(Path(workdir))
+        nodes = list(ports)
+        k = max(1, min(processes, len(nodes)))
+        root = Path(__file__).resolve().parents[1]
+        for i in range(k):
+            part = {n: ports[n] for j, n in enumerate(nodes) if j % k == i}
+            netns = {n: f"{netns_tag}-n{n}" for n in part} if netns_tag else None
+            f = hosts.workdir / f"agents-{i}.json"
+            f.write_text(json.dumps(host_spec(part, netns=netns, **spec_kw)))
+            ready = hosts.workdir / f"agents-{i}.ready"
+            logf = open(hosts.workdir / f"agents-{i}.log", "w")  # noqa: SIM115 closed by stop()
+            p = subprocess.Popen([sys.executable, "-m", "delivery.agent_host", "--spec", str(f),
+                                  "--ready", str(ready)], cwd=root, stdout=logf,
+                                 stderr=subprocess.STDOUT)
+            hosts.procs.append((p, ready, logf))
+        return hosts
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Until every host serves all its agents; an exited host raises with its log's
+        tail, a timeout names the log directory."""
+        end = time.monotonic() + timeout_s
+        for p, ready, logf in self.procs:
+            while not ready.exists():
+                if p.poll() is not None:
+                    logf.flush()
+                    tail = Path(logf.name).read_text()[-2000:]
+                    raise RuntimeError(f"agent host exited with {p.returncode}:\n{tail}")
+                if time.monotonic() > end:
+                    raise TimeoutError(f"agent hosts not ready after {timeout_s:.0f} s "
+                                       f"(logs in {self.workdir})")
+                time.sleep(0.1)
+
+    def stop(self, grace_s: float = 60.0) -> float:
+        """Stop every host; returns their CPU seconds (user + system) just before."""
+        cpu = 0.0
+        for p, _, _ in self.procs:
+            if p.poll() is None:
+                with contextlib.suppress(OSError):
+                    cpu += cpu_seconds(p.pid)
+                p.send_signal(signal.SIGTERM)
+        for p, _, logf in self.procs:
+            try:
+                p.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            logf.close()
+        self.procs = []
+        return cpu
+
+
+def cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU seconds of a process (all threads; this process if None)."""
+    if pid is None:
+        t = os.times()
+        return t.user + t.system
+    with open(f"/proc/{pid}/stat") as f:
+        parts = f.read().rsplit(")", 1)[1].split()
+    return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -117,11 +238,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     spec = json.loads(Path(args.spec).read_text())
     security = security_setting(spec.get("security"))
+    netns = {int(n): str(ns) for n, ns in (spec.get("netns") or {}).items()}
     configs = [AgentConfig(int(n), spec["store_url"], Path(spec["record_dir"]),
                            pulsar_url=spec["pulsar_url"], controller=spec["controller"],
-                           port=int(p), security=security, **spec.get("agent", {}))
+                           port=int(p), security=security,
+                           **({"host": node_address(int(n))} if int(n) in netns else {}),
+                           **spec.get("agent", {}))
                for n, p in spec["nodes"].items()]
-    host = AgentHost(configs, spec["pulsar_url"]).start()
+    host = AgentHost(configs, spec["pulsar_url"], netns=netns).start()
     if args.ready:
         tmp = Path(args.ready + ".tmp")
         tmp.write_text(json.dumps({str(n): p for n, p in host.ports().items()}))

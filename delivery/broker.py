@@ -546,6 +546,10 @@ class PulsarStandalone:
         (:func:`security.pulsar.grant_node_subscriptions`; the controller may bind others
         later).
     :param announce_topics: the topics the ``policy-server`` role may produce on.
+    :param host: the address it binds and advertises (the emulated network's broker address
+        inside :mod:`delivery.netem`'s broker namespace).
+    :param netns: run the JVM in this network namespace (``ip netns exec``; the emulated
+        network's), reached from here at ``host``.
     """
 
     def __init__(
@@ -570,8 +574,12 @@ class PulsarStandalone:
         security: Security = Security(),  # noqa: B008 (immutable)
         nodes: Iterable[int] = (),
         announce_topics: Iterable[str] = (pulsar_security.ANNOUNCE_TOPIC,),
+        host: str = "127.0.0.1",
+        netns: str | None = None,
     ) -> None:
         self.version = version
+        self.host = host
+        self.netns = netns
         self.security = Security.from_mapping(security)
         self.nodes = tuple(int(n) for n in nodes)
         self.announce_topics = tuple(announce_topics)
@@ -609,17 +617,17 @@ class PulsarStandalone:
 
     @property
     def service_url(self) -> str:
-        """``pulsar+ssl://127.0.0.1:<port>`` (``pulsar://`` when insecure), for
+        """``pulsar+ssl://<host>:<port>`` (``pulsar://`` when insecure), for
         ``pulsar.Client`` with :meth:`client_args`."""
         self._need_ports()
-        return f"{'pulsar+ssl' if self.secure else 'pulsar'}://127.0.0.1:{self.port}"
+        return f"{'pulsar+ssl' if self.secure else 'pulsar'}://{self.host}:{self.port}"
 
     @property
     def admin_url(self) -> str:
-        """``https://127.0.0.1:<web_port>`` (``http://`` when insecure): the admin REST API,
+        """``https://<host>:<web_port>`` (``http://`` when insecure): the admin REST API,
         ``/admin/v2/...`` (see :meth:`admin`)."""
         self._need_ports()
-        return f"{'https' if self.secure else 'http'}://127.0.0.1:{self.web_port}"
+        return f"{'https' if self.secure else 'http'}://{self.host}:{self.web_port}"
 
     def client_args(self, principal: str) -> dict[str, Any]:
         """``pulsar.Client(self.service_url, **self.client_args(p))`` connects as ``p``
@@ -782,8 +790,8 @@ class PulsarStandalone:
             "clusterName": "standalone",
             "brokerServicePort": self.port,
             "webServicePort": self.web_port,
-            "bindAddress": "127.0.0.1",
-            "advertisedAddress": "127.0.0.1",
+            "bindAddress": self.host,
+            "advertisedAddress": self.host,
             "managedLedgerDefaultEnsembleSize": 1,
             "managedLedgerDefaultWriteQuorum": 1,
             "managedLedgerDefaultAckQuorum": 1,
@@ -870,6 +878,8 @@ class PulsarStandalone:
         cmd = self.command(java, lib, conf)
         if self.die_with_parent and threading.current_thread() is threading.main_thread():
             cmd = _pdeathsig_prefix() + cmd
+        if self.netns is not None:  # the emulated network's broker namespace (delivery.netem)
+            cmd = ["ip", "netns", "exec", self.netns, *cmd]
         log = self.log_path
         with open(log, "ab") as out:
             self._log_offset = out.tell()
@@ -932,7 +942,7 @@ class PulsarStandalone:
                 if READY_LINE in text[max(0, scanned - len(READY_LINE)):]:
                     stage = "tcp"
                 scanned = len(text)
-            if stage == "tcp" and self.port is not None and _can_connect(self.port):
+            if stage == "tcp" and self.port is not None and _can_connect(self.port, self.host):
                 stage = "namespace"
             if stage == "namespace" and self._namespace_ready():
                 return

@@ -38,6 +38,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from envs.dsmd.cost import CostState
+from envs.dsmd.instance import DSMDInstance
 from envs.dsmd.message import Message
 from envs.dsmd.online import relabel_topics as relabel_topics_matrix
 from envs.dsmd.parser import IntervalEstimate
@@ -93,6 +95,7 @@ class ControlPlane:
         self._hosts_of = lambda t: ids[cat.destinations[t]].tolist()
         self._ids = itertools.count(1)
         self.decide_s: list[float] = []
+        self.predictions: list[dict[str, float]] = []  # per decision: Eq. 1's violations
 
     def request(self, *, vpc_id: int, configuration_type: str, operation_type: str,
                 resource_id: int, size_bytes: int, hosts: Sequence[int],
@@ -110,9 +113,12 @@ class ControlPlane:
         """Dispatch an encapsulated message (its timestamp is its generation time); returns
         its type."""
         t = self.adapter.submit(msg)
-        if t not in self.controller.channel:  # first seen: no rate of it yet
-            self.controller.set_channels({t: self.policy.first_channel(self.adapter, t)},
-                                         {t: self._hosts_of(t)})
+        route = getattr(self.policy, "route", None)  # an online policy places every message
+        c = route(self.adapter, msg, t) if route is not None else None
+        if c is None and t not in self.controller.channel:  # first seen: no rate of it yet
+            c = self.policy.first_channel(self.adapter, t)
+        if c is not None and self.controller.channel.get(t) != c:
+            self.controller.set_channels({t: c}, {t: self._hosts_of(t)})
         self.controller.send(msg, t)
         return t
 
@@ -123,8 +129,11 @@ class ControlPlane:
 
     def prime(self, messages: Sequence[Message]) -> IntervalEstimate:
         """Count ``messages`` as the interval before (without sending them), then decide."""
+        route = getattr(self.policy, "route", None)
         for m in messages:
-            self.adapter.submit(m)
+            t = self.adapter.submit(m)
+            if route is not None:
+                route(self.adapter, m, t)
         return self._apply(self.adapter.close_interval())
 
     def _apply(self, est: IntervalEstimate) -> IntervalEstimate:
@@ -135,7 +144,28 @@ class ControlPlane:
                                    int(self.adapter.local.spec.num_topics))
         self.controller.set_channels(chans, {t: self._hosts_of(t) for t in chans})
         self.decide_s.append(time.perf_counter() - t0)
+        self.predictions.append(self.predict(est, chans))
         return est
+
+    def predict(self, est: IntervalEstimate, chans: Mapping[int, int]) -> dict[str, float]:
+        """What the simulator's cost model (Eq. 1, :class:`envs.dsmd.cost.CostState`) says of
+        the channels just applied for the interval's rates: each constraint's violation."""
+        spec = self.adapter.local.spec
+        inst = DSMDInstance.from_estimate(self.adapter.parser.catalog, est, spec.num_topics,
+                                          spec.controller_bw_bps, spec.controller_cpu)
+        ch = np.array([chans.get(int(t), 0) for t in inst.catalog_index], dtype=np.int64)
+        state = CostState(inst, ch)
+        m = state.metrics()
+        node_util = float(np.max(state.node_traffic / np.maximum(inst.node_capacity_bps, 1))) \
+            if inst.node_capacity_bps.size else 0.0
+        return {"utilisation": max(m.controller_traffic_bps / inst.controller_bw_bps,
+                                   m.controller_sends / inst.controller_cpu, node_util),
+                "controller_bw_violation": m.controller_bw_violation,
+                "controller_cpu_violation": m.controller_cpu_violation,
+                "node_violation": m.node_violation, "nodes_over_capacity": m.nodes_over_capacity,
+                "controller_traffic_bps": m.controller_traffic_bps,
+                "controller_sends": m.controller_sends,
+                "max_node_traffic_bps": m.max_node_traffic_bps}
 
     def flush(self) -> None:
         self.controller.flush()

@@ -59,6 +59,19 @@ counter in :class:`ControllerStats` and an event in :meth:`Controller.health` (p
 listeners of :meth:`Controller.on_health`: the control plane forwards it to the adapter's
 session).
 
+**Concurrent sends** (``max_inflight_sends``, C_p; 0 = no limit). SMART Eq. 1's third
+constraint bounds the controller's concurrent sends, ``sum_m |D(m)|`` over the RPC types plus
+one per MQ type (:mod:`envs.dsmd.cost`). The controller enforces it as a counting limit
+(:class:`InflightLimiter`): an RPC push of a batch of ``k`` messages to a node holds
+``min(k, limit)`` units from before its ``Push`` call until the call completes, and every
+MQ publish (messages, fences, relayed copies) holds one unit from before ``send_async``
+until the broker's acknowledgement (or a failure) comes back. A send that finds the limit
+full blocks its sending thread until units return: that wait is the controller's queueing,
+counted in :class:`ControllerStats` (``inflight_waits``, ``inflight_wait_s``,
+``inflight_peak``). A publish the failover takes over by RPC gives its unit back, and so do
+the publishes in flight when the MQ channel is declared down (the broker takes nothing
+then); closing the controller releases every waiter.
+
 **Per-tenant fairness** (``shaping``, off by default): Sincon's shaper (Section III) per
 tenant class on the sending path (:class:`delivery.fairness.TenantShaper`), after the outbox.
 
@@ -121,8 +134,8 @@ from .wire import (
     resource_key,
 )
 
-__all__ = ["ConfigError", "Controller", "ControllerConfig", "ControllerStats", "reply_problem",
-           "topic_name"]
+__all__ = ["ConfigError", "Controller", "ControllerConfig", "ControllerStats", "InflightLimiter",
+           "reply_problem", "topic_name"]
 
 log = logging.getLogger(__name__)
 RPC = 0
@@ -141,7 +154,10 @@ def topic_channel(prefix: str, topic: str) -> int | None:
 
 @dataclass
 class ControllerConfig:
-    """The controller's settings. ``failover`` and ``shaping`` take a mapping or their
+    """The controller's settings. ``max_inflight_sends``: C_p, the most units of concurrent
+    sends (SMART Eq. 1's third constraint: ``|D(m)|`` per RPC push, one per MQ publish) the
+    controller has in flight; 0 = no limit (see the module docstring). ``failover`` and
+    ``shaping`` take a mapping or their
     config class (validated: :class:`ConfigError` / ``ShapingError`` name the key).
     ``outbox``: accepted messages are durable before :meth:`Controller.send_many` returns;
     ``outbox_fsync``: SQLite ``synchronous=FULL`` (survives a power loss, not only a crash of
@@ -170,8 +186,13 @@ class ControllerConfig:
     shaping: TenantShapingConfig = field(default_factory=TenantShapingConfig)
     security: Security = field(default_factory=Security)
     pulsar_admin_url: str | None = None
+    max_inflight_sends: int = 0
 
     def __post_init__(self) -> None:
+        k = self.max_inflight_sends
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ConfigError(f"delivery config: max_inflight_sends: expected an integer >= 0 "
+                              f"(0 = no limit), got {k!r}")
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if f.type == "str" and not isinstance(v, str):
@@ -241,6 +262,9 @@ class ControllerStats:
     mq_rescued: int = 0            # MQ messages re-sent over RPC to a node that missed them
     deferred_channel_changes: int = 0
     refused_calls: int = 0         # calls and collected replies refused (mutual TLS roles)
+    inflight_waits: int = 0        # sends that waited for C_p units (max_inflight_sends)
+    inflight_wait_s: float = 0.0   # seconds sending threads waited for them, in all
+    inflight_peak: int = 0         # the most units of concurrent sends held at once
     outcomes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     errors: list[tuple[int, str, int, str]] = field(default_factory=list)
     health_events: list[tuple[int, str, str]] = field(default_factory=list)  # (ns, event, why)
@@ -251,6 +275,55 @@ class ControllerStats:
         d["errors"] = len(self.errors)
         d["health_events"] = len(self.health_events)
         return d
+
+
+class InflightLimiter:
+    """A counting limit on the controller's concurrent sends: SMART Eq. 1's third constraint
+    (``sum_m |D(m)|`` over RPC types plus one per MQ type <= C_p) made physical.
+
+    :meth:`acquire` takes ``min(units, limit)`` units, blocking the calling thread while
+    they are not free; :meth:`release` gives them back. ``limit = 0`` blocks nothing (the
+    units are still counted, for ``inflight_peak``). Waits, seconds waited and the peak go
+    to ``stats``. :meth:`close` wakes every waiter and makes later calls return at once
+    with no unit (a closing controller must not hang on a send)."""
+
+    def __init__(self, limit: int, stats: ControllerStats) -> None:
+        self.limit, self.stats = int(limit), stats
+        self.held = 0
+        self._cv = threading.Condition()
+        self._closed = False
+
+    def acquire(self, units: int) -> int:
+        """Take the units of one send (``min(units, limit)``); returns how many were taken
+        (0 once closed)."""
+        u = max(int(units), 0)
+        if self.limit:
+            u = min(u, self.limit)
+        with self._cv:
+            if self._closed:
+                return 0
+            if self.limit and self.held + u > self.limit:
+                t0 = time.monotonic()
+                self.stats.inflight_waits += 1
+                self._cv.wait_for(lambda: self._closed or self.held + u <= self.limit)
+                self.stats.inflight_wait_s += time.monotonic() - t0
+                if self._closed:
+                    return 0
+            self.held += u
+            self.stats.inflight_peak = max(self.stats.inflight_peak, self.held)
+            return u
+
+    def release(self, units: int) -> None:
+        if units <= 0:
+            return
+        with self._cv:
+            self.held -= units
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
 
 
 def _dispatching(method: Callable) -> Callable:
@@ -294,6 +367,8 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         self._republish: list[tuple[int, bytes]] = []          # failed publishes
         # publish id -> (topic, envelope, when): publishes not yet acknowledged by the broker
         self._inflight: dict[int, tuple[int, bytes, float]] = {}
+        self._inflight_units: dict[int, int] = {}  # publish id -> C_p units it holds
+        self._limiter = InflightLimiter(cfg.max_inflight_sends, self.stats)
         self._publish_ids = itertools.count()
         self._published_cv = threading.Condition(self._lock)
         # channel failover (see the module docstring)
@@ -477,6 +552,7 @@ class Controller(pb_grpc.ControllerRepliesServicer):
 
     def close(self) -> None:
         self._stop.set()
+        self._limiter.close()  # a send waiting for C_p units returns (nothing hangs here)
         with self._lock:
             self._published_cv.notify_all()
             # calls in flight fail now: a push or Collect retried against an agent's old
@@ -788,19 +864,44 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         self.stats.mq_messages += 1
 
     def _publish(self, t: int, data: bytes, cm: Any = None) -> None:
+        # C_p: one unit, waiting for it if the limit is full (none while the MQ channel is
+        # down: the broker takes nothing then)
+        units = 0 if self._mq_down else self._limiter.acquire(1)
+        back = 0
         now = time.monotonic()
         pid = next(self._publish_ids)
         with self._lock:
+            if self._mq_down:  # declared down while this waited: see _on_health_change
+                back, units = units, 0
             self._inflight[pid] = (t, data, now)
+            self._inflight_units[pid] = units
             if cm is not None and self.cfg.failover.enabled:
                 for n in cm.hosts:
                     self._mq_unconfirmed[n][cm.timestamp_ns] = (now, cm)
+        self._limiter.release(back)
         self.stats.mq_bytes += len(data)
-        self._producer(t).send_async(data, lambda res, _id: self._published(res, pid))
+        try:
+            self._producer(t).send_async(data, lambda res, _id: self._published(res, pid))
+        except BaseException:  # no callback will come: its unit goes back now
+            self._release_publish(pid)
+            raise
+
+    def _release_publish(self, pid: int) -> None:
+        """Give back the C_p unit of publish ``pid`` (once: whoever takes it from
+        ``_inflight`` or gives up on it first)."""
+        with self._lock:
+            units = self._inflight_units.pop(pid, 0)
+        self._limiter.release(units)
+
+    @property
+    def inflight_sends(self) -> int:
+        """The units of concurrent sends held now (RPC pushes and MQ publishes in flight)."""
+        return self._limiter.held
 
     def _published(self, res: Any, pid: int) -> None:
         import pulsar
 
+        self._release_publish(pid)  # C_p: its unit goes back (none if already given back)
         with self._lock:
             entry = self._inflight.pop(pid, None)
             if not self._inflight:
@@ -892,6 +993,12 @@ class Controller(pb_grpc.ControllerRepliesServicer):
             self._mq_down = state == MqHealth.DOWN
             self._down_since_ns = time.time_ns()
             self._published_cv.notify_all()
+            # the broker takes nothing while down: its publishes in flight stop holding C_p
+            # units (a sender waiting for one would otherwise hold the dispatch lock that
+            # the failover needs to take them over by RPC)
+            freed = (sum(self._inflight_units.pop(pid) for pid in list(self._inflight_units))
+                     if self._mq_down else 0)
+        self._limiter.release(freed)
         log.warning("MQ channel %s (%s)", state, reason)
         self._health_wake.set()
 
@@ -936,11 +1043,13 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         self._failover_types |= moved
         self._waiting_types = set(plan.waiting)
         taken: list[Any] = []
+        freed = 0  # C_p units of the publishes taken over
         with self._lock:
             for pid, (_, data, _) in list(self._inflight.items()):
                 cm = open_envelope(data).config
                 if cm is not None and cm.type_id in moved:
                     del self._inflight[pid]
+                    freed += self._inflight_units.pop(pid, 0)
                     taken.append(cm)
             keep = []
             for t, data in self._republish:
@@ -959,6 +1068,7 @@ class Controller(pb_grpc.ControllerRepliesServicer):
                     self._outbox[n].append(cm)
             for n in {n for cm in taken for n in cm.hosts}:
                 self._outbox[n].sort(key=lambda m: m.timestamp_ns)
+        self._limiter.release(freed)
         self.stats.rerouted += len(taken)
         if first:
             self.stats.failovers += 1
@@ -1008,12 +1118,17 @@ class Controller(pb_grpc.ControllerRepliesServicer):
                 break
             calls = {}
             for n, b in todo.items():
+                # C_p: |D| units per destination node's message, held until the call ends
+                units = self._limiter.acquire(len(b.messages))
                 self.stats.rpc_pushes += 1
                 self.stats.rpc_bytes += b.ByteSize()
                 try:
-                    calls[n] = self._stub(n).Push.future(b, timeout=self.cfg.push_timeout_s)
+                    calls[n] = fut = self._stub(n).Push.future(b,
+                                                               timeout=self.cfg.push_timeout_s)
                 except (ValueError, RuntimeError):  # closed meanwhile: stays queued
+                    self._limiter.release(units)
                     break
+                fut.add_done_callback(functools.partial(self._push_done, units))
             failed = {n: b for n, b in todo.items() if n not in calls}
             for n, fut in calls.items():
                 try:
@@ -1047,6 +1162,10 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         for n in back:
             self._event("reachable", f"node {n}")
         return ok
+
+    def _push_done(self, units: int, _fut: Any) -> None:
+        """A push call ended (answered, failed or cancelled): its C_p units go back."""
+        self._limiter.release(units)
 
     def _reprogram_loop(self) -> None:
         while not self._stop.wait(self.cfg.reprogram_period_s):

@@ -23,9 +23,11 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from envs.dsmd.problems import problems_for
+from envs.netutil import BROKER_ADDRESS
 from security.tls import Security
 
 from .health import ConfigError
+from .netem import NetworkSpec
 from .testbed import RunResult, RunSpec, run_once
 
 __all__ = ["run_testbed", "speedups"]
@@ -57,15 +59,81 @@ def _server_overrides(cfg: DictConfig) -> list[str]:
 @contextlib.contextmanager
 def _broker(cfg: DictConfig, sec: Security) -> Iterator[tuple[str, str | None]]:
     """(service URL, admin URL) of the broker: ``broker.url`` / ``broker.admin_url`` of an
-    existing one, or one started here with ``sec``."""
-    if cfg.broker.url:
+    existing one, or one started here with ``sec`` (in the emulated network's broker
+    namespace when there is one)."""
+    tag = _network_tag(cfg)
+    if cfg.broker.url and not tag:
         admin = cfg.broker.get("admin_url")
         yield str(cfg.broker.url), None if not admin else str(admin)
         return
     from .broker import PulsarStandalone
 
-    with PulsarStandalone(heap=str(cfg.broker.heap), security=sec) as b:
+    where = {"host": BROKER_ADDRESS, "netns": f"{tag}-brk"} if tag else {}
+    with PulsarStandalone(heap=str(cfg.broker.heap), security=sec, **where) as b:
         yield b.service_url, b.admin_url
+
+
+def _network_tag(cfg: DictConfig) -> str | None:
+    """The emulated network this process runs in (set by :func:`_run_in_network`)."""
+    net = cfg.get("network") or {}
+    return str(net.get("inside")) if net.get("inside") else None
+
+
+def network_spec(cfg: DictConfig, problems) -> NetworkSpec:
+    """The emulated network of a testbed configuration: the scenario's capacities (C_b,
+    s(n)) scaled like the traffic (``payload_scale / time_scale``, or
+    ``network.capacity_scale``), unless ``network.controller_bps`` / ``node_bps`` give them
+    in wire bit/s."""
+    net = cfg.network
+    spec = problems.spec
+    scale = net.get("capacity_scale")
+    scale = float(cfg.payload_scale) / float(cfg.time_scale) if scale is None else float(scale)
+    c_b = net.get("controller_bps")
+    s_n = net.get("node_bps")
+    return NetworkSpec(
+        problems.dataset.topology.node_ids.astype(int).tolist(),
+        controller_bps=float(c_b) if c_b is not None else spec.controller_bw_bps * scale,
+        node_bps=float(s_n) if s_n is not None else spec.node_bandwidth_bps * scale,
+        loss=float(net.get("loss") or 0.0), queue_ms=float(net.get("queue_ms") or 200.0))
+
+
+def _run_in_network(cfg: DictConfig) -> dict[str, Any]:
+    """Build the emulated network, run this testbed inside its controller namespace (a child
+    ``python -m delivery.experiment``), remove the network (also on failure), and return
+    what the child wrote."""
+    import subprocess
+    import sys
+
+    from .netem import EmulatedNetwork
+
+    out = Path(str(cfg.out_dir))
+    out.mkdir(parents=True, exist_ok=True)
+    ps = problems_for(str(cfg.scenario))
+    spec = network_spec(cfg, ps)
+    sec = _security(cfg)
+    if not sec.insecure:  # certificates naming the emulated addresses (dev PKI)
+        sec.pki.refresh_addresses(["controller", "broker", "policy-server",
+                                   *(f"agent-{n}" for n in spec.nodes)])
+    with EmulatedNetwork(spec) as net:
+        inner = OmegaConf.to_container(cfg, resolve=True)
+        assert isinstance(inner, dict)
+        inner["network"]["inside"] = net.tag
+        inner["network"]["description"] = net.describe()
+        f = out / "testbed_config.inner.yaml"
+        OmegaConf.save(OmegaConf.create(inner), f)
+        _say(f"emulated network {net.tag}: {len(spec.nodes)} node namespaces; C_b "
+             f"{spec.controller_bps / 1e6:.3g} Mbit/s, s(n) {spec.node_bps / 1e6:.3g} Mbit/s "
+             f"(wire), loss {spec.loss:g}; C_p {ps.spec.controller_cpu} in-flight sends")
+        rc = subprocess.run([*net.exec_prefix(net.controller), sys.executable, "-m",
+                             "delivery.experiment", "--config", str(f)],
+                            cwd=Path(__file__).resolve().parents[1], check=False).returncode
+    if rc != 0:
+        raise RuntimeError(f"the testbed inside the emulated network failed (exit code {rc}); "
+                           f"its output is above, its files in {out}")
+    tables = {p.stem: pd.read_csv(p) for p in out.glob("*.csv")}
+    head = json.loads((out / "headline.json").read_text())
+    return {"tables": tables, "plots": sorted(out.glob("*.png")), "headline": head,
+            "out_dir": out}
 
 
 @contextlib.contextmanager
@@ -90,18 +158,27 @@ def _spec(cfg: DictConfig, label: str, policy: str, problems, windows: list[int]
                    payload_scale=float(cfg.payload_scale), flush_ms=float(cfg.flush_ms),
                    agent_processes=int(cfg.agent_processes), adapter_mode=str(cfg.adapter_mode),
                    server_url=server[0], api_key=server[1],
-                   controller=_controller_overrides(cfg), security=sec,
-                   bundle_trust_keys=tuple(_trust_keys(cfg)))
+                   controller=_controller_overrides(cfg, problems), security=sec,
+                   bundle_trust_keys=tuple(_trust_keys(cfg)), network=_network_tag(cfg))
 
 
-def _controller_overrides(cfg: DictConfig) -> dict[str, Any]:
-    """The ``delivery:`` block (ControllerConfig keys: outbox, failover, shaping, ...)."""
+def _controller_overrides(cfg: DictConfig, problems=None) -> dict[str, Any]:
+    """The ``delivery:`` block (ControllerConfig keys: outbox, failover, shaping, ...). In the
+    emulated network the controller also holds at most C_p sends in flight (Eq. 1's third
+    constraint made real) and waits longer for a push crossing a full link, unless the
+    block says otherwise."""
     block = cfg.get("delivery") or {}
     out = OmegaConf.to_container(block, resolve=True) if isinstance(block, DictConfig) \
         else dict(block)
     if not isinstance(out, dict):
         raise ConfigError(f"delivery: expected a mapping, got {out!r}")
-    return {str(k): v for k, v in out.items()}
+    res = {str(k): v for k, v in out.items()}
+    if _network_tag(cfg) and problems is not None:
+        net = cfg.network
+        if net.get("enforce_cpu", True):
+            res.setdefault("max_inflight_sends", int(problems.spec.controller_cpu))
+        res.setdefault("push_timeout_s", float(net.get("push_timeout_s") or 30.0))
+    return res
 
 
 def speedups(df: pd.DataFrame, metric: str = "delay_p95_ms", of: str = "learned"
@@ -109,12 +186,37 @@ def speedups(df: pd.DataFrame, metric: str = "delay_p95_ms", of: str = "learned"
     """How many times lower ``of``'s ``metric`` is than each other policy's."""
     if df.empty or of not in set(df.policy):
         return {}
-    mine = float(df.loc[df.policy == of, metric].iloc[0])
-    return {p: float(v) / mine for p, v in zip(df.policy, df[metric]) if p != of and mine > 0}
+    med = df.groupby("policy", sort=False)[metric].median()  # over the repetitions
+    mine = float(med[of])
+    return {str(p): float(v) / mine for p, v in med.items() if p != of and mine > 0}
+
+
+def rank_agreement(df: pd.DataFrame) -> dict[str, Any]:
+    """The policies ranked by measured p95 delay (medians over the repetitions) and by the
+    simulator's prediction for the decisions they applied (the highest utilisation of C_b,
+    C_p or an s(n), Eq. 1), with Spearman's rank correlation of the two."""
+    if "sim_utilisation" not in df or df.policy.nunique() < 2:
+        return {}
+    med = df.groupby("policy")[["delay_p95_ms", "sim_utilisation"]].median()
+    by_delay = med.delay_p95_ms.sort_values().index.tolist()
+    by_sim = med.sim_utilisation.sort_values().index.tolist()
+    rho = med.delay_p95_ms.rank().corr(med.sim_utilisation.rank())
+    return {"measured": by_delay, "simulator": by_sim,
+            "spearman": None if pd.isna(rho) else round(float(rho), 2)}
+
+
+def best_dual(df: pd.DataFrame, metric: str = "delay_p95_ms") -> str | None:
+    """The dual-channel policy (not RPC-only) with the lowest median ``metric``."""
+    med = df[df.policy != "rpc"].groupby("policy")[metric].median().dropna()
+    return None if med.empty else str(med.idxmin())
 
 
 def run_testbed(cfg: DictConfig) -> dict[str, Any]:
     from agents.tracking import tracked_run
+
+    net = cfg.get("network") or {}
+    if net.get("enabled") and not net.get("inside"):
+        return _run_in_network(cfg)
 
     out = Path(str(cfg.out_dir))
     out.mkdir(parents=True, exist_ok=True)
@@ -143,13 +245,18 @@ def run_testbed(cfg: DictConfig) -> dict[str, Any]:
             ps = problems_for(str(cfg.scenario))
             runs += [("fig10", "fig10", p, ps, [int(w) for w in cfg.fig10.windows], None)
                      for p in policies]
-        for i, (fig, label, pol, ps, wins, v) in enumerate(runs):
+        reps = int(cfg.get("repeats") or 1)
+        runs = [(rep, *r) for rep in range(reps) for r in runs]
+        for i, (rep, fig, label, pol, ps, wins, v) in enumerate(runs):
             _say(f"[{i + 1}/{len(runs)}] {label} {pol}: {ps.num_nodes} agents, windows "
                  f"{wins[0]}..{wins[-1]} ({elapsed(t_start)})")
             r = run_once(_spec(cfg, label, pol, ps, wins, server, sec), url,
-                         out / "runs" / f"{label.replace('/', '_')}_{pol}", say=_say,
+                         out / "runs" / f"{label.replace('/', '_')}_{pol}_r{rep}", say=_say,
                          admin_url=admin)
             r.summary["figure"] = fig
+            r.summary["repeat"] = rep
+            for b in r.buckets:
+                b["repeat"] = rep
             r.summary["vpcs"] = v if v is not None else int(ps.spec.num_vpcs)
             results[fig].append(r)
             s = r.summary
@@ -158,7 +265,7 @@ def run_testbed(cfg: DictConfig) -> dict[str, Any]:
                  f"CPU {100 * s['controller_cpu_util']:.0f}%; nodes total "
                  f"{s['node_bytes_total'] / 1e6:.2f} MB, max {s['node_bytes_max'] / 1e6:.3f} "
                  f"MB; delay p95 {s['delay_p95_ms']:.1f} ms, max {s['delay_max_ms']:.1f} ms")
-            mlog.metrics({f"{label.replace('=', '')}/{pol}/{k}": float(s[k]) for k in (
+            mlog.metrics({f"{label.replace('=', '')}/{pol}/r{rep}/{k}": float(s[k]) for k in (
                 "delay_p95_ms", "delay_max_ms", "controller_bytes", "controller_messages",
                 "controller_cpu_util", "node_bytes_total", "node_bytes_max")})
         tables = _tables(results, out)
@@ -188,6 +295,7 @@ def _tables(results: dict[str, list[RunResult]], out: Path) -> dict[str, pd.Data
         tables["summary"] = pd.DataFrame(rows)
     if results["fig9"]:
         tables["fig9"] = pd.DataFrame([r.summary for r in results["fig9"]])
+        tables["fig9_median"] = _median_table(tables["fig9"], ["vpcs", "policy"])
     if results["fig10"]:
         tables["fig10"] = pd.DataFrame([{"policy": r.policy, **b} for r in results["fig10"]
                                         for b in r.buckets])
@@ -196,15 +304,36 @@ def _tables(results: dict[str, list[RunResult]], out: Path) -> dict[str, pd.Data
     return tables
 
 
+def _median_table(df: pd.DataFrame, by: list[str]) -> pd.DataFrame:
+    """Median, min and max over the repetitions of every numeric column."""
+    num = [c for c in df.columns if c not in by and c != "repeat"
+           and pd.api.types.is_numeric_dtype(df[c])]
+    g = df.groupby(by, sort=False)[num]
+    med, lo, hi = g.median(), g.min(), g.max()
+    out = med.join(lo.add_suffix("_min")).join(hi.add_suffix("_max"))
+    out["repeats"] = g.size()
+    return out.reset_index()
+
+
 def _headline(tables: dict[str, pd.DataFrame]) -> dict[str, Any]:
     head: dict[str, Any] = {}
     if "fig9" in tables:
         df = tables["fig9"]
         for v in sorted(set(df.vpcs)):
-            sp = speedups(df[df.vpcs == v])
+            sub = df[df.vpcs == v]
+            sp = speedups(sub)
             if sp:
                 head[f"fig9 vpcs={v}: p95 delay speedup of learned over"] = {
                     k: round(x, 2) for k, x in sp.items()}
+            rank = rank_agreement(sub)
+            if rank:
+                head[f"fig9 vpcs={v}: ranking by measured p95 delay vs by the simulator's "
+                     f"utilisation"] = rank
+            best = best_dual(sub)
+            if best:
+                head[f"fig9 vpcs={v}: p95 delay speedup of the best dual-channel policy "
+                     f"({best}) over"] = {k: round(x, 2) for k, x in speedups(sub, of=best)
+                                          .items()}
     if "summary" in tables:
         df = tables["summary"]
         f10 = df[df.figure == "fig10"]
@@ -222,37 +351,38 @@ def _plots(tables: dict[str, pd.DataFrame], out: Path, scenario: str) -> list[Pa
     import matplotlib.pyplot as plt
 
     paths = []
+    summary = tables.get("summary", pd.DataFrame())
+    where = ("emulated network" if "network" in summary and not summary.empty
+             and str(summary.network.iloc[0]) != "loopback" else "loopback")
     panels = [("controller_bytes", "traffic on controller (MB)", 1e-6),
               ("controller_cpu_util", "controller CPU (% of a core)", 100.0),
               ("node_bytes_total", "total traffic on CNs (MB)", 1e-6),
               ("delay_p95_ms", "delivery delay p95 (ms)", 1.0)]
-    if "fig9" in tables:
-        df = tables["fig9"]
+    if "fig9_median" in tables:
+        df = tables["fig9_median"]  # medians over the repetitions, bars: their range
         fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
         for ax, (col, _title, k) in zip(axes, panels):
             for pol, grp in df.groupby("policy", sort=False):
                 g = grp.sort_values("vpcs")
-                if col == "delay_p95_ms":
-                    lo = (g[col] - g["delay_p50_ms"]).clip(lower=0)
-                    hi = (g["delay_max_ms"] - g[col]).clip(lower=0)
-                    ax.errorbar(g.vpcs, g[col], yerr=[lo, hi], marker="o", capsize=3,
-                                label=pol)
-                else:
-                    ax.plot(g.vpcs, g[col] * k, marker="o", label=pol)
+                lo = ((g[col] - g[f"{col}_min"]) * k).clip(lower=0)
+                hi = ((g[f"{col}_max"] - g[col]) * k).clip(lower=0)
+                ax.errorbar(g.vpcs, g[col] * k, yerr=[lo, hi], marker="o", capsize=3,
+                            label=pol)
             ax.set_xscale("log", base=2)
             ax.set_xlabel("# of VPCs")
         paths.append(_finish(plt, fig, axes, panels, out / "fig9_testbed.png",
-                             f"Fig. 9 on the loopback testbed ({scenario}; delay bars: p50 "
-                             "to max)"))
+                             f"Fig. 9 on the testbed ({scenario}; {where}; median over the "
+                             "repetitions, bars: their range)"))
     if "fig10" in tables:
         df = tables["fig10"]
         fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
         for ax, (col, _title, k) in zip(axes, panels):
-            for pol, g in df.groupby("policy", sort=False):
-                ax.plot(np.arange(len(g)), g[col] * k, marker="o", label=pol)
+            for pol, grp in df.groupby("policy", sort=False):
+                g = grp.groupby("window", sort=True)[col].median()
+                ax.plot(np.arange(len(g)), g.to_numpy() * k, marker="o", label=pol)
             ax.set_xlabel("interval of the replay")
         paths.append(_finish(plt, fig, axes, panels, out / "fig10_testbed.png",
-                             f"Fig. 10 on the loopback testbed ({scenario}: burst phases)"))
+                             f"Fig. 10 on the testbed ({scenario}: burst phases; {where})"))
     return paths
 
 
@@ -267,3 +397,27 @@ def _finish(plt, fig, axes, panels, path: Path, title: str) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m delivery.experiment --config cfg.yaml``: a resolved testbed configuration
+    run as is (how the testbed runs itself inside the emulated network's controller
+    namespace)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m delivery.experiment")
+    ap.add_argument("--config", required=True, help="a resolved testbed configuration (YAML)")
+    args = ap.parse_args(argv)
+    cfg = OmegaConf.load(args.config)
+    assert isinstance(cfg, DictConfig)
+    run_testbed(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    from envs.quiet import quiet
+
+    quiet()
+    sys.exit(main())

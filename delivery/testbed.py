@@ -28,14 +28,10 @@ asks the policy server), with a policy server (``serve.py``) started for the run
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
 import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -46,12 +42,12 @@ import numpy as np
 
 from envs.dsmd.message import messages_from_trace
 from envs.dsmd.problems import ProblemSet
-from envs.netutil import free_ports
+from envs.netutil import CONTROLLER_ADDRESS, free_ports, node_address
 from security.tls import Security
 from serving.scenario import adapter_for
 
 from .agent import read_record
-from .agent_host import host_spec
+from .agent_host import HostProcesses, cpu_seconds
 from .control_plane import ControlPlane
 from .controller import Controller, ControllerConfig
 from .policies import ChannelPolicy, make_policy
@@ -60,16 +56,8 @@ __all__ = ["RunResult", "RunSpec", "cpu_seconds", "run_once"]
 
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def cpu_seconds(pid: int | None = None) -> float:
-    """User + system CPU seconds of a process (all threads; this process if None)."""
-    if pid is None:
-        t = os.times()
-        return t.user + t.system
-    with open(f"/proc/{pid}/stat") as f:
-        parts = f.read().rsplit(")", 1)[1].split()
-    return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+QUEUED_MS = 50.0  # a run "queued" if a link's p95 queueing delay reached this (or C_p waited)
+AGENT_PORT = 7100  # every agent's RPC port in the emulated network (each has its own address)
 
 
 @dataclass
@@ -96,6 +84,8 @@ class RunSpec:
     controller: dict[str, Any] = field(default_factory=dict)  # ControllerConfig overrides
     security: Security = field(default_factory=Security)  # every channel's (secure default)
     bundle_trust_keys: tuple[str, ...] = ()  # bundle-signing keys the adapter trusts (+ PKI's)
+    network: str | None = None          # the emulated network's tag (delivery.netem): this
+    #                                     process runs in its controller namespace
 
 
 @dataclass
@@ -124,88 +114,65 @@ def run_once(spec: RunSpec, pulsar_url: str, workdir: Path,
     rec_dir = workdir / "records"
     store_url = f"sqlite:///{workdir / 'metadata.db'}"
     ports = free_ports(len(nodes) + 1)
-    agents = {n: f"127.0.0.1:{p}" for n, p in zip(nodes, ports)}
+    if spec.network:  # every agent on its node's address, the controller on its own
+        ports[:-1] = [AGENT_PORT] * len(nodes)
+        agents = {n: f"{node_address(n)}:{AGENT_PORT}" for n in nodes}
+        reply_host = CONTROLLER_ADDRESS
+    else:
+        agents = {n: f"127.0.0.1:{p}" for n, p in zip(nodes, ports)}
+        reply_host = "127.0.0.1"
     prefix = f"persistent://public/default/tb-{os.getpid()}-{time.time_ns() % 10**12}"
     ccfg = ControllerConfig.from_mapping({
         "pulsar_url": pulsar_url, "store_url": store_url, "topic_prefix": prefix,
-        "reply_port": ports[-1], "payload_scale": spec.payload_scale,
+        "reply_host": reply_host, "reply_port": ports[-1],
+        "payload_scale": spec.payload_scale,
         "collect_period_s": spec.collect_period_s, "security": spec.security,
         "pulsar_admin_url": admin_url, **spec.controller})
     procs = _start_agents(spec, nodes, ports, store_url, rec_dir, pulsar_url,
-                          f"127.0.0.1:{ports[-1]}", workdir)
+                          f"{reply_host}:{ports[-1]}", workdir)
     ctl = adapter = None
+    links0 = _link_counters(spec.network)
+    queues = None
     try:
         ctl = Controller(ccfg, agents).start()
-        policy = make_policy(spec.policy)
+        policy = make_policy(spec.policy, spec.problems)
         adapter = _adapter(spec)
-        _wait_ready(procs, workdir, 120.0)
+        procs.wait_ready(120.0 + 0.5 * len(nodes))
+        if spec.network:
+            from .netem import QueueMonitor
+
+            queues = QueueMonitor(spec.network).start()
         out = _replay(spec, ctl, adapter, policy, say)
         _progress(say, f"  [{spec.label} {spec.policy}] replay done; draining")
         out["drain_s"] = _drain(rec_dir, spec.drain_timeout_s, ctl)
         ctl.collect()
         out["controller"] = ctl.stats.as_dict()
         out["pending_after"] = sum(ctl.pending().values())
+        out["links"] = _link_delta(spec.network, links0, _link_counters(spec.network), nodes)
+        if queues is not None:
+            out["links"].update(queues.stop())
     finally:
+        if queues is not None:
+            queues.stop()
         if ctl is not None:
             ctl.close()
         if adapter is not None:
             adapter.close()
-        agent_cpu = _stop_agents(procs)
+        agent_cpu = procs.stop()
     return _measure(spec, out, rec_dir, nodes, agent_cpu)
 
 
 # ---------------------------------------------------------------------------- processes
 def _start_agents(spec: RunSpec, nodes: list[int], ports: list[int], store_url: str,
-                  rec_dir: Path, pulsar_url: str, controller: str, workdir: Path) -> list:
+                  rec_dir: Path, pulsar_url: str, controller: str, workdir: Path
+                  ) -> HostProcesses:
     rec_dir.mkdir(parents=True, exist_ok=True)
-    procs = []
-    k = max(1, min(spec.agent_processes, len(nodes)))
-    for i in range(k):
-        part = {n: p for j, (n, p) in enumerate(zip(nodes, ports)) if j % k == i}
-        sp = host_spec(part, store_url=store_url, record_dir=rec_dir, pulsar_url=pulsar_url,
-                       controller=controller, security=spec.security,
-                       pack_period_s=spec.pack_period_s,
-                       report_after_s=spec.report_after_s)
-        f = workdir / f"agents-{i}.json"
-        f.write_text(json.dumps(sp))
-        ready = workdir / f"agents-{i}.ready"
-        logf = open(workdir / f"agents-{i}.log", "w")  # noqa: SIM115 the host's log; _stop_agents closes it
-        p = subprocess.Popen([sys.executable, "-m", "delivery.agent_host", "--spec", str(f),
-                              "--ready", str(ready)], cwd=ROOT, stdout=logf,
-                             stderr=subprocess.STDOUT)
-        procs.append((p, ready, logf))
-    return procs
-
-
-def _wait_ready(procs: list, workdir: Path, timeout_s: float) -> None:
-    end = time.monotonic() + timeout_s
-    for p, ready, logf in procs:
-        while not ready.exists():
-            if p.poll() is not None:
-                logf.flush()
-                tail = Path(logf.name).read_text()[-2000:]
-                raise RuntimeError(f"agent host exited with {p.returncode}:\n{tail}")
-            if time.monotonic() > end:
-                raise TimeoutError(f"agent hosts not ready after {timeout_s:.0f} s "
-                                   f"(logs in {workdir})")
-            time.sleep(0.1)
-
-
-def _stop_agents(procs: list) -> float:
-    cpu = 0.0
-    for p, _, _ in procs:
-        if p.poll() is None:
-            with contextlib.suppress(OSError):
-                cpu += cpu_seconds(p.pid)
-            p.send_signal(signal.SIGTERM)
-    for p, _, logf in procs:
-        try:
-            p.wait(60)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-        logf.close()
-    return cpu
+    return HostProcesses.start(dict(zip(nodes, ports)), spec.agent_processes, workdir,
+                               netns_tag=spec.network, store_url=store_url,
+                               record_dir=rec_dir, pulsar_url=pulsar_url,
+                               controller=controller, security=spec.security,
+                               pack_period_s=spec.pack_period_s,
+                               report_after_s=spec.report_after_s)
 
 
 def _adapter(spec: RunSpec):
@@ -246,6 +213,7 @@ def _replay(spec: RunSpec, ctl: Controller, adapter, policy: ChannelPolicy,
     next_flush = last_say = wall0
     cur = first
     sent = 0
+    lag_max = 0.0  # how far the replay fell behind the trace's schedule (s)
     gen_trace: list[tuple[int, int]] = []  # (generation ns, trace offset ns)
     for m, w in zip(msgs, wins.tolist()):
         offset = int(m.timestamp_ns) - trace_start
@@ -260,6 +228,7 @@ def _replay(spec: RunSpec, ctl: Controller, adapter, policy: ChannelPolicy,
             timeline.append(_snapshot(ctl, cur, cpu0, wall0))
             plane.close_interval()
             cur = w
+        lag_max = max(lag_max, time.perf_counter() - due)
         live = dataclasses.replace(m, timestamp_ns=ctl.timestamp())  # generated now
         plane.send(live)
         gen_trace.append((live.timestamp_ns, offset))
@@ -277,6 +246,7 @@ def _replay(spec: RunSpec, ctl: Controller, adapter, policy: ChannelPolicy,
     wall = time.perf_counter() - wall0
     return {"messages": sent, "wall_s": wall, "cpu_s": cpu_seconds() - cpu0,
             "decide_s": plane.decide_s, "timeline": timeline, "epoch0": epoch0,
+            "predictions": plane.predictions, "lag_max_ms": lag_max * 1e3,
             "sources": dict(getattr(policy, "sources", {})),
             "gen_trace": np.array(gen_trace, dtype=np.int64).reshape(-1, 2)}
 
@@ -302,6 +272,40 @@ def _drain(rec_dir: Path, timeout_s: float, ctl: Controller) -> float:
     return time.monotonic() - t0
 
 
+# ---------------------------------------------------------------------------- links
+def _link_counters(tag: str | None) -> dict[str, Any]:
+    """The emulated network's per-link byte and queue counters (empty without one): the
+    switch's ports (towards each node) and the controller's own shaped egress."""
+    if not tag:
+        return {}
+    from .netem import controller_qdisc, switch_counters
+
+    return {"ports": switch_counters(tag), "controller": controller_qdisc(tag)}
+
+
+def _link_delta(tag: str | None, a: dict[str, Any], b: dict[str, Any],
+                nodes: Sequence[int]) -> dict[str, float]:
+    """What crossed the links during a run: bytes into each node (wire bytes: TLS, TCP/IP
+    and framing included), and whether a shaped link queued (its token bucket was over its
+    limit) or dropped."""
+    if not tag or not a or not b:
+        return {}
+    ports_a, ports_b = a["ports"], b["ports"]
+    rx = []
+    over = drops = 0
+    for i, _ in enumerate(nodes):
+        p = f"p{i}"
+        rx.append(ports_b[p]["tx"] - ports_a[p]["tx"])
+        over += int(ports_b[p]["overlimits"] - ports_a[p]["overlimits"] > 0)
+        drops += ports_b[p]["drops"] - ports_a[p]["drops"]
+    ca, cb = a["controller"], b["controller"]
+    return {"link_node_bytes_total": float(sum(rx)), "link_node_bytes_max": float(max(rx)),
+            "link_nodes_queued": over, "link_node_drops": drops,
+            "link_controller_bytes": float(cb["bytes"] - ca["bytes"]),
+            "link_controller_overlimits": cb["overlimits"] - ca["overlimits"],
+            "link_controller_drops": cb["drops"] - ca["drops"]}
+
+
 # ---------------------------------------------------------------------------- measures
 def _measure(spec: RunSpec, out: dict[str, Any], rec_dir: Path, nodes: Sequence[int],
              agent_cpu: float) -> RunResult:
@@ -320,7 +324,8 @@ def _measure(spec: RunSpec, out: dict[str, Any], rec_dir: Path, nodes: Sequence[
         rx.append(c.get("rx_bytes_rpc", 0) + c.get("rx_bytes_mq", 0))
         for sec, b in c.get("rx_timeline", {}).items():
             rx_seconds[int(sec)] = rx_seconds.get(int(sec), 0) + int(b)
-    d_ms = np.asarray(delays, dtype=np.float64) / 1e6
+    send_ms = np.asarray(delays, dtype=np.float64) / 1e6
+    d_ms = _arrival_delays_ms(spec, out, np.asarray(gens, np.int64), send_ms)
     rx_arr = np.asarray(rx, dtype=np.float64)
     c = out["controller"]
     wall = out["wall_s"]
@@ -339,17 +344,61 @@ def _measure(spec: RunSpec, out: dict[str, Any], rec_dir: Path, nodes: Sequence[
         "delay_p50_ms": float(np.percentile(d_ms, 50)) if d_ms.size else float("nan"),
         "delay_p95_ms": float(np.percentile(d_ms, 95)) if d_ms.size else float("nan"),
         "delay_max_ms": float(d_ms.max()) if d_ms.size else float("nan"),
+        "send_delay_p95_ms": float(np.percentile(send_ms, 95)) if send_ms.size
+        else float("nan"),
+        "replay_lag_max_ms": float(out.get("lag_max_ms", 0.0)),
         "out_of_order": c["outcomes"].get("OUT_OF_ORDER", 0),
         "malformed": c["outcomes"].get("MALFORMED", 0),
         "reprogrammed": c["reprogrammed"], "pending_after": out["pending_after"],
         "decide_ms_mean": 1e3 * float(np.mean(out["decide_s"])),
         "decisions_by": json.dumps(out["sources"]) if out["sources"] else "",
+        "network": spec.network or "loopback",
+        **_predicted(out.get("predictions", [])), **out.get("links", {}),
+        **{k: c.get(k, 0) for k in ("inflight_waits", "inflight_wait_s", "inflight_peak")},
     }
+    summary["queued"] = bool(  # a link's queue held >= QUEUED_MS, or a send waited for C_p
+        summary.get("link_controller_queue_p95_ms", 0.0) >= QUEUED_MS
+        or summary.get("link_nodes_queue_p95_ms", 0.0) >= QUEUED_MS
+        or summary["inflight_waits"] > 0)
     summary["controller_bytes_trace"] = summary["controller_bytes"] / spec.payload_scale
     summary["node_bytes_total_trace"] = summary["node_bytes_total"] / spec.payload_scale
     summary["node_bytes_max_trace"] = summary["node_bytes_max"] / spec.payload_scale
     buckets = _bucketise(spec, out, np.asarray(gens, np.int64), d_ms, rx_seconds)
     return RunResult(spec.label, spec.policy, summary, buckets)
+
+
+def _arrival_delays_ms(spec: RunSpec, out: dict[str, Any], gens: np.ndarray,
+                       send_ms: np.ndarray) -> np.ndarray:
+    """Delivery delay from each request's arrival at the controller (its due time in the
+    replay: ``epoch0 + offset * time_scale``) to its application. A controller that cannot
+    keep up (C_b or C_p saturated: the replay waits on sends) falls behind the schedule, and
+    that wait counts, as it would for a request that arrived on time."""
+    gt = out["gen_trace"]
+    if not gens.size or not gt.size:
+        return send_ms
+    order = np.argsort(gt[:, 0])
+    ts, offs = gt[order, 0], gt[order, 1]
+    i = np.clip(np.searchsorted(ts, gens), 0, len(ts) - 1)
+    known = ts[i] == gens
+    due_ns = round(out["epoch0"] * 1e9) + offs[i] * spec.time_scale
+    lag_ms = np.where(known, (gens - due_ns) / 1e6, 0.0)
+    return send_ms + np.maximum(lag_ms, 0.0)
+
+
+def _predicted(preds: list[dict[str, float]]) -> dict[str, Any]:
+    """The simulator's verdict (Eq. 1) on the decisions the run applied: whether any
+    interval violated C_b, C_p or some node's s(n), and by how much at most."""
+    if not preds:
+        return {}
+    worst = {k: max(p[k] for p in preds) for k in preds[0]}
+    return {"sim_bw_violation": worst["controller_bw_violation"],
+            "sim_cpu_violation": worst["controller_cpu_violation"],
+            "sim_node_violation": worst["node_violation"],
+            "sim_nodes_over": int(worst["nodes_over_capacity"]),
+            "sim_utilisation": worst["utilisation"],  # max of bw/C_b, sends/C_p, b(n)/s(n)
+            "sim_violates": bool(worst["controller_bw_violation"] > 0
+                                 or worst["controller_cpu_violation"] > 0
+                                 or worst["node_violation"] > 0)}
 
 
 def _bucketise(spec: RunSpec, out: dict[str, Any], gens: np.ndarray, d_ms: np.ndarray,

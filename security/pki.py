@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from envs.netutil import principal_addresses
+
 if TYPE_CHECKING:
     from cryptography import x509
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -178,6 +180,35 @@ class Pki:
             self._issue_if_missing(principal)
         return ident
 
+    def refresh_addresses(self, principals: Iterable[str]) -> list[str]:
+        """Re-issue the development identities whose certificate lacks one of the
+        emulated network's addresses (:func:`envs.netutil.principal_addresses`; a PKI
+        created before they were named). Returns the principals re-issued; a PKI without
+        ``ca.key`` is left alone (its operator names the addresses)."""
+        if not self.can_issue:
+            return []
+        from cryptography import x509
+
+        stale = []
+        for p in principals:
+            want = principal_addresses(p)
+            crt = self.dir / f"{p}.crt"
+            if not want or not crt.exists():
+                continue
+            cert = x509.load_pem_x509_certificate(crt.read_bytes())
+            san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+            have = {str(a) for a in san.get_values_for_type(x509.IPAddress)}
+            if not set(want) <= have:
+                stale.append(p)
+        if stale:
+            with self._lock():
+                for p in stale:
+                    (self.dir / f"{p}.crt").unlink(missing_ok=True)
+                    self._issue_if_missing(p)
+            log.info("re-issued %d development identities with their emulated-network "
+                     "addresses", len(stale))
+        return stale
+
     def agent(self, node: int) -> TlsIdentity:
         return self.identity(agent_principal(node))
 
@@ -234,6 +265,7 @@ class Pki:
             x509.UniformResourceIdentifier(f"{SPIFFE_PREFIX}{role_of(principal)}/{principal}"),
             x509.DNSName("localhost"),
             x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+            *(x509.IPAddress(ipaddress.ip_address(a)) for a in principal_addresses(principal)),
         ])
         cert = (x509.CertificateBuilder()
                 .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, principal),

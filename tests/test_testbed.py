@@ -15,6 +15,7 @@ from hydra import compose, initialize_config_dir
 from mlflow import MlflowClient
 
 from agents.config import CONFIG_DIR
+from delivery import netem
 from delivery.agent import AgentConfig, read_record
 from delivery.agent_host import AgentHost
 from delivery.control_plane import ControlPlane, relabel_topics
@@ -104,6 +105,7 @@ def test_testbed_small(tmp_path: Path, pulsar_broker, tiny_bundles) -> None:
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose(config_name="testbed", overrides=[
             "experiment=testbed_small", f"bundle={tiny_bundles['a']}",
+            "network.enabled=false", "policies=[rpc,vita,idcs,learned]",
             f"broker.url={pulsar_broker.service_url}",
             f"broker.admin_url={pulsar_broker.admin_url}", f"out_dir={tmp_path / 'out'}",
             f"logger.tracking_uri=sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}",
@@ -143,6 +145,50 @@ def test_testbed_small(tmp_path: Path, pulsar_broker, tiny_bundles) -> None:
     arts = {a.path for a in client.list_artifacts(run.info.run_id, "plots")}
     assert {"plots/fig9_testbed.png", "plots/fig10_testbed.png"} <= arts
     assert any(k.endswith("/rpc/delay_p95_ms") for k in run.data.metrics)
+
+
+@pytest.mark.slow  # a broker of its own in the emulated network, 12 runs of 10 agents
+@pytest.mark.skipif(netem.available() is not None,
+                    reason=f"emulated network: {netem.available()}")
+def test_testbed_small_in_the_emulated_network(tmp_path: Path, tiny_bundles) -> None:
+    """Every policy (the learned one, greedy and Alcor included) in the emulated network:
+    every message applied in order, the nodes' traffic measured on their links, the
+    controller's on its shaped egress, the simulator's verdict beside the testbed's queueing,
+    and no namespace left behind."""
+    before = set(netem.list_namespaces())
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose(config_name="testbed", overrides=[
+            "experiment=testbed_small", f"bundle={tiny_bundles['a']}",
+            "fig9.vpcs=[12]", "repeats=1", f"out_dir={tmp_path / 'out'}",
+            f"logger.tracking_uri=sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}",
+            f"logger.artifact_location={tmp_path / 'mlruns' / 'artifacts'}"])
+    assert cfg.network.enabled and set(cfg.policies) >= {"greedy", "alcor", "learned"}
+    res = run_testbed(cfg)
+    out = Path(res["out_dir"])
+    summary = pd.read_csv(out / "summary.csv")
+    assert len(summary) == 2 * len(cfg.policies)
+    assert (out / "fig9_median.csv").is_file()
+    for _, r in summary.iterrows():
+        if r.figure == "fig9":
+            ps = problems_for("tiny", {"num_vpcs": 12, "rate_per_vpc_bps": 300000.0,
+                                       "peak_rate_bps": None, "phases": [],
+                                       "duration_s": 20.0})
+        else:
+            ps = problems_for("tiny")
+        assert r.applied + r.out_of_order == _expected_node_messages(ps, [0, 1]), r.to_dict()
+        assert r.pending_after == 0 and r.malformed == 0
+        assert r.network.startswith(netem.PREFIX)
+        # what the agents counted crossed their links (plus TLS, TCP/IP and framing), and
+        # what the controller sent crossed its shaped egress
+        assert r.link_node_bytes_total >= r.node_bytes_total > 0, r.to_dict()
+        assert r.link_controller_bytes >= r.controller_bytes, r.to_dict()
+        assert r.delay_p95_ms >= r.send_delay_p95_ms * 0.999 and r.delay_p95_ms > 0
+        assert isinstance(r.sim_violates, bool | np.bool_)
+    for label, g in summary.groupby("label"):
+        rpc, vita = g[g.policy == "rpc"].iloc[0], g[g.policy == "vita"].iloc[0]
+        assert vita.link_node_bytes_total > rpc.link_node_bytes_total, label
+        assert rpc.link_controller_bytes > vita.link_controller_bytes, label
+    assert set(netem.list_namespaces()) <= before
 
 
 def _subscriptions(assign: dict[int, int], hosts: dict[int, tuple]) -> dict[int, set[int]]:

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -65,6 +66,7 @@ from .traces import Dataset
 
 __all__ = [
     "INTERVAL_FIELDS",
+    "SWITCHING_COSTS",
     "IntervalResult",
     "NewType",
     "OnlineCost",
@@ -78,21 +80,54 @@ __all__ = [
 ]
 
 
+#: The measured cost of a channel switch (``bench/bench_switch_cost.py``).
+SWITCHING_COSTS = Path(__file__).with_name("switching_costs.json")
+
+
 @dataclass(frozen=True)
 class OnlineCost:
     """Weights of the online interval cost (module docstring).
 
     The node-traffic term is the redundancy ratio (1.0 = no redundant traffic). Defaults:
     a violation of 1% of a capacity costs as much as 10% more node traffic
-    (``w_violation = 10``); 1,000 SubscribeInfos cost as much as 10% more node traffic
-    (``w_subscribe = 1e-4``, the order of the delay a burst of SubscribeInfos adds in the
-    testbed's Fig. 10 run); a moved type costs as much as ten SubscribeInfos
-    (``w_move = 1e-3``: the reordering window of one type).
+    (``w_violation = 10``). The switching weights are measured (:meth:`measured`,
+    ``envs/dsmd/switching_costs.json``, written by ``bench/bench_switch_cost.py`` on the
+    emulated network): a switch holds the controller's sending path for about
+    ``seconds_per_subscribe_info`` per SubscribeInfo and ``seconds_per_moved_type`` per
+    moved type, and a hold of tau seconds is priced as tau / T more node traffic (that much
+    of the interval T lost to delivery). At the GoDaddy T = 30 s that is
+    ``w_subscribe = 9.4e-5`` and ``w_move = 2.8e-5`` (the defaults, and
+    ``configs/env/online.yaml``'s).
     """
 
     w_violation: float = 10.0
-    w_subscribe: float = 1e-4
-    w_move: float = 1e-3
+    w_subscribe: float = 9.4e-5
+    w_move: float = 2.8e-5
+
+    @classmethod
+    def measured(cls, interval_s: float, path: str | Path | None = None,
+                 w_violation: float = 10.0) -> OnlineCost:
+        """The switching weights from the measured costs (``path``: default
+        :data:`SWITCHING_COSTS`): seconds per SubscribeInfo and per moved type over the
+        interval ``interval_s``."""
+        import json
+
+        f = Path(path) if path is not None else SWITCHING_COSTS
+        if not interval_s > 0:
+            raise DSMDError(f"interval_s must be positive, got {interval_s!r}")
+        try:
+            d = json.loads(f.read_text())
+        except (OSError, ValueError) as e:
+            raise DSMDError(f"switching costs {f}: {e}") from None
+        vals = {}
+        for k in ("seconds_per_subscribe_info", "seconds_per_moved_type"):
+            v = d.get(k) if isinstance(d, dict) else None
+            if isinstance(v, bool) or not isinstance(v, int | float) or not np.isfinite(v) \
+                    or v < 0:
+                raise DSMDError(f"switching costs {f}: {k} must be seconds >= 0, got {v!r}")
+            vals[k] = float(v)
+        return cls(w_violation, vals["seconds_per_subscribe_info"] / interval_s,
+                   max(vals["seconds_per_moved_type"], 0.0) / interval_s)
 
     def __post_init__(self) -> None:
         for k in ("w_violation", "w_subscribe", "w_move"):
