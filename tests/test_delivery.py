@@ -278,6 +278,10 @@ def test_subscription_switch_under_load(pulsar_broker, tmp_path):
                 r.ctl.set_channels({0: c}, hosts)
         finally:
             time.sleep(0.2)
+            # a loaded machine sends fewer per second: keep the load going to 500 messages
+            deadline = time.monotonic() + 60
+            while r.ledger.total() <= 500 and time.monotonic() < deadline and not errors:
+                time.sleep(0.05)
             stop.set()
             th.join(30)
         assert not errors, errors
