@@ -61,7 +61,10 @@ def main() -> None:
              "measured p95-delay speedups: " + json.dumps(head)]
     keep = [c for c in s.columns if s[c].dtype != object or c in ("label", "policy",
                                                                    "network")]
+    command = " ".join(["python bench/bench_testbed.py", *(["--quick"] if quick else []),
+                        *extra])
     finish("bench_testbed", {"settings": {"quick": quick, "overrides": extra},
+                             "command": command,
                              "summary": s[keep].to_dict("records"), "headline": head,
                              "total_s": total}, table, notes, total)
 
