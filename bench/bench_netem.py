@@ -19,9 +19,7 @@ Usage: ``python bench/bench_netem.py [--quick]`` (needs root).
 from __future__ import annotations
 
 import argparse
-import socket
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -33,15 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from delivery import netem
 from delivery.netem import (
     BROKER_ADDRESS,
-    CONTROLLER_ADDRESS,
     EmulatedNetwork,
     NetworkSpec,
-    in_netns,
     measure_loss,
     measure_throughput,
     node_address,
 )
-from delivery.relay import RelayProcess
 
 REPEATS = 3
 C_B, S_N = 8e6, 20e6  # GoDaddy's 400 Mbit/s and 1 Gbit/s x payload_scale / time_scale (0.02)
@@ -84,42 +79,13 @@ def bench_loss(repeats: int, packets: int) -> list[dict[str, Any]]:
 def bench_delay(repeats: int) -> list[dict[str, Any]]:
     rows = []
     with EmulatedNetwork(NetworkSpec([0])) as net:
-        with in_netns(net.node(0)):
-            srv = socket.create_server((node_address(0), 0))
-        port = srv.getsockname()[1]
-
-        def echo() -> None:
-            while True:
-                try:
-                    c, _ = srv.accept()
-                except OSError:
-                    return
-                while data := c.recv(100):
-                    c.sendall(data)
-                c.close()
-
-        threading.Thread(target=echo, daemon=True).start()
         for d in (10.0, 50.0):
-            meds = []
-            for _ in range(repeats):
-                with RelayProcess(net.exec_prefix(net.controller), 7302, d,
-                                  target=(node_address(0), port)):
-                    with in_netns(net.controller):
-                        c = socket.create_connection((CONTROLLER_ADDRESS, 7302))
-                    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    rtts = []
-                    for _ in range(30):
-                        t0 = time.perf_counter()
-                        c.sendall(b"x")
-                        c.recv(10)
-                        rtts.append(time.perf_counter() - t0)
-                    c.close()
-                meds.append(sorted(rtts)[len(rtts) // 2] * 1e3)
+            meds = [1e3 * netem.measure_relay_rtt(net, 0, d, rounds=30, port=7302)
+                    for _ in range(repeats)]
             s = stats([m / (2 * d) for m in meds])
             rows.append({"limit": "delay (relay)", "setting": f"{d:g} ms one way", "ratio": s,
                          "rtt_ms": stats(meds)})
             log(f"  delay {d} ms: round trip {fmt_stats(stats(meds), '{:.1f}')} ms")
-        srv.close()
     return rows
 
 

@@ -47,9 +47,11 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,6 +72,7 @@ __all__ = [
     "controller_qdisc",
     "in_netns",
     "measure_loss",
+    "measure_relay_rtt",
     "measure_throughput",
     "node_address",
     "principal_addresses",
@@ -83,7 +86,6 @@ _CLONE_NEWNET = 0x40000000
 PREFIX = "smt"                      # every namespace of ours: smt<owner pid>x<n>-<party>
 _NAME = re.compile(rf"^{PREFIX}(\d+)x(\d+)-(sw|ctl|brk|n\d+)$")
 
-HOST_ADDRESS = "10.211.0.1"         # reserved (the switch)
 
 
 class NetemError(RuntimeError):
@@ -545,6 +547,42 @@ def measure_loss(net: EmulatedNetwork, src_ns: str, dst_ns: str, dst_host: str,
         recv.kill()
         recv.wait()
     return 1.0 - got / packets
+
+
+def measure_relay_rtt(net: EmulatedNetwork, node: int, delay_ms: float, rounds: int = 20,
+                      port: int = 7301) -> float:
+    """The median round trip (s) of 1-byte requests from the controller's namespace to an
+    echo server on ``node``, through a :mod:`delivery.relay` relay (towards that server)
+    adding ``delay_ms`` each way: about ``2 * delay_ms`` plus the path's own time."""
+    from .relay import RelayProcess
+
+    with in_netns(net.node(node)):
+        srv = socket.create_server((node_address(node), 0))
+    target = (node_address(node), srv.getsockname()[1])
+
+    def echo() -> None:
+        c, _ = srv.accept()
+        while data := c.recv(100):
+            c.sendall(data)
+        c.close()
+
+    threading.Thread(target=echo, daemon=True).start()
+    rtts = []
+    try:
+        with RelayProcess(net.exec_prefix(net.controller), port, delay_ms, target=target):
+            with in_netns(net.controller):
+                c = socket.create_connection((CONTROLLER_ADDRESS, port))
+            c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with c:
+                for _ in range(rounds):
+                    t0 = time.perf_counter()
+                    c.sendall(b"x")
+                    if c.recv(10) != b"x":
+                        raise NetemError("the relay's echo came back wrong")
+                    rtts.append(time.perf_counter() - t0)
+    finally:
+        srv.close()
+    return sorted(rtts)[len(rtts) // 2]
 
 
 def spec_from_mapping(m: Mapping[str, object], nodes: Sequence[int]) -> NetworkSpec:

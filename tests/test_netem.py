@@ -97,37 +97,8 @@ def test_loss_is_measured_within_ten_percent() -> None:
 def test_delay_relay_adds_its_delay() -> None:
     """A request/response through the relay (delivery.relay, towards a fixed target) takes
     twice the one-way delay longer."""
-    import socket
-    import threading
-
-    from delivery.relay import RelayProcess
-
     with EmulatedNetwork(NetworkSpec([1])) as net:
-        with in_netns(net.node(1)):
-            srv = socket.create_server((node_address(1), 0))
-        port = srv.getsockname()[1]
-
-        def echo() -> None:
-            c, _ = srv.accept()
-            while data := c.recv(100):
-                c.sendall(data)
-            c.close()
-
-        threading.Thread(target=echo, daemon=True).start()
-        with RelayProcess(net.exec_prefix(net.controller), 7301, 25.0,
-                          target=(node_address(1), port)):
-            with in_netns(net.controller):
-                c = socket.create_connection((CONTROLLER_ADDRESS, 7301))
-            c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            rtts = []
-            for _ in range(20):
-                t0 = time.perf_counter()
-                c.sendall(b"x")
-                assert c.recv(10) == b"x"
-                rtts.append(time.perf_counter() - t0)
-            c.close()
-        srv.close()
-        med = sorted(rtts)[len(rtts) // 2]
+        med = netem.measure_relay_rtt(net, 1, 25.0, rounds=20)
         assert 0.050 <= med <= 0.055, med  # 2 x 25 ms, plus the loopback's microseconds
 
 
