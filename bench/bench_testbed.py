@@ -4,10 +4,13 @@ K = 200), Fig. 9 (64..1,024 VPCs) and Fig. 10 (the five burst phases) for every 
 table is the measured results (median and range over ``repeats``) beside the paper's
 headline factors.
 
-Usage: ``python bench/bench_testbed.py [--quick] [extra Hydra overrides...]``. ``--quick``: two
-VPC points and four intervals of the phases; the full run is several times longer (run
-times: the benchmarks page, ``docs/benchmarks.md``).
-Writes ``bench/results/bench_testbed.json`` and leaves the testbed's own outputs (CSV, PNG,
+Usage: ``python bench/bench_testbed.py [--quick] [--name NAME] [extra Hydra overrides...]``.
+``--quick``: two VPC points and four intervals of the phases; the full run is several times
+longer (run times: the benchmarks page, ``docs/benchmarks.md``). ``--name``: the result's
+name (default ``bench_testbed``). A long grid can be run point by point and combined:
+``merge=[dir,...]`` (completed testbed outputs) tabulates them without running anything,
+and the total time is then the sum of their runs' wall times.
+Writes ``bench/results/<name>.json`` and leaves the testbed's own outputs (CSV, PNG,
 MLflow run) in ``outputs/testbed/<time>/``.
 """
 
@@ -30,7 +33,15 @@ QUICK = ["fig9.vpcs=[128,512]", "fig10.windows=[2,3,4,5]"]
 def main() -> None:
     args = sys.argv[1:]
     quick = "--quick" in args
+    name = "bench_testbed"
+    if "--name" in args:
+        i = args.index("--name")
+        if i + 1 >= len(args):
+            sys.exit("bench_testbed: --name needs a value")
+        name = args[i + 1]
+        del args[i:i + 2]
     extra = [a for a in args if a != "--quick"]
+    merged = any(a.startswith("merge=") for a in extra)
     stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
     out = ROOT / "outputs" / "testbed" / f"bench_{stamp}"
     cmd = [sys.executable, str(ROOT / "testbed.py"), f"out_dir={out}",
@@ -43,10 +54,16 @@ def main() -> None:
         sys.exit(rc)
     s = pd.read_csv(out / "summary.csv")
     head = json.loads((out / "headline.json").read_text())
+    if merged:  # the merged runs' replay and drain time (their set-up excluded)
+        total = float(s.wall_s.sum() + s.drain_s.sum())
     table = results_table(s)
     net = "emulated network (namespaces, shaped links)" if "network" in s and \
         str(s.network.iloc[0]).startswith("smt") else "loopback"
-    notes = [f"outputs: {out}", f"network: {net}",
+    sources = json.loads((out / "merged_from.json").read_text()) if merged else []
+    notes = [f"outputs: {out}" + (f" (merged from {', '.join(sources)})" if merged else ""),
+             f"network: {net}",
+             *(["total time: the merged runs' replay and drain time, set-up excluded"]
+               if merged else []),
              "each cell: median over the repetitions [min, max]; delay = arrival at the "
              "controller (its due time in the replay) to application on the node",
              "sim: the simulator's verdict (Eq. 1) on the decisions the run applied: a "
@@ -62,8 +79,8 @@ def main() -> None:
     keep = [c for c in s.columns if s[c].dtype != object or c in ("label", "policy",
                                                                    "network")]
     command = " ".join(["python bench/bench_testbed.py", *(["--quick"] if quick else []),
-                        *extra])
-    finish("bench_testbed", {"settings": {"quick": quick, "overrides": extra},
+                        *([f"--name {name}"] if name != "bench_testbed" else []), *extra])
+    finish(name, {"settings": {"quick": quick, "overrides": extra},
                              "command": command,
                              "summary": s[keep].to_dict("records"), "headline": head,
                              "total_s": total}, table, notes, total)

@@ -214,6 +214,8 @@ def best_dual(df: pd.DataFrame, metric: str = "delay_p95_ms") -> str | None:
 def run_testbed(cfg: DictConfig) -> dict[str, Any]:
     from agents.tracking import tracked_run
 
+    if cfg.get("merge"):
+        return merge_outputs(list(cfg.merge), Path(str(cfg.out_dir)), str(cfg.scenario))
     net = cfg.get("network") or {}
     if net.get("enabled") and not net.get("inside"):
         return _run_in_network(cfg)
@@ -289,19 +291,68 @@ def elapsed(t0: float) -> str:
 
 
 def _tables(results: dict[str, list[RunResult]], out: Path) -> dict[str, pd.DataFrame]:
-    tables = {}
     rows = [r.summary for fig in results.values() for r in fig]
-    if rows:
-        tables["summary"] = pd.DataFrame(rows)
-    if results["fig9"]:
-        tables["fig9"] = pd.DataFrame([r.summary for r in results["fig9"]])
-        tables["fig9_median"] = _median_table(tables["fig9"], ["vpcs", "policy"])
-    if results["fig10"]:
-        tables["fig10"] = pd.DataFrame([{"policy": r.policy, **b} for r in results["fig10"]
-                                        for b in r.buckets])
+    buckets = [{"policy": r.policy, **b} for r in results["fig10"] for b in r.buckets]
+    return _write_tables(pd.DataFrame(rows), pd.DataFrame(buckets), out)
+
+
+def _write_tables(summary: pd.DataFrame, fig10: pd.DataFrame, out: Path
+                  ) -> dict[str, pd.DataFrame]:
+    """The result tables from the per-run summaries and Fig. 10's per-interval buckets:
+    ``summary``, ``fig9`` (its Fig. 9 rows), ``fig9_median`` (median, min and max over the
+    repetitions per point and policy) and ``fig10``; each written as ``<name>.csv``."""
+    tables: dict[str, pd.DataFrame] = {}
+    if not summary.empty:
+        tables["summary"] = summary
+        f9 = summary[summary.figure == "fig9"].reset_index(drop=True)
+        if not f9.empty:
+            tables["fig9"] = f9
+            tables["fig9_median"] = _median_table(f9, ["vpcs", "policy"])
+    if not fig10.empty:
+        tables["fig10"] = fig10
     for name, df in tables.items():
         df.to_csv(out / f"{name}.csv", index=False)
     return tables
+
+
+def merge_outputs(sources: list[str | Path], out: Path, scenario: str) -> dict[str, Any]:
+    """Combine completed testbed outputs (one per Fig. 9 point, say, run one after the other)
+    into one: their runs' summaries and Fig. 10 buckets concatenated, and the tables, the
+    medians over the repetitions, the headline and the plots rebuilt in ``out`` as if one
+    run had produced them. Nothing is re-run and the sources are only read; the same
+    (run, policy, repetition) in two sources is an error naming both."""
+    if not sources:
+        raise ValueError("merge: no testbed outputs given")
+    summaries, buckets, seen = [], [], {}
+    for src in map(Path, sources):
+        f = src / "summary.csv"
+        if not f.is_file():
+            raise FileNotFoundError(f"merge: {src} has no summary.csv (not a completed "
+                                    "testbed output)")
+        s = pd.read_csv(f)
+        missing = {"label", "policy", "repeat", "figure", "vpcs"} - set(s.columns)
+        if missing:
+            raise ValueError(f"merge: {f} lacks the columns {sorted(missing)}")
+        for key in zip(s.label, s.policy, s.repeat):
+            if key in seen:
+                raise ValueError(f"merge: run {key[0]} {key[1]} repetition {key[2]} is in "
+                                 f"both {seen[key]} and {src}")
+            seen[key] = src
+        summaries.append(s)
+        if (src / "fig10.csv").is_file():
+            buckets.append(pd.read_csv(src / "fig10.csv"))
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = pd.concat(summaries, ignore_index=True)
+    fig10 = pd.concat(buckets, ignore_index=True) if buckets else pd.DataFrame()
+    tables = _write_tables(summary, fig10, out)
+    plots = _plots(tables, out, scenario)
+    head = _headline(tables)
+    (out / "headline.json").write_text(json.dumps(head, indent=2))
+    (out / "merged_from.json").write_text(json.dumps(
+        [str(Path(s).resolve()) for s in sources], indent=2) + "\n")
+    _say(f"testbed: {len(summary)} runs from {len(sources)} outputs merged into {out}")
+    return {"tables": tables, "plots": plots, "headline": head, "out_dir": out}
 
 
 def _median_table(df: pd.DataFrame, by: list[str]) -> pd.DataFrame:
@@ -310,9 +361,9 @@ def _median_table(df: pd.DataFrame, by: list[str]) -> pd.DataFrame:
            and pd.api.types.is_numeric_dtype(df[c])]
     g = df.groupby(by, sort=False)[num]
     med, lo, hi = g.median(), g.min(), g.max()
-    out = med.join(lo.add_suffix("_min")).join(hi.add_suffix("_max"))
-    out["repeats"] = g.size()
-    return out.reset_index()
+    out = pd.concat([med, lo.add_suffix("_min"), hi.add_suffix("_max"),
+                     g.size().rename("repeats")], axis=1)
+    return out.copy().reset_index()  # copy: one block, not one per column
 
 
 def _headline(tables: dict[str, pd.DataFrame]) -> dict[str, Any]:

@@ -1,0 +1,89 @@
+"""The testbed's result tables without running it: medians over the repetitions, the
+headline's speedups and rank agreement, and completed outputs merged into one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from delivery.experiment import best_dual, merge_outputs, rank_agreement, speedups
+
+POLICIES = {"rpc": 3000.0, "vita": 2000.0, "idcs": 800.0, "learned": 1000.0}  # p95 delay ms
+
+
+def _output(root: Path, name: str, vpcs: list[int], repeats: int, fig10: bool = False
+            ) -> Path:
+    """A completed testbed output as the testbed writes it (summary.csv, fig10.csv)."""
+    rows, buckets = [], []
+    for v in vpcs:
+        for rep in range(repeats):
+            for pol, delay in POLICIES.items():
+                rows.append({"label": f"fig9/vpcs={v}", "policy": pol, "figure": "fig9",
+                             "repeat": rep, "vpcs": v, "network": "smt1x1",
+                             "delay_p95_ms": delay * v / 512 + rep,
+                             "controller_bytes": 1e6 * v, "controller_cpu_util": 0.1,
+                             "node_bytes_total": 2e6 * v, "sim_utilisation": delay / 1000})
+    if fig10:
+        for pol, delay in POLICIES.items():
+            rows.append({"label": "fig10", "policy": pol, "figure": "fig10", "repeat": 0,
+                         "vpcs": 512, "network": "smt1x1", "delay_p95_ms": delay,
+                         "controller_bytes": 1e6, "controller_cpu_util": 0.1,
+                         "node_bytes_total": 2e6, "sim_utilisation": delay / 1000})
+            buckets += [{"policy": pol, "window": w, "repeat": 0, "delay_p95_ms": delay,
+                         "controller_bytes": 1e5, "controller_cpu_util": 0.1,
+                         "node_bytes_total": 2e5} for w in range(3)]
+    d = root / name
+    d.mkdir(parents=True)
+    pd.DataFrame(rows).to_csv(d / "summary.csv", index=False)
+    if buckets:
+        pd.DataFrame(buckets).to_csv(d / "fig10.csv", index=False)
+    return d
+
+
+def test_headline_helpers_rank_by_the_median_over_repetitions() -> None:
+    df = pd.DataFrame([{"policy": p, "delay_p95_ms": d + r, "sim_utilisation": d / 1000}
+                       for p, d in POLICIES.items() for r in (0, 1, 100)])
+    assert speedups(df)["rpc"] == pytest.approx(3001 / 1001)
+    assert best_dual(df) == "idcs"                       # RPC-only is never "dual"
+    rank = rank_agreement(df)
+    assert rank["measured"] == ["idcs", "learned", "vita", "rpc"]
+    assert rank["spearman"] == 1.0
+
+
+def test_merge_outputs_rebuilds_tables_medians_headline_and_plots(tmp_path: Path) -> None:
+    a = _output(tmp_path, "a", [64], repeats=3)
+    b = _output(tmp_path, "b", [1024], repeats=3, fig10=True)
+    before = {p: p.read_bytes() for p in (a / "summary.csv", b / "summary.csv")}
+    res = merge_outputs([a, b], tmp_path / "merged", "godaddy")
+    out = tmp_path / "merged"
+    med = pd.read_csv(out / "fig9_median.csv")
+    assert sorted(set(med.vpcs)) == [64, 1024] and set(med.repeats) == {3}
+    row = med[(med.vpcs == 64) & (med.policy == "rpc")].iloc[0]
+    assert row.delay_p95_ms == pytest.approx(3000 * 64 / 512 + 1)   # the middle repetition
+    assert row.delay_p95_ms_min == pytest.approx(3000 * 64 / 512)
+    assert row.delay_p95_ms_max == pytest.approx(3000 * 64 / 512 + 2)
+    assert len(pd.read_csv(out / "summary.csv")) == 3 * 4 + 3 * 4 + 4
+    assert len(pd.read_csv(out / "fig10.csv")) == 4 * 3
+    head = json.loads((out / "headline.json").read_text())
+    assert "fig9 vpcs=64: p95 delay speedup of the best dual-channel policy (idcs) over" in head
+    assert "fig9 vpcs=1024: p95 delay speedup of learned over" in head
+    assert "fig10 (all phases): p95 delay speedup of learned over" in head
+    assert {p.name for p in res["plots"]} == {"fig9_testbed.png", "fig10_testbed.png"}
+    assert json.loads((out / "merged_from.json").read_text()) == [str(a), str(b)]
+    assert before == {p: p.read_bytes() for p in before}       # the sources only read
+
+
+def test_merge_outputs_refuses_overlaps_and_incomplete_outputs(tmp_path: Path) -> None:
+    a = _output(tmp_path, "a", [64], repeats=1)
+    b = _output(tmp_path, "b", [64, 128], repeats=1)
+    with pytest.raises(ValueError, match=r"fig9/vpcs=64 rpc repetition 0 is in both .*a and .*b"):
+        merge_outputs([a, b], tmp_path / "merged", "godaddy")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"empty has no summary\.csv"):
+        merge_outputs([a, tmp_path / "empty"], tmp_path / "merged", "godaddy")
+    with pytest.raises(ValueError, match="no testbed outputs"):
+        merge_outputs([], tmp_path / "merged", "godaddy")
+    assert not (tmp_path / "merged").exists()          # nothing written on a refusal
