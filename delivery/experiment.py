@@ -159,7 +159,18 @@ def _spec(cfg: DictConfig, label: str, policy: str, problems, windows: list[int]
                    agent_processes=int(cfg.agent_processes), adapter_mode=str(cfg.adapter_mode),
                    server_url=server[0], api_key=server[1],
                    controller=_controller_overrides(cfg, problems), security=sec,
-                   bundle_trust_keys=tuple(_trust_keys(cfg)), network=_network_tag(cfg))
+                   bundle_trust_keys=tuple(_trust_keys(cfg)), network=_network_tag(cfg),
+                   **_network_run_options(cfg))
+
+
+def _network_run_options(cfg: DictConfig) -> dict[str, Any]:
+    """What each run does with the emulated network: the control-traffic allowance on C_b
+    (``network.control_allowance``: measured for that many seconds before each replay)."""
+    net = cfg.get("network") or {}
+    if not _network_tag(cfg):
+        return {}
+    return {"control_allowance_s": float(net.get("control_allowance") or 0.0),
+            "queue_ms": float(net.get("queue_ms") or 200.0)}
 
 
 def _controller_overrides(cfg: DictConfig, problems=None) -> dict[str, Any]:

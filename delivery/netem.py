@@ -386,8 +386,17 @@ def switch_counters(tag: str) -> dict[str, dict[str, int]]:
 
 
 def controller_qdisc(tag: str) -> dict[str, int]:
-    """The controller's shaped egress: bytes, drops and overlimits (zeros if unshaped)."""
-    return _qdiscs(f"{tag}-ctl").get("eth0", {"bytes": 0, "drops": 0, "overlimits": 0})
+    """The controller's shaped egress: bytes, drops, overlimits, backlog and its rate
+    (``rate_Bps``, bytes/s); zeros if unshaped."""
+    return _qdiscs(f"{tag}-ctl").get("eth0", {"bytes": 0, "drops": 0, "overlimits": 0,
+                                             "backlog": 0, "rate_Bps": 0})
+
+
+def set_controller_rate(tag: str, rate_bps: float, queue_ms: float) -> None:
+    """Change C_b, the rate of the controller's shaped egress, in place (its token bucket,
+    the same burst rule and queue as when the network was built)."""
+    _sh(["tc", "-n", f"{tag}-ctl", "qdisc", "change", "dev", "eth0", "root",
+         *_tbf(rate_bps, queue_ms)])
 
 
 def _neighbour_room(parties: int) -> None:

@@ -86,6 +86,9 @@ class RunSpec:
     bundle_trust_keys: tuple[str, ...] = ()  # bundle-signing keys the adapter trusts (+ PKI's)
     network: str | None = None          # the emulated network's tag (delivery.netem): this
     #                                     process runs in its controller namespace
+    control_allowance_s: float = 0.0    # >0 (network only): C_b + the controller link's idle
+    #                                     traffic, measured this long before the replay
+    queue_ms: float = 200.0             # the shaped links' queue (network only)
 
 
 @dataclass
@@ -131,6 +134,7 @@ def run_once(spec: RunSpec, pulsar_url: str, workdir: Path,
     procs = _start_agents(spec, nodes, ports, store_url, rec_dir, pulsar_url,
                           f"{reply_host}:{ports[-1]}", workdir)
     ctl = adapter = None
+    base_rate = allowance = None
     links0 = _link_counters(spec.network)
     queues = None
     try:
@@ -138,6 +142,8 @@ def run_once(spec: RunSpec, pulsar_url: str, workdir: Path,
         policy = make_policy(spec.policy, spec.problems)
         adapter = _adapter(spec)
         procs.wait_ready(120.0 + 0.5 * len(nodes))
+        if spec.network and spec.control_allowance_s > 0:
+            base_rate, allowance = _control_allowance(spec, say)
         if spec.network:
             from .netem import QueueMonitor
 
@@ -151,9 +157,15 @@ def run_once(spec: RunSpec, pulsar_url: str, workdir: Path,
         out["links"] = _link_delta(spec.network, links0, _link_counters(spec.network), nodes)
         if queues is not None:
             out["links"].update(queues.stop())
+        if allowance is not None:
+            out["links"]["link_control_allowance_bps"] = allowance
     finally:
         if queues is not None:
             queues.stop()
+        if base_rate is not None and spec.network:
+            from .netem import set_controller_rate
+
+            set_controller_rate(spec.network, base_rate, spec.queue_ms)  # the next run's C_b
         if ctl is not None:
             ctl.close()
         if adapter is not None:
@@ -273,6 +285,27 @@ def _drain(rec_dir: Path, timeout_s: float, ctl: Controller) -> float:
 
 
 # ---------------------------------------------------------------------------- links
+def _control_allowance(spec: RunSpec, say: Callable[[str], None] | None
+                       ) -> tuple[float, float]:
+    """Measure the controller link's traffic while nothing is sent (the controller polling
+    every agent for replies, TLS sessions, broker probes: traffic that depends on the number
+    of agents, not on the scaled trace) for ``spec.control_allowance_s``, and raise C_b by it,
+    so that the payloads get the model's (scaled) C_b. Returns (C_b before, allowance), bit/s."""
+    from .netem import controller_qdisc, set_controller_rate
+
+    assert spec.network is not None
+    q0 = controller_qdisc(spec.network)
+    t0 = time.perf_counter()
+    time.sleep(spec.control_allowance_s)
+    q1 = controller_qdisc(spec.network)
+    idle = 8.0 * (q1["bytes"] - q0["bytes"]) / (time.perf_counter() - t0)
+    base = 8.0 * q0["rate_Bps"]
+    set_controller_rate(spec.network, base + idle, spec.queue_ms)
+    _progress(say, f"  [{spec.label} {spec.policy}] C_b {base / 1e6:.3f} + idle control "
+                   f"traffic {idle / 1e6:.3f} Mbit/s")
+    return base, idle
+
+
 def _link_counters(tag: str | None) -> dict[str, Any]:
     """The emulated network's per-link byte and queue counters (empty without one): the
     switch's ports (towards each node) and the controller's own shaped egress."""

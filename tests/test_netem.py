@@ -83,6 +83,17 @@ def test_node_limit_alone() -> None:
         assert 0.9 * 12e6 <= got / 0.95 <= 1.1 * 12e6, got
 
 
+def test_controller_rate_changes_in_place() -> None:
+    """C_b changed on a built network (the testbed's control-traffic allowance) holds at the
+    new rate, and the qdisc reports it."""
+    with EmulatedNetwork(NetworkSpec([1], controller_bps=8e6)) as net:
+        assert netem.controller_qdisc(net.tag)["rate_Bps"] == 1_000_000
+        netem.set_controller_rate(net.tag, 12e6, net.spec.queue_ms)
+        assert netem.controller_qdisc(net.tag)["rate_Bps"] == 1_500_000
+        got = measure_throughput(net, net.controller, net.broker, BROKER_ADDRESS, 2.0)
+        assert 0.9 * 12e6 <= got / 0.95 <= 1.1 * 12e6, got
+
+
 @pytest.mark.skipif(shutil.which("nft") is None, reason="needs nftables (make nettools)")
 def test_loss_is_measured_within_ten_percent() -> None:
     with EmulatedNetwork(NetworkSpec([1, 2], loss=0.05)) as net:

@@ -153,13 +153,14 @@ def test_testbed_small(tmp_path: Path, pulsar_broker, tiny_bundles) -> None:
 def test_testbed_small_in_the_emulated_network(tmp_path: Path, tiny_bundles) -> None:
     """Every policy (the learned one, greedy and Alcor included) in the emulated network:
     every message applied in order, the nodes' traffic measured on their links, the
-    controller's on its shaped egress, the simulator's verdict beside the testbed's queueing,
-    and no namespace left behind."""
+    controller's on its shaped egress (C_b raised by the measured idle control traffic), the
+    simulator's verdict beside the testbed's queueing, and no namespace left behind."""
     before = set(netem.list_namespaces())
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose(config_name="testbed", overrides=[
             "experiment=testbed_small", f"bundle={tiny_bundles['a']}",
-            "fig9.vpcs=[12]", "repeats=1", f"out_dir={tmp_path / 'out'}",
+            "fig9.vpcs=[12]", "repeats=1", "network.control_allowance=1",
+            f"out_dir={tmp_path / 'out'}",
             f"logger.tracking_uri=sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}",
             f"logger.artifact_location={tmp_path / 'mlruns' / 'artifacts'}"])
     assert cfg.network.enabled and set(cfg.policies) >= {"greedy", "alcor", "learned"}
@@ -184,6 +185,7 @@ def test_testbed_small_in_the_emulated_network(tmp_path: Path, tiny_bundles) -> 
         assert r.link_controller_bytes >= r.controller_bytes, r.to_dict()
         assert r.delay_p95_ms >= r.send_delay_p95_ms * 0.999 and r.delay_p95_ms > 0
         assert isinstance(r.sim_violates, bool | np.bool_)
+        assert r.link_control_allowance_bps > 0   # the agents' polls and broker probes
     for label, g in summary.groupby("label"):
         rpc, vita = g[g.policy == "rpc"].iloc[0], g[g.policy == "vita"].iloc[0]
         assert vita.link_node_bytes_total > rpc.link_node_bytes_total, label
