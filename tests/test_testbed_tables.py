@@ -44,13 +44,14 @@ def _output(root: Path, name: str, vpcs: list[int], repeats: int, fig10: bool = 
 
 
 def test_headline_helpers_rank_by_the_median_over_repetitions() -> None:
-    df = pd.DataFrame([{"policy": p, "delay_p95_ms": d + r, "sim_utilisation": d / 1000}
-                       for p, d in POLICIES.items() for r in (0, 1, 100)])
+    df = pd.DataFrame([{"policy": p, "delay_p95_ms": d + r, "sim_utilisation": d / 1000,
+                        "controller_bytes": -d} for p, d in POLICIES.items() for r in (0, 1, 100)])
     assert speedups(df)["rpc"] == pytest.approx(3001 / 1001)
     assert best_dual(df) == "idcs"                       # RPC-only is never "dual"
     rank = rank_agreement(df)
     assert rank["measured"] == ["idcs", "learned", "vita", "rpc"]
     assert rank["spearman"] == 1.0
+    assert rank["spearman_controller_bytes"] == -1.0
 
 
 def test_merge_outputs_rebuilds_tables_medians_headline_and_plots(tmp_path: Path) -> None:
