@@ -85,6 +85,9 @@ def network_spec(cfg: DictConfig, problems) -> NetworkSpec:
     ``network.capacity_scale``), unless ``network.controller_bps`` / ``node_bps`` give them
     in wire bit/s."""
     net = cfg.network
+    if net.get("control_allowance") and float(net.get("settle_s") or 0.0) <= 0:
+        raise ConfigError("network.control_allowance needs network.settle_s > 0 (the idle "
+                          "traffic is measured while the link settles)")
     spec = problems.spec
     scale = net.get("capacity_scale")
     scale = float(cfg.payload_scale) / float(cfg.time_scale) if scale is None else float(scale)
@@ -164,12 +167,14 @@ def _spec(cfg: DictConfig, label: str, policy: str, problems, windows: list[int]
 
 
 def _network_run_options(cfg: DictConfig) -> dict[str, Any]:
-    """What each run does with the emulated network: the control-traffic allowance on C_b
-    (``network.control_allowance``: measured for that many seconds before each replay)."""
+    """What each run does with the emulated network before its replay: wait for the
+    controller's link to settle (``network.settle_s``) and raise C_b by its idle traffic
+    (``network.control_allowance``)."""
     net = cfg.get("network") or {}
     if not _network_tag(cfg):
         return {}
-    return {"control_allowance_s": float(net.get("control_allowance") or 0.0),
+    return {"settle_s": float(net.get("settle_s") or 0.0),
+            "control_allowance": bool(net.get("control_allowance")),
             "queue_ms": float(net.get("queue_ms") or 200.0)}
 
 

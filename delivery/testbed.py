@@ -86,8 +86,10 @@ class RunSpec:
     bundle_trust_keys: tuple[str, ...] = ()  # bundle-signing keys the adapter trusts (+ PKI's)
     network: str | None = None          # the emulated network's tag (delivery.netem): this
     #                                     process runs in its controller namespace
-    control_allowance_s: float = 0.0    # >0 (network only): C_b + the controller link's idle
-    #                                     traffic, measured this long before the replay
+    settle_s: float = 0.0               # >0 (network only): before the replay, wait until the
+    #                                     controller's link carries only idle traffic
+    #                                     (measured in windows of this many seconds)
+    control_allowance: bool = False     # and raise C_b by that idle traffic (needs settle_s)
     queue_ms: float = 200.0             # the shaped links' queue (network only)
 
 
@@ -134,7 +136,7 @@ def run_once(spec: RunSpec, pulsar_url: str, workdir: Path,
     procs = _start_agents(spec, nodes, ports, store_url, rec_dir, pulsar_url,
                           f"{reply_host}:{ports[-1]}", workdir)
     ctl = adapter = None
-    base_rate = allowance = None
+    base_rate = allowance = out_idle = None
     links0 = _link_counters(spec.network)
     queues = None
     try:
@@ -142,8 +144,16 @@ def run_once(spec: RunSpec, pulsar_url: str, workdir: Path,
         policy = make_policy(spec.policy, spec.problems)
         adapter = _adapter(spec)
         procs.wait_ready(120.0 + 0.5 * len(nodes))
-        if spec.network and spec.control_allowance_s > 0:
-            base_rate, allowance = _control_allowance(spec, say)
+        if spec.network and spec.settle_s > 0:
+            base_rate, idle = _settle(spec, say)
+            if spec.control_allowance:
+                from .netem import set_controller_rate
+
+                set_controller_rate(spec.network, base_rate + idle, spec.queue_ms)
+                allowance = idle
+                _progress(say, f"  [{spec.label} {spec.policy}] C_b {base_rate / 1e6:.3f} + "
+                               f"idle control traffic {idle / 1e6:.3f} Mbit/s")
+            out_idle = idle
         if spec.network:
             from .netem import QueueMonitor
 
@@ -157,12 +167,13 @@ def run_once(spec: RunSpec, pulsar_url: str, workdir: Path,
         out["links"] = _link_delta(spec.network, links0, _link_counters(spec.network), nodes)
         if queues is not None:
             out["links"].update(queues.stop())
-        if allowance is not None:
-            out["links"]["link_control_allowance_bps"] = allowance
+        if out_idle is not None:
+            out["links"]["link_idle_bps"] = out_idle
+            out["links"]["link_control_allowance_bps"] = allowance or 0.0
     finally:
         if queues is not None:
             queues.stop()
-        if base_rate is not None and spec.network:
+        if allowance is not None and base_rate is not None and spec.network:
             from .netem import set_controller_rate
 
             set_controller_rate(spec.network, base_rate, spec.queue_ms)  # the next run's C_b
@@ -285,24 +296,36 @@ def _drain(rec_dir: Path, timeout_s: float, ctl: Controller) -> float:
 
 
 # ---------------------------------------------------------------------------- links
-def _control_allowance(spec: RunSpec, say: Callable[[str], None] | None
-                       ) -> tuple[float, float]:
-    """Measure the controller link's traffic while nothing is sent (the controller polling
-    every agent for replies, TLS sessions, broker probes: traffic that depends on the number
-    of agents, not on the scaled trace) for ``spec.control_allowance_s``, and raise C_b by it,
-    so that the payloads get the model's (scaled) C_b. Returns (C_b before, allowance), bit/s."""
-    from .netem import controller_qdisc, set_controller_rate
+def _settle(spec: RunSpec, say: Callable[[str], None] | None) -> tuple[float, float]:
+    """Wait until the controller's link carries only its idle traffic: the controller polling
+    every agent for replies, TLS sessions, broker probes (traffic that depends on the number
+    of agents, not on the scaled trace). Connecting to every agent fills the link for a
+    while after the agents are up, and a replay started then would queue behind it. The
+    rate is taken over consecutive windows of ``spec.settle_s`` until one is below 80% of
+    C_b and within 25% of the window before (at most ten windows; otherwise the lowest
+    window, with a warning). Returns (C_b, the idle rate), bit/s."""
+    from .netem import controller_qdisc
 
     assert spec.network is not None
-    q0 = controller_qdisc(spec.network)
-    t0 = time.perf_counter()
-    time.sleep(spec.control_allowance_s)
-    q1 = controller_qdisc(spec.network)
-    idle = 8.0 * (q1["bytes"] - q0["bytes"]) / (time.perf_counter() - t0)
-    base = 8.0 * q0["rate_Bps"]
-    set_controller_rate(spec.network, base + idle, spec.queue_ms)
-    _progress(say, f"  [{spec.label} {spec.policy}] C_b {base / 1e6:.3f} + idle control "
-                   f"traffic {idle / 1e6:.3f} Mbit/s")
+    base = 8.0 * controller_qdisc(spec.network)["rate_Bps"]
+    rates: list[float] = []
+    q0, t0 = controller_qdisc(spec.network), time.perf_counter()
+    settled = False
+    for _ in range(10):
+        time.sleep(spec.settle_s)
+        q1, t1 = controller_qdisc(spec.network), time.perf_counter()
+        rates.append(8.0 * (q1["bytes"] - q0["bytes"]) / (t1 - t0))
+        q0, t0 = q1, t1
+        if len(rates) >= 2 and rates[-1] < 0.8 * base and \
+                abs(rates[-1] - rates[-2]) <= 0.25 * max(rates[-1], 1.0):
+            settled = True
+            break
+    if not settled:
+        log.warning("settling: the controller's link did not settle (window rates %s bit/s); "
+                    "using the lowest", [round(r) for r in rates])
+    idle = rates[-1] if settled else min(rates)
+    _progress(say, f"  [{spec.label} {spec.policy}] controller link settled after "
+                   f"{len(rates) * spec.settle_s:.0f} s: idle traffic {idle / 1e6:.3f} Mbit/s")
     return base, idle
 
 

@@ -159,7 +159,8 @@ def test_testbed_small_in_the_emulated_network(tmp_path: Path, tiny_bundles) -> 
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose(config_name="testbed", overrides=[
             "experiment=testbed_small", f"bundle={tiny_bundles['a']}",
-            "fig9.vpcs=[12]", "repeats=1", "network.control_allowance=1",
+            "fig9.vpcs=[12]", "repeats=1", "network.settle_s=2",
+            "network.control_allowance=true",
             f"out_dir={tmp_path / 'out'}",
             f"logger.tracking_uri=sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}",
             f"logger.artifact_location={tmp_path / 'mlruns' / 'artifacts'}"])
@@ -185,7 +186,7 @@ def test_testbed_small_in_the_emulated_network(tmp_path: Path, tiny_bundles) -> 
         assert r.link_controller_bytes >= r.controller_bytes, r.to_dict()
         assert r.delay_p95_ms >= r.send_delay_p95_ms * 0.999 and r.delay_p95_ms > 0
         assert isinstance(r.sim_violates, bool | np.bool_)
-        assert r.link_control_allowance_bps > 0   # the agents' polls and broker probes
+        assert r.link_control_allowance_bps == r.link_idle_bps > 0  # polls, probes
     for label, g in summary.groupby("label"):
         rpc, vita = g[g.policy == "rpc"].iloc[0], g[g.policy == "vita"].iloc[0]
         assert vita.link_node_bytes_total > rpc.link_node_bytes_total, label

@@ -8,8 +8,12 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from hydra import compose, initialize_config_dir
 
-from delivery.experiment import best_dual, merge_outputs, rank_agreement, speedups
+from agents.config import CONFIG_DIR
+from delivery.experiment import best_dual, merge_outputs, network_spec, rank_agreement, speedups
+from delivery.health import ConfigError
+from envs.dsmd.problems import problems_for
 
 POLICIES = {"rpc": 3000.0, "vita": 2000.0, "idcs": 800.0, "learned": 1000.0}  # p95 delay ms
 
@@ -88,3 +92,17 @@ def test_merge_outputs_refuses_overlaps_and_incomplete_outputs(tmp_path: Path) -
     with pytest.raises(ValueError, match="no testbed outputs"):
         merge_outputs([], tmp_path / "merged", "godaddy")
     assert not (tmp_path / "merged").exists()          # nothing written on a refusal
+
+
+def test_network_spec_scales_capacities_and_checks_the_allowance() -> None:
+    """C_b and s(n) scaled like the traffic; the control-traffic allowance is measured while
+    the link settles, so it is refused without settling, before any network is built."""
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose(config_name="testbed", overrides=["time_scale=1.0"])
+        bad = compose(config_name="testbed", overrides=["network.control_allowance=true"])
+    ps = problems_for("godaddy")
+    spec = network_spec(cfg, ps)
+    assert spec.controller_bps == pytest.approx(ps.spec.controller_bw_bps * 0.01)
+    assert spec.node_bps == pytest.approx(ps.spec.node_bandwidth_bps * 0.01)
+    with pytest.raises(ConfigError, match=r"control_allowance needs network\.settle_s"):
+        network_spec(bad, ps)
