@@ -146,7 +146,7 @@ def run_once(spec: RunSpec, pulsar_url: str, workdir: Path,
         procs.wait_ready(120.0 + 0.5 * len(nodes))
         if spec.network and spec.settle_s > 0:
             base_rate, idle = _settle(spec, say)
-            if spec.control_allowance:
+            if spec.control_allowance and base_rate > 0:
                 from .netem import set_controller_rate
 
                 set_controller_rate(spec.network, base_rate + idle, spec.queue_ms)
@@ -303,11 +303,14 @@ def _settle(spec: RunSpec, say: Callable[[str], None] | None) -> tuple[float, fl
     while after the agents are up, and a replay started then would queue behind it. The
     rate is taken over consecutive windows of ``spec.settle_s`` until one is below 80% of
     C_b and within 25% of the window before (at most ten windows; otherwise the lowest
-    window, with a warning). Returns (C_b, the idle rate), bit/s."""
+    window, with a warning). Returns (C_b, the idle rate), bit/s; zeros if the controller's
+    link is not shaped."""
     from .netem import controller_qdisc
 
     assert spec.network is not None
     base = 8.0 * controller_qdisc(spec.network)["rate_Bps"]
+    if base <= 0:  # an unshaped controller link: nothing to settle against
+        return 0.0, 0.0
     rates: list[float] = []
     q0, t0 = controller_qdisc(spec.network), time.perf_counter()
     settled = False
