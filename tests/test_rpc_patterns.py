@@ -143,7 +143,9 @@ def test_rpc_patterns_with_delay_and_loss(tmp_path: Path) -> None:
     for r in rows:
         assert not r["failed"] and r["lost"] == 0 and r["errors"] == 0, r
         assert (r["delay_ms"], r["loss"], r["agents"]) == (10, 0.01, 3)
-        assert r["sender_tcp"] >= 3 and r["sender_cpu_s"] > 0 and len(r["cdf_ms"]) == 201
+        # CPU time counts in clock ticks (10 ms): 50 calls that mostly wait on the relay's
+        # delay can take less than one
+        assert r["sender_tcp"] >= 3 and r["sender_cpu_s"] >= 0 and len(r["cdf_ms"]) == 201
     assert by["unicast/rpc/call"]["received"] == 50
     assert by["unicast/rpc/call"]["p50_ms"] >= 20.0       # 2 x 10 ms
     assert by["multicast/rpc/fanout"]["received"] == 6     # 2 rounds x 3 agents
