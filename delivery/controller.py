@@ -326,6 +326,20 @@ class InflightLimiter:
             self._cv.notify_all()
 
 
+def id_ranges(ids: Iterable[int]) -> str:
+    """Type ids for a log line, runs of three or more as ranges: ``[0-395, 397]``."""
+    xs = sorted(set(ids))
+    parts: list[str] = []
+    i = 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        parts += [f"{xs[i]}-{xs[j]}"] if j - i >= 2 else [str(x) for x in xs[i:j + 1]]
+        i = j + 1
+    return "[" + ", ".join(parts) + "]"
+
+
 def _dispatching(method: Callable) -> Callable:
     """Run ``method`` under the controller's dispatch lock. ``send`` reads a type's channel
     and then publishes: without the lock a sender thread could read the old topic, then a
@@ -1074,7 +1088,8 @@ class Controller(pb_grpc.ControllerRepliesServicer):
             self.stats.failovers += 1
         if first or moved:
             bw, cpu = self._capacity
-            why = (f"types {sorted(self._failover_types)} -> RPC, {list(plan.waiting)} wait; "
+            why = (f"types {id_ranges(self._failover_types)} -> RPC, "
+                   f"{id_ranges(plan.waiting)} wait; "
                    f"RPC load {plan.controller_bw_bps:.0f} bit/s of C_b {bw}, "
                    f"{plan.controller_cpu:.0f} concurrent sends of C_p {cpu}; "
                    f"{len(taken)} messages taken over")
@@ -1092,7 +1107,7 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         with self._lock:
             held, self._held = self._held, []
             again, self._republish = self._republish, []
-        types = sorted(self._failover_types)
+        types = id_ranges(self._failover_types)
         self._failover_types.clear()
         self._waiting_types.clear()
         self._failed_over = False

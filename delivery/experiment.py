@@ -101,9 +101,10 @@ def network_spec(cfg: DictConfig, problems) -> NetworkSpec:
 
 
 def _run_in_network(cfg: DictConfig) -> dict[str, Any]:
-    """Build the emulated network, run this testbed inside its controller namespace (a child
-    ``python -m delivery.experiment``), remove the network (also on failure), and return
-    what the child wrote."""
+    """Fetch the broker's jars when it is started here (once; the namespaces cannot reach
+    Maven Central), build the emulated network, run this testbed inside its controller
+    namespace (a child ``python -m delivery.experiment``), remove the network (also on
+    failure), and return what the child wrote."""
     import subprocess
     import sys
 
@@ -117,6 +118,9 @@ def _run_in_network(cfg: DictConfig) -> dict[str, Any]:
     if not sec.insecure:  # certificates naming the emulated addresses (dev PKI)
         sec.pki.refresh_addresses(["controller", "broker", "policy-server",
                                    *(f"agent-{n}" for n in spec.nodes)])
+    if not cfg.broker.url:  # the namespaces have no route out: fetch the broker's jars here
+        from .broker import fetch_pulsar
+        fetch_pulsar()
     with EmulatedNetwork(spec) as net:
         inner = OmegaConf.to_container(cfg, resolve=True)
         assert isinstance(inner, dict)
@@ -275,7 +279,8 @@ def run_testbed(cfg: DictConfig) -> dict[str, Any]:
             runs += [("fig10", "fig10", p, ps, [int(w) for w in cfg.fig10.windows], None)
                      for p in policies]
         reps = int(cfg.get("repeats") or 1)
-        runs = [(rep, *r) for rep in range(reps) for r in runs]
+        first = int(cfg.get("first_repeat") or 0)  # > 0: more repetitions for a merge
+        runs = [(rep, *r) for rep in range(first, first + reps) for r in runs]
         for i, (rep, fig, label, pol, ps, wins, v) in enumerate(runs):
             _say(f"[{i + 1}/{len(runs)}] {label} {pol}: {ps.num_nodes} agents, windows "
                  f"{wins[0]}..{wins[-1]} ({elapsed(t_start)})")
@@ -363,7 +368,8 @@ def merge_outputs(sources: list[str | Path], out: Path, scenario: str) -> dict[s
         for key in zip(s.label, s.policy, s.repeat):
             if key in seen:
                 raise ValueError(f"merge: run {key[0]} {key[1]} repetition {key[2]} is in "
-                                 f"both {seen[key]} and {src}")
+                                 f"both {seen[key]} and {src} (run added repetitions "
+                                 "with first_repeat=N)")
             seen[key] = src
         summaries.append(s)
         if (src / "fig10.csv").is_file():

@@ -18,7 +18,7 @@ import pytest
 
 from delivery.agent import read_record
 from delivery.broker import PulsarStandalone
-from delivery.controller import RPC, ConfigError, Controller, ControllerConfig
+from delivery.controller import RPC, ConfigError, Controller, ControllerConfig, id_ranges
 from delivery.store import MetadataStore
 from envs.netutil import free_ports
 from security.pulsar import subscription_name
@@ -29,6 +29,16 @@ pytestmark = pytest.mark.xdist_group("pulsar")
 
 
 # --------------------------------------------------------------------------- configuration
+
+
+def test_failover_log_lines_give_type_ranges() -> None:
+    """A failover of hundreds of types is one readable line: runs of three or more ids are
+    ranges, shorter runs stay single ids."""
+    assert id_ranges([]) == "[]"
+    assert id_ranges([2, 1]) == "[1, 2]"
+    assert id_ranges([*range(396), 397]) == "[0-395, 397]"
+    assert id_ranges([5, 3, 4, 9, 10, 11, 20, 4]) == "[3-5, 9-11, 20]"
+
 
 
 @pytest.mark.parametrize(("mapping", "key"), [

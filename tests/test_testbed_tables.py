@@ -106,3 +106,36 @@ def test_network_spec_scales_capacities_and_checks_the_allowance() -> None:
     assert spec.node_bps == pytest.approx(ps.spec.node_bandwidth_bps * 0.01)
     with pytest.raises(ConfigError, match=r"control_allowance needs network\.settle_s"):
         network_spec(bad, ps)
+
+
+def test_broker_jars_fetched_before_the_network_is_built(tmp_path: Path, monkeypatch) -> None:
+    """Nothing inside the emulated network reaches Maven Central, so a testbed that starts
+    its own broker fetches the jars first; one given ``broker.url`` fetches nothing."""
+    import delivery.broker
+    import delivery.netem
+    from delivery.experiment import _run_in_network
+
+    calls: list[str] = []
+
+    class Stop(Exception):
+        pass
+
+    class NoNetwork:
+        def __init__(self, spec) -> None:
+            calls.append("network")
+            raise Stop
+
+    monkeypatch.setattr(delivery.broker, "fetch_pulsar", lambda *a, **k: calls.append("fetch"))
+    monkeypatch.setattr(delivery.netem, "EmulatedNetwork", NoNetwork)
+    over = ["security.insecure=true", f"out_dir={tmp_path}"]
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        own = compose(config_name="testbed", overrides=over)
+        given = compose(config_name="testbed",
+                        overrides=[*over, "broker.url=pulsar+ssl://10.0.0.9:6651"])
+    with pytest.raises(Stop):
+        _run_in_network(own)
+    assert calls == ["fetch", "network"]
+    calls.clear()
+    with pytest.raises(Stop):
+        _run_in_network(given)
+    assert calls == ["network"]
