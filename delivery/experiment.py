@@ -351,16 +351,19 @@ def merge_outputs(sources: list[str | Path], out: Path, scenario: str) -> dict[s
     """Combine completed testbed outputs (one per Fig. 9 point, say, run one after the other)
     into one: their runs' summaries and Fig. 10 buckets concatenated, and the tables, the
     medians over the repetitions, the headline and the plots rebuilt in ``out`` as if one
-    run had produced them. Nothing is re-run and the sources are only read; the same
-    (run, policy, repetition) in two sources is an error naming both."""
+    run had produced them. A source without ``summary.csv`` may give its Fig. 9 runs as
+    ``fig9.csv``. Nothing is re-run and the sources are only read; the same (run, policy,
+    repetition) in two sources is an error naming both."""
     if not sources:
         raise ValueError("merge: no testbed outputs given")
     summaries, buckets, seen = [], [], {}
     for src in map(Path, sources):
         f = src / "summary.csv"
+        if not f.is_file() and (src / "fig9.csv").is_file():
+            f = src / "fig9.csv"  # a Fig. 9 result kept without the summary
         if not f.is_file():
-            raise FileNotFoundError(f"merge: {src} has no summary.csv (not a completed "
-                                    "testbed output)")
+            raise FileNotFoundError(f"merge: {src} has no summary.csv or fig9.csv (not a "
+                                    "completed testbed output)")
         s = pd.read_csv(f)
         missing = {"label", "policy", "repeat", "figure", "vpcs"} - set(s.columns)
         if missing:

@@ -105,7 +105,7 @@ def test_testbed_small(tmp_path: Path, pulsar_broker, tiny_bundles) -> None:
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose(config_name="testbed", overrides=[
             "experiment=testbed_small", f"bundle={tiny_bundles['a']}",
-            "network.enabled=false", "policies=[rpc,vita,idcs,learned]",
+            "network.enabled=false", "policies=[rpc,vita,idcs,learned]", "first_repeat=1",
             f"broker.url={pulsar_broker.service_url}",
             f"broker.admin_url={pulsar_broker.admin_url}", f"out_dir={tmp_path / 'out'}",
             f"logger.tracking_uri=sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}",
@@ -117,6 +117,8 @@ def test_testbed_small(tmp_path: Path, pulsar_broker, tiny_bundles) -> None:
         assert (out / name).is_file(), name
     summary = pd.read_csv(out / "summary.csv")
     assert len(summary) == 3 * 4  # (2 VPC points + the phases run) x 4 policies
+    assert set(summary.repeat) == {1}  # numbered from first_repeat, to merge with others
+    assert {p.name for p in (out / "runs").iterdir()} >= {"fig10_rpc_r1", "fig9_vpcs=12_rpc_r1"}
     for _, r in summary.iterrows():
         if r.figure == "fig9":
             ps = problems_for("tiny", {"num_vpcs": int(r.vpcs), "rate_per_vpc_bps": 300000.0,

@@ -81,13 +81,27 @@ def test_merge_outputs_rebuilds_tables_medians_headline_and_plots(tmp_path: Path
     assert before == {p: p.read_bytes() for p in before}       # the sources only read
 
 
+def test_merge_adds_repetitions_to_a_kept_fig9_result(tmp_path: Path) -> None:
+    """A kept result (only ``fig9.csv``) plus added repetitions numbered from 1
+    (``first_repeat=1``) gives three repetitions per point."""
+    kept = _output(tmp_path, "kept", [512], repeats=1)
+    (kept / "summary.csv").rename(kept / "fig9.csv")
+    more = _output(tmp_path, "more", [512], repeats=2)
+    s = pd.read_csv(more / "summary.csv")
+    s["repeat"] += 1
+    s.to_csv(more / "summary.csv", index=False)
+    merge_outputs([kept, more], tmp_path / "merged", "godaddy")
+    med = pd.read_csv(tmp_path / "merged" / "fig9_median.csv")
+    assert set(med.repeats) == {3} and len(med) == len(POLICIES)
+
+
 def test_merge_outputs_refuses_overlaps_and_incomplete_outputs(tmp_path: Path) -> None:
     a = _output(tmp_path, "a", [64], repeats=1)
     b = _output(tmp_path, "b", [64, 128], repeats=1)
     with pytest.raises(ValueError, match=r"fig9/vpcs=64 rpc repetition 0 is in both .*a and .*b"):
         merge_outputs([a, b], tmp_path / "merged", "godaddy")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(FileNotFoundError, match=r"empty has no summary\.csv"):
+    with pytest.raises(FileNotFoundError, match=r"empty has no summary\.csv or fig9\.csv"):
         merge_outputs([a, tmp_path / "empty"], tmp_path / "merged", "godaddy")
     with pytest.raises(ValueError, match="no testbed outputs"):
         merge_outputs([], tmp_path / "merged", "godaddy")
