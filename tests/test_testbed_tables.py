@@ -52,6 +52,8 @@ def test_headline_helpers_rank_by_the_median_over_repetitions() -> None:
                         "controller_bytes": -d} for p, d in POLICIES.items() for r in (0, 1, 100)])
     assert speedups(df)["rpc"] == pytest.approx(3001 / 1001)
     assert best_dual(df) == "idcs"                       # RPC-only is never "dual"
+    fast_vita = df.assign(delay_p95_ms=df.delay_p95_ms.where(df.policy != "vita", 1.0))
+    assert best_dual(fast_vita) == "idcs"                # nor is VITA (MQ only)
     rank = rank_agreement(df)
     assert rank["measured"] == ["idcs", "learned", "vita", "rpc"]
     assert rank["spearman"] == 1.0
@@ -76,6 +78,12 @@ def test_merge_outputs_rebuilds_tables_medians_headline_and_plots(tmp_path: Path
     assert "fig9 vpcs=64: p95 delay speedup of the best dual-channel policy (idcs) over" in head
     assert "fig9 vpcs=1024: p95 delay speedup of learned over" in head
     assert "fig10 (all phases): p95 delay speedup of learned over" in head
+    assert "fig10 (all phases): p95 delay speedup of the best dual-channel policy (idcs) " \
+        "over" in head
+    assert "fig10 (all phases): ranking by measured p95 delay vs by the simulator's " \
+        "utilisation" in head
+    f10 = pd.read_csv(out / "fig10_median.csv")
+    assert sorted(f10.policy) == sorted(POLICIES) and set(f10.repeats) == {1}
     assert {p.name for p in res["plots"]} == {"fig9_testbed.png", "fig10_testbed.png"}
     assert json.loads((out / "merged_from.json").read_text()) == [str(a), str(b)]
     assert before == {p: p.read_bytes() for p in before}       # the sources only read
