@@ -357,10 +357,12 @@ def merge_outputs(sources: list[str | Path], out: Path, scenario: str) -> dict[s
     medians over the repetitions, the headline and the plots rebuilt in ``out`` as if one
     run had produced them. A source without ``summary.csv`` may give its Fig. 9 runs as
     ``fig9.csv``. Nothing is re-run and the sources are only read; the same (run, policy,
-    repetition) in two sources is an error naming both."""
+    repetition) in two sources, or one run label replaying different traces (another
+    scenario or windows), is an error naming both."""
     if not sources:
         raise ValueError("merge: no testbed outputs given")
     summaries, buckets, seen = [], [], {}
+    trace: dict[str, tuple[int, Path]] = {}
     for src in map(Path, sources):
         f = src / "summary.csv"
         if not f.is_file() and (src / "fig9.csv").is_file():
@@ -378,6 +380,13 @@ def merge_outputs(sources: list[str | Path], out: Path, scenario: str) -> dict[s
                                  f"both {seen[key]} and {src} (run added repetitions "
                                  "with first_repeat=N)")
             seen[key] = src
+        if "messages" in s:  # one label replays one trace: the same messages in every run
+            for label, n in s.groupby("label").messages.first().items():
+                first = trace.setdefault(label, (int(n), src))
+                if first[0] != int(n):
+                    raise ValueError(f"merge: run {label} replays {first[0]} messages in "
+                                     f"{first[1]} but {int(n)} in {src} (another scenario, "
+                                     "VPC count or windows)")
         summaries.append(s)
         if (src / "fig10.csv").is_file():
             buckets.append(pd.read_csv(src / "fig10.csv"))

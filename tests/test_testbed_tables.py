@@ -26,14 +26,15 @@ def _output(root: Path, name: str, vpcs: list[int], repeats: int, fig10: bool = 
         for rep in range(repeats):
             for pol, delay in POLICIES.items():
                 rows.append({"label": f"fig9/vpcs={v}", "policy": pol, "figure": "fig9",
-                             "repeat": rep, "vpcs": v, "network": "smt1x1",
+                             "repeat": rep, "vpcs": v, "network": "smt1x1", "messages": 10 * v,
                              "delay_p95_ms": delay * v / 512 + rep,
                              "controller_bytes": 1e6 * v, "controller_cpu_util": 0.1,
                              "node_bytes_total": 2e6 * v, "sim_utilisation": delay / 1000})
     if fig10:
         for pol, delay in POLICIES.items():
             rows.append({"label": "fig10", "policy": pol, "figure": "fig10", "repeat": 0,
-                         "vpcs": 512, "network": "smt1x1", "delay_p95_ms": delay,
+                         "vpcs": 512, "network": "smt1x1", "messages": 1000,
+                         "delay_p95_ms": delay,
                          "controller_bytes": 1e6, "controller_cpu_util": 0.1,
                          "node_bytes_total": 2e6, "sim_utilisation": delay / 1000})
             buckets += [{"policy": pol, "window": w, "repeat": 0, "delay_p95_ms": delay,
@@ -108,6 +109,13 @@ def test_merge_outputs_refuses_overlaps_and_incomplete_outputs(tmp_path: Path) -
     b = _output(tmp_path, "b", [64, 128], repeats=1)
     with pytest.raises(ValueError, match=r"fig9/vpcs=64 rpc repetition 0 is in both .*a and .*b"):
         merge_outputs([a, b], tmp_path / "merged", "godaddy")
+    c = _output(tmp_path, "c", [64], repeats=1)           # the same point, another trace
+    s = pd.read_csv(c / "summary.csv")
+    s["repeat"], s["messages"] = 1, 999
+    s.to_csv(c / "summary.csv", index=False)
+    with pytest.raises(ValueError, match=r"fig9/vpcs=64 replays 640 messages in .*a but 999 "
+                                         r"in .*c"):
+        merge_outputs([a, c], tmp_path / "merged", "godaddy")
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match=r"empty has no summary\.csv or fig9\.csv"):
         merge_outputs([a, tmp_path / "empty"], tmp_path / "merged", "godaddy")
