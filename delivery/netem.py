@@ -535,11 +535,14 @@ def measure_throughput(net: EmulatedNetwork, src_ns: str, dst_ns: str, dst_host:
 
 def measure_loss(net: EmulatedNetwork, src_ns: str, dst_ns: str, dst_host: str,
                  packets: int = 20000, port: int = 5202) -> float:
-    """The fraction of ``packets`` UDP datagrams sent from ``src_ns`` that did not arrive."""
+    """The fraction of ``packets`` UDP datagrams sent from ``src_ns`` that did not arrive.
+    The receiver waits up to 30 s for the first datagram (the sender is a new interpreter,
+    slow to start on a loaded machine), then stops after 1 s without one."""
     recv_code = ("import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "
                  f"s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 24); "
-                 f"s.bind(('0.0.0.0', {port})); s.settimeout(1.0); print('ready', flush=True)\n"
-                 "n = 0\ntry:\n    while True:\n        s.recv(2048); n += 1\n"
+                 f"s.bind(('0.0.0.0', {port})); s.settimeout(30.0); print('ready', flush=True)\n"
+                 "n = 0\ntry:\n    s.recv(2048); n = 1; s.settimeout(1.0)\n"
+                 "    while True:\n        s.recv(2048); n += 1\n"
                  "except TimeoutError:\n    pass\nprint(n, flush=True)\n")
     send_code = ("import socket, time; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
                  f"for i in range({packets}):\n    s.sendto(b'x' * 200, ('{dst_host}', {port}))\n"
