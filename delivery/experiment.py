@@ -415,42 +415,35 @@ def _median_table(df: pd.DataFrame, by: list[str]) -> pd.DataFrame:
     return out.copy().reset_index()  # copy: one block, not one per column
 
 
+def _comparisons(df: pd.DataFrame, name: str) -> dict[str, Any]:
+    """One point's headline entries: the learned policy's speedups, the measured ranking
+    beside the simulator's, and the best dual-channel policy's speedups."""
+    head: dict[str, Any] = {}
+    sp = speedups(df)
+    if sp:
+        head[f"{name}: p95 delay speedup of learned over"] = {
+            k: round(x, 2) for k, x in sp.items()}
+    rank = rank_agreement(df)
+    if rank:
+        head[f"{name}: ranking by measured p95 delay vs by the simulator's utilisation"] = rank
+    best = best_dual(df)
+    if best:
+        head[f"{name}: p95 delay speedup of the best dual-channel policy ({best}) over"] = {
+            k: round(x, 2) for k, x in speedups(df, of=best).items()}
+    return head
+
+
 def _headline(tables: dict[str, pd.DataFrame]) -> dict[str, Any]:
     head: dict[str, Any] = {}
     if "fig9" in tables:
         df = tables["fig9"]
         for v in sorted(set(df.vpcs)):
-            sub = df[df.vpcs == v]
-            sp = speedups(sub)
-            if sp:
-                head[f"fig9 vpcs={v}: p95 delay speedup of learned over"] = {
-                    k: round(x, 2) for k, x in sp.items()}
-            rank = rank_agreement(sub)
-            if rank:
-                head[f"fig9 vpcs={v}: ranking by measured p95 delay vs by the simulator's "
-                     f"utilisation"] = rank
-            best = best_dual(sub)
-            if best:
-                head[f"fig9 vpcs={v}: p95 delay speedup of the best dual-channel policy "
-                     f"({best}) over"] = {k: round(x, 2) for k, x in speedups(sub, of=best)
-                                          .items()}
+            head.update(_comparisons(df[df.vpcs == v], f"fig9 vpcs={v}"))
     if "summary" in tables:
         df = tables["summary"]
         f10 = df[df.figure == "fig10"]
         if not f10.empty:
-            sp = speedups(f10)
-            if sp:
-                head["fig10 (all phases): p95 delay speedup of learned over"] = {
-                    k: round(x, 2) for k, x in sp.items()}
-            rank = rank_agreement(f10)
-            if rank:
-                head["fig10 (all phases): ranking by measured p95 delay vs by the "
-                     "simulator's utilisation"] = rank
-            best = best_dual(f10)
-            if best:
-                head[f"fig10 (all phases): p95 delay speedup of the best dual-channel policy "
-                     f"({best}) over"] = {k: round(x, 2) for k, x in speedups(f10, of=best)
-                                          .items()}
+            head.update(_comparisons(f10, "fig10 (all phases)"))
     return head
 
 
