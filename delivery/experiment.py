@@ -355,10 +355,11 @@ def merge_outputs(sources: list[str | Path], out: Path, scenario: str) -> dict[s
     """Combine completed testbed outputs (one per Fig. 9 point, say, run one after the other)
     into one: their runs' summaries and Fig. 10 buckets concatenated, and the tables, the
     medians over the repetitions, the headline and the plots rebuilt in ``out`` as if one
-    run had produced them. A source without ``summary.csv`` may give its Fig. 9 runs as
-    ``fig9.csv``. Nothing is re-run and the sources are only read; the same (run, policy,
-    repetition) in two sources, or one run label replaying different traces (another
-    scenario or windows), is an error naming both."""
+    run had produced them, rows in the order one run writes them. A source without
+    ``summary.csv`` may give its Fig. 9 runs as ``fig9.csv``. Nothing is re-run and the
+    sources are only read; the same (run, policy, repetition) in two sources, or one run
+    label replaying different traces (another scenario or windows), is an error naming
+    both."""
     if not sources:
         raise ValueError("merge: no testbed outputs given")
     summaries, buckets, seen = [], [], {}
@@ -393,6 +394,11 @@ def merge_outputs(sources: list[str | Path], out: Path, scenario: str) -> dict[s
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     summary = pd.concat(summaries, ignore_index=True)
+    # as one invocation orders its runs: figure by figure, point by point, then repetition
+    # (stable, so the policies keep their order); a point added later is not left at the end
+    fig_rank = {f: i for i, f in enumerate(dict.fromkeys(summary.figure))}
+    summary = summary.assign(_fig=summary.figure.map(fig_rank)).sort_values(
+        ["_fig", "vpcs", "repeat"], kind="stable").drop(columns="_fig").reset_index(drop=True)
     fig10 = pd.concat(buckets, ignore_index=True) if buckets else pd.DataFrame()
     tables = _write_tables(summary, fig10, out)
     plots = _plots(tables, out, scenario)

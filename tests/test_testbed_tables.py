@@ -104,6 +104,28 @@ def test_merge_adds_repetitions_to_a_kept_fig9_result(tmp_path: Path) -> None:
     assert set(med.repeats) == {3} and len(med) == len(POLICIES)
 
 
+def test_merge_orders_rows_as_one_run_would(tmp_path: Path) -> None:
+    """A point run after the others (128 VPCs added to 64 and 1,024), and repetitions added
+    to a point, land where one invocation would have written them: Fig. 9 before Fig. 10,
+    points ascending, repetitions ascending, policies in their order."""
+    first = _output(tmp_path, "first", [64, 1024], repeats=1, fig10=True)
+    late = _output(tmp_path, "late", [128], repeats=2)
+    more = _output(tmp_path, "more", [64], repeats=1)
+    s = pd.read_csv(more / "summary.csv")
+    s["repeat"] += 1
+    s.to_csv(more / "summary.csv", index=False)
+    merge_outputs([first, late, more], tmp_path / "merged", "godaddy")
+    summary = pd.read_csv(tmp_path / "merged" / "summary.csv")
+    order = list(zip(summary.figure, summary.vpcs, summary.repeat, summary.policy))
+    pols = list(POLICIES)
+    assert order == ([("fig9", 64, r, p) for r in (0, 1) for p in pols]
+                     + [("fig9", 128, r, p) for r in (0, 1) for p in pols]
+                     + [("fig9", 1024, 0, p) for p in pols]
+                     + [("fig10", 512, 0, p) for p in pols])
+    med = pd.read_csv(tmp_path / "merged" / "fig9_median.csv")
+    assert list(dict.fromkeys(med.vpcs)) == [64, 128, 1024]
+
+
 def test_merge_outputs_refuses_overlaps_and_incomplete_outputs(tmp_path: Path) -> None:
     a = _output(tmp_path, "a", [64], repeats=1)
     b = _output(tmp_path, "b", [64, 128], repeats=1)
