@@ -23,7 +23,8 @@ def settings_from(cfg: DictConfig):
     from security.tls import Security
     from serving.access import RateLimit
     from serving.announce import DEFAULT_TOPIC
-    from serving.app import DEFAULT_RATE_LIMIT, ServerSettings
+    from serving.app import DEFAULT_AUTH_FAILURES, DEFAULT_RATE_LIMIT, ServerSettings
+    from serving.limits import ResourceLimits
     from serving.signing import BundleTrust
 
     def keys(v) -> list[str]:
@@ -51,6 +52,9 @@ def settings_from(cfg: DictConfig):
         raise ValueError(f"tls: expected {{certfile, keyfile}} (paths or null), got {tls!r}")
     rate = block("rate_limit") if "rate_limit" in cfg else {
         "requests_per_s": DEFAULT_RATE_LIMIT.requests_per_s, "burst": DEFAULT_RATE_LIMIT.burst}
+    failures = block("auth_failures") if "auth_failures" in cfg else {
+        "requests_per_s": DEFAULT_AUTH_FAILURES.requests_per_s,
+        "burst": DEFAULT_AUTH_FAILURES.burst}
     security = Security.from_mapping(block("security"))
     # ``main`` warns once for the whole server, bundle verification included
     trust = BundleTrust.from_mapping(block("bundle_trust"), security, warn=False)
@@ -58,6 +62,8 @@ def settings_from(cfg: DictConfig):
                           tls_certfile=tls.get("certfile") or None,
                           tls_keyfile=tls.get("keyfile") or None,
                           rate_limit=RateLimit.from_mapping(rate),
+                          auth_failures=RateLimit.from_mapping(failures),
+                          limits=ResourceLimits.from_mapping(block("limits")),
                           bundle=cfg.bundle, online_bundle=cfg.get("online_bundle"),
                           api_keys=keys(cfg.api_keys),
                           admin_keys=keys(cfg.admin_keys), auth=bool(cfg.auth),
@@ -79,7 +85,10 @@ def settings_from(cfg: DictConfig):
 def main(cfg: DictConfig) -> None:
     import uvicorn
 
+    from serving import logsafe
     from serving.app import create_app
+
+    logsafe.install()  # one line per record: no request or file can forge a log line
 
     settings = settings_from(cfg)
     settings.security.warn_if_insecure("policy server (plain HTTP, unsigned bundles accepted)")

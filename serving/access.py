@@ -37,9 +37,12 @@ from fastapi import Depends, FastAPI, Request, Security
 from fastapi.security import APIKeyHeader
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from .logsafe import log_field
+
 __all__ = ["ANONYMOUS", "API_KEY_HEADER", "AUDIT", "AdminCaller", "AllowMiddleware", "Caller",
            "ControllerCaller", "RateLimit", "RateLimiter", "allowed_methods", "audit",
-           "caller_for", "document_contract", "key_id", "require_admin", "require_controller"]
+           "caller_for", "document_contract", "key_id", "log_field", "require_admin",
+           "require_controller"]
 
 AUDIT = logging.getLogger("smart.audit")
 API_KEY_HEADER = "X-API-Key"
@@ -76,20 +79,14 @@ def caller_for(key: str, admin: bool) -> Caller:
     return Caller(d, "key-" + d[:12], admin)
 
 
-def _clean(value: object) -> str:
-    """A log field: one line, bounded, quoted when it has spaces."""
-    s = re.sub(r"[\x00-\x1f\x7f]", "?", str(value))[:300]
-    return repr(s) if (" " in s or "=" in s or not s) else s
-
-
 def audit(who: str, action: str, target: object, outcome: str, detail: object = None, *,
           level: int = logging.INFO) -> None:
     """One line on ``smart.audit``: who (a key id or a peer address, never a key), what,
     on what, and how it ended."""
-    msg = (f"audit who={_clean(who)} action={_clean(action)} target={_clean(target)} "
+    msg = (f"audit who={log_field(who)} action={log_field(action)} target={log_field(target)} "
            f"outcome={outcome}")
     if detail is not None:
-        msg += f" detail={_clean(detail)}"
+        msg += f" detail={log_field(detail)}"
     AUDIT.log(level, "%s", msg)
 
 
@@ -168,12 +165,17 @@ class RateLimit:
 
 
 class RateLimiter:
-    """One token bucket per key id (only valid keys reach it, so it holds at most one
-    bucket per configured key). Not thread-safe: called on the server's event loop."""
+    """One token bucket per name: a key id (only valid keys reach the per-key limiter, so it
+    holds at most one bucket per configured key) or a client address (the limiter of
+    requests with an invalid key). ``max_keys`` bounds the buckets held: past it, the
+    buckets that have refilled (the same as no bucket) are dropped, then the least recently
+    used. Not thread-safe: called on the server's event loop."""
 
     def __init__(self, limit: RateLimit, on_refused: Callable[[str], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 max_keys: int | None = None) -> None:
         self.limit, self.clock, self.on_refused = limit, clock, on_refused
+        self.max_keys = max_keys
         self._buckets: dict[str, list[float]] = {}  # key id -> [tokens, last refill time]
         # key id -> [refusals in the current run, time of the last one]
         self._refused: dict[str, list[float]] = {}
@@ -186,6 +188,8 @@ class RateLimiter:
         now = self.clock()
         b = self._buckets.get(who)
         if b is None:
+            if self.max_keys is not None and len(self._buckets) >= self.max_keys:
+                self._prune(now)
             b = self._buckets[who] = [float(self.limit.burst), now]
         tokens = min(float(self.limit.burst), b[0] + (now - b[1]) * self.limit.requests_per_s)
         b[1] = now
@@ -211,6 +215,22 @@ class RateLimiter:
         if self.on_refused is not None:
             self.on_refused(who)
         return wait
+
+
+    def _prune(self, now: float) -> None:
+        """Make room for one more bucket (``max_keys``): drop the full ones, then the least
+        recently used half."""
+        rate, burst = self.limit.requests_per_s, float(self.limit.burst)
+        full = [w for w, (tok, t) in self._buckets.items() if tok + (now - t) * rate >= burst]
+        for w in full:
+            del self._buckets[w]
+            self._refused.pop(w, None)
+        assert self.max_keys is not None
+        if len(self._buckets) >= self.max_keys:
+            oldest = sorted(self._buckets, key=lambda w: self._buckets[w][1])
+            for w in oldest[:max(1, len(oldest) // 2)]:
+                del self._buckets[w]
+                self._refused.pop(w, None)
 
 
 def retry_after(wait_s: float) -> str:

@@ -7,14 +7,24 @@ loaded policy bundle (ONNX Runtime) or, when no usable policy is there, the conf
 heuristic, saying so in the response.
 
 Failures, as a client sees them: 401 (no or wrong ``X-API-Key``), 403 (a policy swap without
-an admin key), 404 (unknown session, or a session another key created: the same answer), 409
-(a body the schema accepts that contradicts the session's state or itself, e.g. a
-destination node the session does not have, or a bundle refused on swap; the message names
-the type, field or session), 413 (body larger than ``max_body_bytes``), 422 (the body does
-not match the schema, lists included: more than ``max_batch`` types to decide or
-``max_types`` types, the limits the OpenAPI document states as ``maxItems``; ``detail``
-lists each field's location and problem), 429 (``max_sessions`` reached, or this key over
-its rate limit: then with ``Retry-After``). No failed request changes any state.
+an admin key), 404 (unknown session, a session another key created: the same answer, or
+one expired after ``limits.idle_s`` unused), 409 (a body the schema accepts that
+contradicts the session's state or itself, e.g. a destination node the session does not
+have, or a bundle refused on swap; the message names the type, field or session), 413
+(body larger than ``max_body_bytes``, declared or streamed), 422 (the body is not RFC 8259
+JSON, :mod:`serving.strictjson`, or does not match the schema, lists included: more than
+``max_batch`` types to decide, ``max_types`` types or ``limits.max_nodes`` nodes, the
+limits the OpenAPI document states as ``maxItems``; ``detail`` lists each field's location
+and problem), 429 (``max_sessions`` reached, this key's sessions over their memory budget,
+:mod:`serving.limits`, this key over its rate limit, or this address over its rate of
+requests with an invalid key: the last two with ``Retry-After``). No failed request
+changes any state.
+
+Resources (:mod:`serving.limits`): every session is charged its estimated memory before
+anything is allocated, against a per-key and a server-wide budget; sessions unused for
+``limits.idle_s`` are deleted; the requests of a large session, and large batches, run on a
+worker thread (one at a time per session), so one client's heaviest request does not stall
+another's.
 
 Access (:mod:`serving.access`): each session belongs to the key that created it; admin keys
 may also read and delete other keys' sessions, audited; admin actions and refusals are logged
@@ -45,23 +55,24 @@ history) has its own endpoints under ``/v1/online`` (:mod:`serving.online_api`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import io
 import logging
 import secrets
+import time
 import uuid
 import zipfile
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from fastapi import Depends, FastAPI, HTTPException, Request, Response
-from fastapi.exception_handlers import (
-    http_exception_handler,
-    request_validation_exception_handler,
-)
+from fastapi.encoders import jsonable_encoder
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -90,6 +101,15 @@ from .access import (
     retry_after,
 )
 from .announce import DEFAULT_TOPIC, Announcer, check_settings
+from .limits import (
+    WORKER_THREADS,
+    BudgetExceeded,
+    KeySlots,
+    Lease,
+    MemoryBudget,
+    ResourceLimits,
+    static_session_bytes,
+)
 from .metrics import MetricsMiddleware, ServerMetrics
 from .online_api import add_online_routes
 from .online_policy import OnlinePolicyStore
@@ -116,13 +136,21 @@ from .schemas import (
 )
 from .session import FALLBACKS, Decision, Session, SessionError, SessionSpec
 from .signing import BundleTrust
+from .strictjson import StrictJSONRoute, json_safe
 
-__all__ = ["DEFAULT_RATE_LIMIT", "ServerSettings", "create_app"]
+__all__ = ["DEFAULT_AUTH_FAILURES", "DEFAULT_RATE_LIMIT", "ServerSettings", "create_app"]
+
+_T = TypeVar("_T")
 
 log = logging.getLogger(__name__)
 #: per key: far above what a controller, ``make run`` or the testbed sends, far below what
 #: one process serves (a flooding key is refused long before it slows the others)
 DEFAULT_RATE_LIMIT = RateLimit(requests_per_s=2000.0, burst=4000)
+#: per client address, requests with a missing or invalid key: enough for a controller
+#: whose key was rotated to notice, far too few to guess keys or flood the audit log
+DEFAULT_AUTH_FAILURES = RateLimit(requests_per_s=5.0, burst=20)
+#: a batch deciding more types than this runs on a worker thread whatever its session's size
+THREADED_BATCH = 256
 
 
 @dataclass
@@ -165,6 +193,12 @@ class ServerSettings:
     tls_keyfile: str | None = None  # ``tls.keyfile`` (PEM, unencrypted)
     #: per-key token bucket (``rate_limit: {requests_per_s, burst}``); None: no limit
     rate_limit: RateLimit | None = DEFAULT_RATE_LIMIT
+    #: per client address, a token bucket of requests with a missing or invalid key
+    #: (``auth_failures: {requests_per_s, burst}``): over it, 429 and one audit line per run
+    #: of refusals instead of one per request; None: no limit
+    auth_failures: RateLimit | None = DEFAULT_AUTH_FAILURES
+    #: session sizes, memory budgets and idle expiry (``limits: {...}``, serving.limits)
+    limits: ResourceLimits = field(default_factory=ResourceLimits)
     #: the public keys a bundle's signature must verify against, for the policy and the
     #: online policy (``bundle_trust: {keys, pki_key}``, :mod:`serving.signing`); None: the
     #: PKI's ``bundle-signing.pub`` of ``security`` (unsigned bundles accepted, warned, when
@@ -174,6 +208,8 @@ class ServerSettings:
     def __post_init__(self) -> None:
         self.security = TransportSecurity.from_mapping(self.security)
         self.rate_limit = RateLimit.from_mapping(self.rate_limit)
+        self.auth_failures = RateLimit.from_mapping(self.auth_failures)
+        self.limits = ResourceLimits.from_mapping(self.limits)
         if (self.tls_certfile is None) != (self.tls_keyfile is None):
             raise ValueError("tls: give both certfile and keyfile, or neither (then the "
                              "PKI's policy-server identity is used)")
@@ -231,7 +267,9 @@ def _errors(*codes: int) -> dict:
 
 
 class BodyLimit:
-    """Pure ASGI: 413 for a body over ``limit`` bytes (declared or streamed)."""
+    """Pure ASGI: 413 for a body over ``limit`` bytes, declared (``Content-Length``) or
+    streamed (chunked): the body is read up to the limit before the app sees it, so the
+    app never starts on a body it cannot have whole."""
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
         self.app, self.limit = app, limit
@@ -247,29 +285,35 @@ class BodyLimit:
                     too_big = False
                 if too_big:
                     return await self._reject(scope, receive, send)
+        chunks: list[bytes] = []
         seen = 0
+        while True:
+            msg = await receive()
+            if msg["type"] != "http.request":  # the client left: let the app see it
+                first: Message | None = msg
+                break
+            body = msg.get("body", b"")
+            seen += len(body)
+            if seen > self.limit:
+                return await self._reject(scope, receive, send)
+            chunks.append(body)
+            if not msg.get("more_body", False):
+                first = None
+                break
+        whole: Message = {"type": "http.request", "body": b"".join(chunks),
+                          "more_body": False}
+        pending = [whole] if first is None else [first]
 
         async def _receive() -> Message:
-            nonlocal seen
-            msg = await receive()
-            if msg["type"] == "http.request":
-                seen += len(msg.get("body", b""))
-                if seen > self.limit:
-                    raise _TooLarge()
-            return msg
+            return pending.pop() if pending else await receive()
 
-        try:
-            await self.app(scope, _receive, send)
-        except _TooLarge:
-            await self._reject(scope, receive, send)
+        await self.app(scope, _receive, send)
 
     async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
-        resp = JSONResponse({"detail": f"request body larger than {self.limit} bytes"}, 413)
+        resp = JSONResponse({"detail": f"request body larger than {self.limit} bytes "
+                                       f"(max_body_bytes)"}, 413,
+                            headers={"Connection": "close"})
         await resp(scope, receive, send)
-
-
-class _TooLarge(Exception):
-    pass
 
 
 def too_many(loc: list[str | int], n: int, limit: int, setting: str) -> HTTPException:
@@ -298,15 +342,39 @@ def create_app(settings: ServerSettings | None = None, *,
     store = store or PolicyStore(batch_threads=cfg.batch_threads, trust=trust)
     online_store = OnlinePolicyStore(trust=trust)
     metrics = ServerMetrics()
+    limits = cfg.limits
     sessions: dict[str, Session] = {}
+    leases: dict[str, Lease] = {}  # session id -> its account (serving.limits)
+    budget = MemoryBudget(limits, on_refused=lambda which: metrics.refused.labels(
+        f"memory_budget_{which}").inc())
+    slots = KeySlots()  # worker threads per key
+    #: each session table's expiry: (now) -> sessions expired (static here, online added)
+    sweepers: list[Callable[[float], int]] = []
 
-    def check(cand: LoadedPolicy) -> list[str]:
-        return [f"session {sid}: {why}" for sid, s in sessions.items()
-                if (why := s.compatibility(cand)) is not None]
+    def check_for(owner: str | None) -> Callable[[LoadedPolicy], list[str]]:
+        """The sessions a candidate policy does not fit, for a refusal's message: every one
+        when ``owner`` is None (the server's own loads, logged), else only the caller's own
+        by id and the others as a count (a refusal names no other key's session)."""
+        def check(cand: LoadedPolicy) -> list[str]:
+            mine, others = [], 0
+            for sid, s in list(sessions.items()):  # read on a worker thread: a copy
+                why = s.compatibility(cand)
+                if why is None:
+                    continue
+                if owner is None or s.owner == owner:
+                    mine.append(f"session {sid}: {why}")
+                else:
+                    others += 1
+            if others:
+                mine.append(f"{others} session(s) of other keys do not fit it")
+            return mine
+        return check
 
-    def load(path: str, force: bool = False) -> LoadedPolicy:
+    check = check_for(None)
+
+    def load(path: str, force: bool = False, owner: str | None = None) -> LoadedPolicy:
         try:
-            p = store.load(path, check, force)
+            p = store.load(path, check_for(owner), force)
         except BundleError:
             metrics.swaps.labels("refused").inc()
             raise
@@ -323,6 +391,9 @@ def create_app(settings: ServerSettings | None = None, *,
                                   registry=metrics.registry, security=cfg.security)
             app.state.announcer = announcer
             store.add_listener(announcer.policy)
+        # session work runs on these threads (serving.limits.KeySlots caps one key's share)
+        asyncio.get_running_loop().set_default_executor(
+            ThreadPoolExecutor(WORKER_THREADS, thread_name_prefix="session"))
         # the simulator's compiled loops (loaded from their on-disk cache, or compiled on a
         # fresh install) before the first request, not inside it
         await asyncio.to_thread(kernels.warm_up)
@@ -339,10 +410,14 @@ def create_app(settings: ServerSettings | None = None, *,
             except BundleError as e:  # start anyway: online plans refused until a swap
                 log.error("no online policy loaded: %s", e)
         app.state.watcher = watcher
+        sweeper = asyncio.create_task(sweep_forever())
         if cfg.freeze_gc:
             gc.collect()  # garbage first: only what is alive is frozen
             gc.freeze()
         yield
+        sweeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sweeper
         if watcher is not None:
             watcher.stop()
         if app.state.announcer is not None:
@@ -350,9 +425,43 @@ def create_app(settings: ServerSettings | None = None, *,
             await asyncio.to_thread(app.state.announcer.close)
             app.state.announcer = None
 
+    async def sweep_forever() -> None:
+        period = min(60.0, max(0.05, limits.idle_s / 4))
+        while True:
+            await asyncio.sleep(period)
+            sweep()
+
+    def sweep(now: float | None = None) -> int:
+        """Expire every session unused for ``limits.idle_s`` (a busy one is skipped)."""
+        t = time.monotonic() if now is None else now
+        return sum(f(t) for f in sweepers)
+
+    def expire_static(now: float) -> int:
+        gone = [sid for sid, lease in list(leases.items())
+                if lease.idle_for(now) >= limits.idle_s and not lease.lock.locked()]
+        for sid in gone:
+            drop(sid, "expired")
+        return len(gone)
+
+    sweepers.append(expire_static)
+
+    def drop(sid: str, why: str) -> None:
+        sessions.pop(sid, None)
+        lease = leases.pop(sid, None)
+        if lease is not None:
+            budget.release(lease)
+        if why == "expired":
+            metrics.expired.labels("session").inc()
+            log.info("session %s expired after %.0f s unused (limits.idle_s)", sid,
+                     limits.idle_s)
+
     app = FastAPI(title="SMART DSMD policy server", version="1.0.0", lifespan=lifespan,
                   description=__doc__)
+    # every body is RFC 8259 JSON: NaN, Infinity, 1e400 and lone surrogates are refused
+    # before validation (serving.strictjson)
+    app.router.route_class = StrictJSONRoute
     app.state.settings, app.state.store, app.state.sessions = cfg, store, sessions
+    app.state.leases, app.state.budget, app.state.sweep = leases, budget, sweep
     app.state.metrics = metrics
     app.state.announcer = None  # an Announcer while started with announce_url
 
@@ -366,10 +475,20 @@ def create_app(settings: ServerSettings | None = None, *,
 
     limiter = (RateLimiter(cfg.rate_limit, on_refused=rate_limited)
                if cfg.auth and cfg.rate_limit is not None else None)
+    # requests with a missing or invalid key, per client address (bounded: at most
+    # max_keys addresses are tracked, the idle ones dropped first)
+    failures = (RateLimiter(cfg.auth_failures, max_keys=10_000,
+                            on_refused=lambda who: metrics.refused.labels(
+                                "auth_throttled").inc())
+                if cfg.auth and cfg.auth_failures is not None else None)
 
     def _peer(request: Request) -> str:
         c = request.client
         return f"{c.host}:{c.port}" if c is not None else "unknown-peer"
+
+    def _host(request: Request) -> str:
+        c = request.client
+        return c.host if c is not None else "unknown-peer"
 
     def _action(request: Request) -> str:
         route = request.scope.get("route")
@@ -388,6 +507,12 @@ def create_app(settings: ServerSettings | None = None, *,
             if match is not None:
                 return match
         metrics.refused.labels("unauthenticated").inc()
+        if failures is not None:  # logs the first refusal of a run, counts the others
+            wait = failures.take(_host(request), _action(request) + " (invalid key)")
+            if wait > 0:
+                raise HTTPException(429, "too many requests with a missing or invalid API "
+                                         "key from this address",
+                                    headers={"Retry-After": retry_after(wait)})
         audit(_peer(request), _action(request), "-", "refused", "401: " + (
             "no API key" if key is None else "invalid API key"), level=logging.WARNING)
         raise HTTPException(401, "missing or invalid API key",
@@ -442,12 +567,32 @@ def create_app(settings: ServerSettings | None = None, *,
         raise HTTPException(404, f"unknown {what} {session_id!r}")
 
     def get_session(session_id: str, caller: Caller = ANONYMOUS,
-                    action: str = "use") -> Session:
+                    action: str = "use") -> tuple[Session, Lease]:
         s = sessions.get(session_id)
         if s is None:
             raise HTTPException(404, f"unknown session {session_id!r}")
         owned("session", session_id, s.owner, caller, action)
-        return s
+        lease = leases[session_id]
+        if (lease.idle_for(time.monotonic()) >= limits.idle_s
+                and not lease.lock.locked()):  # due to expire: the sweep may lag
+            drop(session_id, "expired")
+            raise HTTPException(404, f"unknown session {session_id!r}")
+        return s, lease
+
+    async def run_on(lease: Lease, fn: Callable[[], _T], heavy: bool = False) -> _T:
+        """``fn`` on a session, one request at a time: on a worker thread for a large
+        session or a ``heavy`` request (the event loop keeps serving the others), else
+        inline (cheaper than the hand-off)."""
+        async with lease.lock:
+            lease.touch()
+            try:
+                if heavy or lease.threaded:
+                    async with slots.of(lease.owner):
+                        return await asyncio.to_thread(fn)
+                return fn()
+            finally:
+                lease.touch()
+
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> Response:
@@ -455,9 +600,11 @@ def create_app(settings: ServerSettings | None = None, *,
         if errors and all(e.get("type") == OUT_OF_RANGE for e in errors):
             # the schema allows it (no bound a JSON number states exactly), the server
             # cannot hold it: a conflict, not a schema violation
-            return JSONResponse({"detail": [{k: e[k] for k in ("type", "loc", "msg", "input")
-                                             if k in e} for e in errors]}, 409)
-        return await request_validation_exception_handler(request, exc)
+            return JSONResponse({"detail": json_safe([
+                {k: e[k] for k in ("type", "loc", "msg", "input") if k in e}
+                for e in errors])}, 409)
+        # what it echoes is made encodable (serving.strictjson.json_safe): never a 500
+        return JSONResponse({"detail": json_safe(jsonable_encoder(errors))}, 422)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -467,6 +614,10 @@ def create_app(settings: ServerSettings | None = None, *,
                 exc.headers = {**(exc.headers or {}), "Allow": ", ".join(methods)}
         return await http_exception_handler(request, exc)
 
+    @app.exception_handler(BudgetExceeded)
+    async def _over_budget(request: Request, exc: BudgetExceeded) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, 429)
+
     @app.exception_handler(SessionError)
     async def _session_error(request: Request, exc: SessionError) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, 409)
@@ -474,7 +625,7 @@ def create_app(settings: ServerSettings | None = None, *,
     def policy_out(p: LoadedPolicy | None) -> PolicyOut:
         if p is None:
             return PolicyOut(loaded=False, version=0, hash=None, fallback=cfg.fallback)
-        return PolicyOut(loaded=True, version=p.version, hash=p.hash, path=str(p.path),
+        return PolicyOut(loaded=True, version=p.version, hash=p.hash, name=p.path.name,
                          loaded_at=p.loaded_at, scenario_signature=p.metadata.get(
                              "scenario_signature", {}),
                          observation=p.layout.to_dict(), decoding=p.decoding,
@@ -516,6 +667,7 @@ def create_app(settings: ServerSettings | None = None, *,
                               "description": "Prometheus text format"}})
     async def prometheus() -> Response:
         metrics.sessions.set(len(sessions))
+        metrics.session_bytes.set(budget.total)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     # ------------------------------------------------------------------ policy
@@ -547,7 +699,7 @@ def create_app(settings: ServerSettings | None = None, *,
                                                        "description": "Not an admin key"}})
     async def swap_policy(body: PolicySwap, caller: AdminCaller) -> PolicyOut:
         try:
-            p = await asyncio.to_thread(load, body.path, body.force)
+            p = await asyncio.to_thread(load, body.path, body.force, caller.owner)
         except BundleError as e:
             audit(caller.key_id, "policy.load", body.path, "failed", f"409: {e}",
                   level=logging.WARNING)
@@ -557,9 +709,32 @@ def create_app(settings: ServerSettings | None = None, *,
         return policy_out(p)
 
     # ------------------------------------------------------------------ sessions
+    def check_size(num_nodes: int, num_topics: int, num_types: int,
+                   num_destinations: int) -> None:
+        """422 naming the first of the session limits a request's counts exceed."""
+        if num_nodes > limits.max_nodes:
+            raise too_many(["nodes"], num_nodes, limits.max_nodes, "limits.max_nodes")
+        if num_topics > limits.max_topics:
+            raise HTTPException(422, [{"loc": ["body", "num_topics"], "type": "less_than_equal",
+                                       "msg": f"at most {limits.max_topics} "
+                                              f"(limits.max_topics), got {num_topics}"}])
+        if num_types > cfg.max_types:
+            raise too_many(["types"], num_types, cfg.max_types, "max_types")
+        if num_destinations > limits.max_destinations:
+            raise HTTPException(422, [{"loc": ["body", "types"], "type": "too_long",
+                                       "msg": f"at most {limits.max_destinations} "
+                                              f"destinations in all (limits.max_destinations)"
+                                              f", got {num_destinations}"}])
+
+    def session_bytes(s: Session, new_types: int = 0, new_destinations: int = 0) -> int:
+        sp = s.spec
+        return static_session_bytes(sp.num_nodes, sp.num_topics, s.catalog_size + new_types,
+                                    s.num_destinations + new_destinations)
+
     @app.post("/v1/sessions", response_model=SessionCreated, status_code=201, tags=["sessions"],
               responses=_errors(400, 401, 409, 413, 422) | {429: {"model": ErrorOut,
-                                                        "description": "Too many sessions"}})
+                                                        "description": "Too many sessions, or "
+                                                        "over the memory budget"}})
     async def create_session(body: SessionCreate,
                              caller: ControllerCaller) -> SessionCreated:
         if len(sessions) >= cfg.max_sessions:
@@ -567,11 +742,15 @@ def create_app(settings: ServerSettings | None = None, *,
         if sum(s.owner == caller.owner for s in sessions.values()) >= cfg.max_sessions_per_key:
             raise HTTPException(429, f"this key holds {cfg.max_sessions_per_key} sessions "
                                      f"(max_sessions_per_key): close one first")
-        if len(body.types) > cfg.max_types:
-            raise too_many(["types"], len(body.types), cfg.max_types, "max_types")
+        dests = sum(len(t.destinations) for t in body.types)
+        check_size(len(body.nodes), body.num_topics, len(body.types), dests)
         _check_channels(body.types, body.num_topics)
         health = None if body.channel_health is None else body.channel_health.model_dump()
-        try:
+        lease = Lease(caller.owner)
+        estimate = static_session_bytes(len(body.nodes), body.num_topics, len(body.types),
+                                        dests)
+
+        def build() -> Session:
             spec = SessionSpec(np.array([n.id for n in body.nodes], np.int64),
                                np.array([n.capacity_bps for n in body.nodes], np.int64),
                                body.controller.bandwidth_bps, body.controller.cpu,
@@ -583,30 +762,54 @@ def create_app(settings: ServerSettings | None = None, *,
             s.set_assignment({t.id: t.channel for t in body.types if t.channel is not None})
             if health is not None:
                 s.set_health(health)
-        except DSMDError as e:
-            raise HTTPException(409, str(e)) from None
+            return s
+
+        with budget.building(lease, estimate):
+            try:
+                s = await run_on(lease, build, heavy=len(body.types) > THREADED_BATCH)
+            except DSMDError as e:
+                raise HTTPException(409, str(e)) from None
         sid = uuid.uuid4().hex
-        sessions[sid] = s
+        sessions[sid], leases[sid] = s, lease
         why = s.compatibility(store.current())
         return SessionCreated(session_id=sid, version=s.version,
                               policy_compatible=why is None, reason=why)
+
+    async def answer(lease: Lease, make: Callable[[], SessionOut]) -> Any:
+        """The answer ``make`` builds: for a large session built and serialised on a worker
+        thread (a 200,000-type snapshot takes the event loop for long otherwise)."""
+        if not lease.threaded:
+            return make()
+
+        def render() -> Response:
+            return Response(make().model_dump_json(), media_type="application/json")
+        return await run_on(lease, render)
 
     @app.get("/v1/sessions/{session_id}", response_model=SessionOut, tags=["sessions"],
              responses=_errors(401, 404))
     async def read_session(session_id: str,
                            caller: ControllerCaller) -> SessionOut:
-        return session_out(session_id, get_session(session_id, caller, "read"))
+        s, lease = get_session(session_id, caller, "read")
+        lease.touch()
+        out: SessionOut = await answer(lease, lambda: session_out(session_id, s))
+        return out
 
     @app.patch("/v1/sessions/{session_id}", response_model=SessionOut, tags=["sessions"],
-               responses=_errors(400, 401, 404, 409, 413, 422))
+               responses=_errors(400, 401, 404, 409, 413, 422) | {
+                   429: {"model": ErrorOut, "description": "Over the memory budget"}})
     async def update_session(session_id: str, body: SessionUpdate,
                              caller: ControllerCaller) -> SessionOut:
-        s = get_session(session_id, caller, "update")
+        s, lease = get_session(session_id, caller, "update")
         if len(body.types) > cfg.max_types:
             raise too_many(["types"], len(body.types), cfg.max_types, "max_types")
         if s.catalog_size + len(body.types) > cfg.max_types:
             raise HTTPException(409, f"types: the session would exceed max_types "
                                      f"{cfg.max_types}")
+        dests = sum(len(t.destinations) for t in body.types)
+        if s.num_destinations + dests > limits.max_destinations:
+            raise HTTPException(409, f"types: the session would hold "
+                                     f"{s.num_destinations + dests} destinations, over "
+                                     f"limits.max_destinations {limits.max_destinations}")
         _check_channels(body.types, s.spec.num_topics)
         health = None if body.channel_health is None else body.channel_health.model_dump()
         if health is not None:  # checked before anything changes
@@ -615,23 +818,36 @@ def create_app(settings: ServerSettings | None = None, *,
             except SessionError as e:
                 raise HTTPException(409, [{"loc": ["body", "channel_health"], "msg": str(e),
                                            "type": "value_error"}]) from None
-        if body.types or health is None:  # a health-only update leaves the rest alone
-            s.add_types((t.id, t.destinations) for t in body.types)
-            s.update_rates({t.id: t.rate_bps for t in body.types if t.rate_bps is not None},
-                           {t.id: t.messages for t in body.types if t.messages is not None})
-            s.set_assignment({t.id: t.channel for t in body.types if t.channel is not None})
+        before = lease.charged
+        budget.charge(lease, max(before, session_bytes(s, len(body.types), dests)))
+
+        def update() -> None:
+            if body.types or health is None:  # a health-only update leaves the rest alone
+                s.add_types((t.id, t.destinations) for t in body.types)
+                s.update_rates({t.id: t.rate_bps for t in body.types
+                                if t.rate_bps is not None},
+                               {t.id: t.messages for t in body.types if t.messages is not None})
+                s.set_assignment({t.id: t.channel for t in body.types
+                                  if t.channel is not None})
+
+        try:
+            await run_on(lease, update, heavy=len(body.types) > THREADED_BATCH)
+        finally:  # what the session holds now (all or nothing: unchanged on an error)
+            budget.charge(lease, max(before, session_bytes(s)))
         if health is not None:
             changed = health != s.health
             s.set_health(health)
             if changed and app.state.announcer is not None:
                 app.state.announcer.health(session_id, health)
-        return session_out(session_id, s)
+        out: SessionOut = await answer(lease, lambda: session_out(session_id, s))
+        return out
 
     @app.get("/v1/sessions/{session_id}/health", response_model=SessionHealthOut,
              tags=["sessions"], responses=_errors(401, 404))
     async def read_session_health(session_id: str,
                                   caller: ControllerCaller) -> SessionHealthOut:
-        s = get_session(session_id, caller, "read")
+        s, lease = get_session(session_id, caller, "read")
+        lease.touch()
         return SessionHealthOut(session_id=session_id, version=s.version,
                                 channel_health=None if s.health is None
                                 else ChannelHealth(**s.health))
@@ -641,20 +857,23 @@ def create_app(settings: ServerSettings | None = None, *,
     async def delete_session(session_id: str,
                              caller: ControllerCaller) -> Response:
         get_session(session_id, caller, "delete")
-        del sessions[session_id]
+        drop(session_id, "deleted")
         return Response(status_code=204)
 
     @app.post("/v1/sessions/{session_id}/rates", response_model=RateUpdated, tags=["sessions"],
               responses=_errors(400, 401, 404, 409, 413, 422))
     async def update_rates(session_id: str, body: RateUpdate,
                            caller: ControllerCaller) -> RateUpdated:
-        s = get_session(session_id, caller, "rates")
+        s, lease = get_session(session_id, caller, "rates")
         if len(body.rates) > cfg.max_types:
             raise too_many(["rates"], len(body.rates), cfg.max_types, "max_types")
-        s.update_rates({r.type: r.rate_bps for r in body.rates},
-                       {r.type: r.messages for r in body.rates if r.messages is not None},
-                       replace=body.replace)
-        return RateUpdated(version=s.version, active_types=int(s.active.size))
+
+        def update() -> RateUpdated:
+            s.update_rates({r.type: r.rate_bps for r in body.rates},
+                           {r.type: r.messages for r in body.rates if r.messages is not None},
+                           replace=body.replace)
+            return RateUpdated(version=s.version, active_types=int(s.active.size))
+        return await run_on(lease, update, heavy=len(body.rates) > THREADED_BATCH)
 
     # ------------------------------------------------------------------ decisions
     @app.post("/v1/sessions/{session_id}/decide", response_model=DecisionSingleOut,
@@ -662,26 +881,39 @@ def create_app(settings: ServerSettings | None = None, *,
               responses=_errors(400, 401, 404, 409, 413, 422))
     async def decide(session_id: str, body: DecideRequest,
                      caller: ControllerCaller) -> dict[str, Any]:
-        s = get_session(session_id, caller, "decide")
+        s, lease = get_session(session_id, caller, "decide")
         p = store.current()  # one version for the whole request
-        (d,) = s.decide([body.type], p, fallback=cfg.fallback, explain=body.explain)
-        return decision_out(d) | _versions(p, s)
+
+        def one() -> dict[str, Any]:
+            (d,) = s.decide([body.type], p, fallback=cfg.fallback, explain=body.explain)
+            return decision_out(d) | _versions(p, s)
+        return await run_on(lease, one)
 
     @app.post("/v1/sessions/{session_id}/decide/batch", response_model=DecisionBatchOut,
               tags=["decisions"],
               responses=_errors(400, 401, 404, 409, 413, 422))
     async def decide_batch(session_id: str, body: DecideBatchRequest,
                            caller: ControllerCaller) -> dict[str, Any]:
-        s = get_session(session_id, caller, "decide")
+        s, lease = get_session(session_id, caller, "decide")
         if body.types is not None and len(body.types) > cfg.max_batch:
             raise too_many(["types"], len(body.types), cfg.max_batch, "max_batch")
-        if body.types is None and s.active.size > cfg.max_batch:
-            raise HTTPException(409, f"types: the session's {s.active.size} active types "
+        n = len(body.types) if body.types is not None else int(s.active.size)
+        if body.types is None and n > cfg.max_batch:
+            raise HTTPException(409, f"types: the session's {n} active types "
                                      f"exceed max_batch {cfg.max_batch}: list the types")
+        cells = n * (s.spec.num_topics + 1)
+        if body.parallel and cells > limits.max_batch_cells:
+            raise HTTPException(409, f"types: a parallel batch of {n} types scores {cells} "
+                                     f"channels, over limits.max_batch_cells "
+                                     f"{limits.max_batch_cells}: split it or decide it "
+                                     f"sequentially")
         p = store.current()
-        ds = s.decide(body.types, p, fallback=cfg.fallback, replan=body.replan,
-                      explain=body.explain, parallel=body.parallel)
-        return {"decisions": [decision_out(d) for d in ds]} | _versions(p, s)
+
+        def batch() -> dict[str, Any]:
+            ds = s.decide(body.types, p, fallback=cfg.fallback, replan=body.replan,
+                          explain=body.explain, parallel=body.parallel)
+            return {"decisions": [decision_out(d) for d in ds]} | _versions(p, s)
+        return await run_on(lease, batch, heavy=n > THREADED_BATCH)
 
     def _versions(p: LoadedPolicy | None, s: Session) -> dict[str, Any]:
         return {"policy_version": p.version if p is not None else 0,
@@ -690,7 +922,8 @@ def create_app(settings: ServerSettings | None = None, *,
 
     add_online_routes(app, store=online_store, controller=controller, admin=admin,
                       owned=owned, max_sessions=cfg.max_sessions,
-                      max_sessions_per_key=cfg.max_sessions_per_key, max_batch=cfg.max_batch)
+                      max_sessions_per_key=cfg.max_sessions_per_key, max_batch=cfg.max_batch,
+                      limits=limits, budget=budget, sweepers=sweepers, slots=slots)
     base_openapi = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -700,6 +933,8 @@ def create_app(settings: ServerSettings | None = None, *,
             return schema
         return document_contract(schema, limiter is not None, {
             ("SessionCreate", "types"): cfg.max_types, ("SessionUpdate", "types"): cfg.max_types,
+            ("SessionCreate", "nodes"): limits.max_nodes,
+            ("OnlineSessionCreate", "nodes"): limits.max_nodes,
             ("RateUpdate", "rates"): cfg.max_types,
             ("DecideBatchRequest", "types"): cfg.max_batch,
             ("MessagesIn", "messages"): cfg.max_batch})

@@ -31,10 +31,15 @@ class ServerMetrics:
                                     registry=r)
         self.sessions = Gauge("smart_sessions", "Live controller sessions", registry=r)
         self.refused = Counter("smart_access_refused", "Requests refused by access control, "
-                               "by reason (unauthenticated, not_admin, foreign_session, "
-                               "rate_limit)", ["reason"], registry=r)
+                               "by reason (unauthenticated, auth_throttled, not_admin, "
+                               "foreign_session, rate_limit, memory_budget_key, "
+                               "memory_budget_server)", ["reason"], registry=r)
         self.rate_limited = Counter("smart_rate_limited", "Requests refused by the per-key "
                                     "rate limit, by key id", ["key"], registry=r)
+        self.expired = Counter("smart_sessions_expired", "Sessions deleted after limits.idle_s "
+                               "unused, by family (session, online)", ["family"], registry=r)
+        self.session_bytes = Gauge("smart_session_bytes", "Estimated bytes held by all "
+                                   "sessions (serving.limits)", registry=r)
 
     def decision(self, channel: int, source: str, reason: str | None) -> None:
         self.decisions.labels("rpc" if channel == 0 else f"topic_{channel}", source).inc()

@@ -73,7 +73,13 @@ from .adapter import (
 from .bundle import HEX_DIGEST, BundleError
 from .online_bundle import OnlineBundle, load_online_bundle
 from .online_policy import unzip_bundle
-from .online_schemas import OnlineSessionCreate, PlanIn, PlannedIn, messages_body
+from .online_schemas import (
+    OnlineSessionCreate,
+    PlanIn,
+    PlannedIn,
+    ScenarioIn,
+    messages_body,
+)
 from .online_session import Closed, OnlineSession, Plan, fallback_decider
 from .schemas import NodeIn, request_body
 from .signing import BundleTrust, SignatureError
@@ -92,8 +98,8 @@ def online_session_body(topology: Topology, scenario: ScenarioSpec, *,
     return request_body(OnlineSessionCreate(
         nodes=[NodeIn(id=int(i), capacity_bps=int(c))
                for i, c in zip(topology.node_ids.tolist(), topology.bandwidth_bps.tolist())],
-        scenario=scenario.to_dict(), start_ns=start_ns, batch_key=batch_key, name=name,
-        **fields))
+        scenario=ScenarioIn.model_validate(scenario.to_dict()), start_ns=start_ns,
+        batch_key=batch_key, name=name, **fields))
 
 
 

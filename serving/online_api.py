@@ -16,9 +16,14 @@ online policy loaded when one must plan, a plan already made, a bundle refused o
 a body the schema accepts that contradicts itself or the session: an unknown dataset or
 destination node, a message id sent before, a placement for a type the batch does not
 place), 413 (a body over ``max_body_bytes``), 422 (a body the schema refuses, more than
-``max_batch`` messages included), 429 (``max_sessions`` online sessions open). Every
-message names what is wrong; a failed request changes nothing but, at most, the open
-interval's plan (due at its boundary anyway: the same plan whenever it is made).
+``max_batch`` messages or ``limits.max_nodes`` nodes included, or K over
+``limits.max_topics``), 429 (``max_sessions`` online sessions open, or this key's sessions
+over their memory budget: a session's history grows with every interval, and each batch
+of messages and each close is charged before it is taken, :mod:`serving.limits`). A
+``dataset`` is the name of a dataset config the server ships, never a path. A session
+unused for ``limits.idle_s`` is deleted (404 afterwards). Every message names what is
+wrong; a failed request changes nothing but, at most, the open interval's plan (due at its
+boundary anyway: the same plan whenever it is made).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import asyncio
 import logging
 import math
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -36,7 +42,7 @@ import numpy as np
 from fastapi import Depends, FastAPI, HTTPException, Path, Request, Response
 from fastapi.responses import JSONResponse
 
-from envs.dsmd.dataset import load_dataset_spec
+from envs.dsmd.dataset import DATASET_CONFIG_DIR, load_dataset_spec
 from envs.dsmd.errors import DSMDError
 from envs.dsmd.online import OnlineCost
 from envs.dsmd.online_control import FEATURES
@@ -44,6 +50,13 @@ from envs.dsmd.scenarios import ScenarioSpec
 from envs.dsmd.topology import Topology
 
 from .access import AdminCaller, Caller, ControllerCaller, audit
+from .limits import (
+    KeySlots,
+    Lease,
+    MemoryBudget,
+    ResourceLimits,
+    online_session_bytes,
+)
 from .online_policy import BundleError, LoadedOnlinePolicy, OnlinePolicyStore, bundle_zip
 from .online_schemas import (
     IntervalOut,
@@ -61,7 +74,9 @@ from .online_schemas import (
 from .online_session import MessageRejected, OnlineSession, Plan, StateConflict, signature_scenario
 from .schemas import MAX_JSON_INT, ErrorOut, PolicySwap
 
-__all__ = ["OnlineEntry", "add_online_routes"]
+__all__ = ["OnlineEntry", "add_online_routes", "known_datasets"]
+
+log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
@@ -75,6 +90,20 @@ class OnlineEntry:
     lock: threading.Lock
     policy_version: int = 0
     owner: str | None = None  # the owner id of the key that created it (serving.access)
+    #: its memory charge, last use and request lock (serving.limits)
+    lease: Lease | None = None
+    messages: int = 0  # messages accepted so far
+    hosts: int = 0  # their destinations, together
+
+    def estimate(self, new_messages: int = 0, new_hosts: int = 0, new_windows: int = 0
+                 ) -> int:
+        """Its estimated bytes (:func:`serving.limits.online_session_bytes`) after taking
+        that much more (each new message counted as a possible new type)."""
+        s = self.session
+        return online_session_bytes(s.live.topology.num_nodes, s.spec.num_topics,
+                                    len(s.live.catalog) + new_messages,
+                                    s.live.closed + new_windows, self.messages + new_messages,
+                                    self.hosts + new_hosts)
 
 
 #: an interval index in a path (a JSON-safe integer: the same bound as every id)
@@ -87,13 +116,23 @@ def _errors(*codes: int) -> dict:
     return {c: _E[c] for c in codes}
 
 
+def known_datasets() -> list[str]:
+    """The dataset configs the server ships (``configs/dataset/<name>.yaml``), by name."""
+    return sorted(p.stem for p in DATASET_CONFIG_DIR.glob("*.yaml"))
+
+
 def _scenario(body: OnlineSessionCreate) -> ScenarioSpec:
-    """The session's scenario (409 naming the field that is missing or disagrees)."""
+    """The session's scenario (409 naming the field that is missing or disagrees). A
+    dataset is looked up by name among :func:`known_datasets`: no request reaches a path."""
     if body.scenario is not None and body.dataset is not None:
         raise MessageRejected("give a scenario or a dataset, not both")
     if body.scenario is not None:
-        spec = ScenarioSpec.from_dict(body.scenario)
+        spec = ScenarioSpec.from_dict(body.scenario.model_dump())
     elif body.dataset is not None:
+        known = known_datasets()
+        if body.dataset not in known:
+            raise MessageRejected(f"dataset: unknown dataset {body.dataset!r}; known: "
+                                  f"{', '.join(known)}")
         spec = load_dataset_spec(body.dataset).scenario_spec()
     else:
         missing = [k for k in ("controller", "num_topics", "interval_s")
@@ -119,16 +158,46 @@ def _scenario(body: OnlineSessionCreate) -> ScenarioSpec:
 def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Callable,
                       admin: Callable, max_sessions: int, max_batch: int,
                       max_sessions_per_key: int | None = None,
-                      owned: Callable[[str, str, str | None, Caller, str], None] | None = None
-                      ) -> None:
+                      owned: Callable[[str, str, str | None, Caller, str], None] | None = None,
+                      limits: ResourceLimits | None = None,
+                      budget: MemoryBudget | None = None,
+                      sweepers: list[Callable[[float], int]] | None = None,
+                      slots: KeySlots | None = None) -> None:
     """Register the online endpoints on ``app`` (module docstring). ``controller`` and
     ``admin`` are the key dependencies of the endpoints that need no caller (those that do
     take :data:`~serving.access.ControllerCaller` / :data:`~serving.access.AdminCaller`);
     ``owned(what, session_id, owner, caller, action)`` raises the 404 for a session the
-    caller may not use."""
+    caller may not use. ``limits`` and ``budget`` bound what sessions hold (shared with
+    the static sessions'); the online sessions' expiry is appended to ``sweepers``;
+    ``slots`` caps the worker threads of one key (shared with the static sessions)."""
     sessions: dict[str, OnlineEntry] = {}
     check_owner = owned or (lambda what, sid, owner, caller, action: None)
+    lim = limits or ResourceLimits()
+    budget = budget if budget is not None else MemoryBudget(lim)
+    slots = slots if slots is not None else KeySlots()
     app.state.online_sessions, app.state.online_store = sessions, store
+
+    def drop(session_id: str) -> OnlineEntry | None:
+        e = sessions.pop(session_id, None)
+        if e is not None and e.lease is not None:
+            budget.release(e.lease)
+        return e
+
+    def expire(now: float) -> int:
+        gone = [sid for sid, e in list(sessions.items())
+                if e.lease is not None and e.lease.idle_for(now) >= lim.idle_s
+                and not e.lock.locked()]
+        for sid in gone:
+            drop(sid)
+            log.info("online session %s expired after %.0f s unused (limits.idle_s)", sid,
+                     lim.idle_s)
+            metrics = getattr(app.state, "metrics", None)
+            if metrics is not None:
+                metrics.expired.labels("online").inc()
+        return len(gone)
+
+    if sweepers is not None:
+        sweepers.append(expire)
 
     @app.exception_handler(StateConflict)
     async def _conflict(request: Request, exc: StateConflict) -> JSONResponse:
@@ -143,6 +212,11 @@ def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Cal
         if e is None:
             raise HTTPException(404, f"unknown online session {session_id!r}")
         check_owner("online session", session_id, e.owner, caller, action)
+        if e.lease is not None:
+            if e.lease.idle_for(time.monotonic()) >= lim.idle_s and not e.lock.locked():
+                expire(time.monotonic())  # due: the sweep may lag
+                raise HTTPException(404, f"unknown online session {session_id!r}")
+            e.lease.touch()
         return e
 
     def at_boundary(e: OnlineEntry) -> None:
@@ -163,13 +237,14 @@ def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Cal
         def run() -> _T:
             with e.lock:
                 return fn()
-        return await asyncio.to_thread(run)
+        async with slots.of(e.owner):  # one key holds at most its share of the threads
+            return await asyncio.to_thread(run)
 
     def policy_out(p: LoadedOnlinePolicy | None) -> OnlinePolicyOut:
         if p is None:
             return OnlinePolicyOut(loaded=False, version=0, hash=None)
         m = p.bundle.metadata
-        return OnlinePolicyOut(loaded=True, version=p.version, hash=p.hash, path=str(p.path),
+        return OnlinePolicyOut(loaded=True, version=p.version, hash=p.hash, name=p.path.name,
                                loaded_at=p.loaded_at, features=list(m.get("features", [])),
                                knob_map=m.get("knob_map"), cost=m.get("cost"),
                                dataset=m.get("dataset"))
@@ -224,6 +299,17 @@ def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Cal
               tags=["online"], responses=_errors(400, 401, 409, 413, 422, 429))
     async def create_online_session(body: OnlineSessionCreate,
                                     caller: ControllerCaller) -> OnlineSessionCreated:
+        if len(body.nodes) > lim.max_nodes:
+            raise HTTPException(422, [{"loc": ["body", "nodes"], "type": "too_long",
+                                       "msg": f"at most {lim.max_nodes} items "
+                                              f"(limits.max_nodes), got {len(body.nodes)}"}])
+        for where, k in ((["body", "num_topics"], body.num_topics),
+                         (["body", "scenario", "num_topics"],
+                          body.scenario.num_topics if body.scenario is not None else None)):
+            if k is not None and k > lim.max_topics:
+                raise HTTPException(422, [{"loc": where, "type": "less_than_equal",
+                                           "msg": f"at most {lim.max_topics} "
+                                                  f"(limits.max_topics), got {k}"}])
         if len(sessions) >= max_sessions:
             raise HTTPException(429, f"online session limit ({max_sessions}) reached")
         if max_sessions_per_key is not None and sum(
@@ -237,16 +323,26 @@ def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Cal
             if np.unique(ids).size != ids.size or ids.max() > 2**32 - 1:
                 raise MessageRejected("nodes: node ids must be unique and at most 2**32 - 1")
             topo = Topology.from_arrays(ids, [n.capacity_bps for n in body.nodes], [], [], [])
+            if spec.num_topics > lim.max_topics:  # a dataset's scenario
+                raise MessageRejected(f"the scenario's K = {spec.num_topics} is over "
+                                      f"limits.max_topics {lim.max_topics}")
             cost = (OnlineCost.from_dict(body.cost) if body.cost is not None
                     else p.bundle.cost if p is not None else OnlineCost())
-            s = OnlineSession(spec, topo, cost=cost, batch_key=body.batch_key,
-                              start_ns=body.start_ns, name=body.name)
         except MessageRejected:
             raise
         except DSMDError as e:
             raise HTTPException(409, str(e)) from None
+        lease = Lease(caller.owner)
+        with budget.building(lease, online_session_bytes(len(body.nodes), spec.num_topics,
+                                                         0, 0, 0, 0)):
+            try:
+                s = await asyncio.to_thread(OnlineSession, spec, topo, cost=cost,
+                                            batch_key=body.batch_key, start_ns=body.start_ns,
+                                            name=body.name)
+            except DSMDError as e:
+                raise HTTPException(409, str(e)) from None
         sid = uuid.uuid4().hex
-        sessions[sid] = OnlineEntry(s, threading.Lock(), owner=caller.owner)
+        sessions[sid] = OnlineEntry(s, threading.Lock(), owner=caller.owner, lease=lease)
         return OnlineSessionCreated(session_id=sid, window=s.window, start_ns=s.live.t0,
                                     scenario=spec.to_dict(), cost=asdict(cost),
                                     policy_version=0 if p is None else p.version)
@@ -268,7 +364,7 @@ def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Cal
                 responses=_errors(401, 404))
     async def delete_online_session(session_id: str, caller: ControllerCaller) -> Response:
         entry(session_id, caller, "delete")
-        sessions.pop(session_id, None)
+        drop(session_id)
         return Response(status_code=204)
 
     # ------------------------------------------------------------------ intervals
@@ -317,12 +413,18 @@ def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Cal
                 raise MessageRejected(f"placements[{i}]: type {pl.type} is listed twice")
             given[pl.type] = pl.channel
         msgs = [m.to_message() for m in body.messages]
+        hosts = sum(len(m.hosts) for m in msgs)
+        lease = e.lease
+        if lease is not None:  # the most this batch can add (each message a new type)
+            budget.charge(lease, max(lease.charged, e.estimate(len(msgs), hosts)))
 
         def run() -> MessagesOut:
             s = e.session
             s.check_window(window)
             at_boundary(e)
             r = s.submit(msgs, given=given)
+            e.messages += len(msgs)
+            e.hosts += hosts
             return MessagesOut(window=window, types=r.types.tolist(),
                                channels=r.channels.tolist(),
                                placed=[PlacedOut(type=p.type_id, channel=p.channel,
@@ -331,13 +433,19 @@ def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Cal
                                                  rate_bps=p.rate_bps, source=p.source)
                                        for p in r.placed],
                                policy_version=e.policy_version)
-        return await locked(e, run)
+        try:
+            return await locked(e, run)
+        finally:
+            if lease is not None:  # what it holds now
+                budget.charge(lease, e.estimate())
 
     @app.post("/v1/online/sessions/{session_id}/intervals/{window}/close",
               response_model=IntervalOut, tags=["online"], responses=_errors(401, 404, 409))
     async def close_interval(session_id: str, window: WindowParam,
                              caller: ControllerCaller) -> IntervalOut:
         e = entry(session_id, caller, "close")
+        if e.lease is not None:  # one more interval of history
+            budget.charge(e.lease, max(e.lease.charged, e.estimate(new_windows=1)))
 
         def run() -> IntervalOut:
             s = e.session
@@ -347,4 +455,8 @@ def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Cal
             return IntervalOut(window=c.window, types=c.types.tolist(),
                                channels=c.channels.tolist(), terms=c.terms,
                                next_window=s.window)
-        return await locked(e, run)
+        try:
+            return await locked(e, run)
+        finally:
+            if e.lease is not None:
+                budget.charge(e.lease, e.estimate())

@@ -13,7 +13,7 @@ from envs.dsmd.message import CONFIG_NAMES, OPERATION_NAMES, Message, table1_pro
 from .schemas import (
     MAX_JSON_INT,
     ControllerIn,
-    Id,
+    IdList,
     JsonFloat,
     JsonInt,
     NodeIn,
@@ -25,6 +25,7 @@ from .schemas import (
 )
 
 __all__ = [
+    "DATASET_NAME",
     "IntervalOut",
     "MessageIn",
     "MessagesIn",
@@ -39,6 +40,7 @@ __all__ = [
     "PlanOut",
     "PlannedIn",
     "PlannedOut",
+    "ScenarioIn",
     "messages_body",
 ]
 
@@ -49,6 +51,53 @@ ResourceId = Annotated[int, Field(ge=0), BeforeValidator(_json_int),
 Seconds = Annotated[float, Field(gt=0, le=86400), BeforeValidator(_json_number)]
 _MAX = MAX_JSON_INT
 _STRICT = ConfigDict(extra="forbid")
+#: a dataset config's name: a bare name, never a path (the server also requires it to be
+#: one of the dataset configs it ships)
+DATASET_NAME = r"^[A-Za-z0-9][A-Za-z0-9_]{0,99}$"
+_PosInt = Annotated[int, Field(ge=1, le=_MAX), BeforeValidator(_json_int)]
+_NonNegInt = Annotated[int, Field(ge=0, le=_MAX), BeforeValidator(_json_int)]
+_Num = Annotated[float, Field(ge=0, le=1e18), BeforeValidator(_json_number)]
+_PosNum = Annotated[float, Field(gt=0, le=1e18), BeforeValidator(_json_number)]
+_Share = Annotated[float, Field(ge=0, le=1), BeforeValidator(_json_number)]
+_Scalar = str | JsonInt | JsonFloat | bool | None
+
+
+class ScenarioIn(BaseModel):
+    """A :class:`envs.dsmd.scenarios.ScenarioSpec` as a request carries it (what
+    ``ScenarioSpec.to_dict`` writes; a dataset manifest's ``scenario``): every field typed
+    and bounded, so no value reaches the simulator that it cannot hold. The spec's own
+    checks (e.g. phase durations adding up to ``duration_s``) answer 409."""
+
+    model_config = _STRICT
+    name: str = Field(min_length=1, max_length=100)
+    num_nodes: _PosInt
+    num_vms: _PosInt
+    num_vpcs: _PosInt
+    num_topics: Annotated[int, Field(ge=1, le=4096), BeforeValidator(_json_int)] = Field(
+        description="K (at most the server's limits.max_topics).")
+    node_bandwidth_bps: _PosInt
+    controller_bw_bps: _PosInt
+    controller_cpu: _PosInt
+    interval_s: Seconds = 10.0
+    duration_s: _PosNum = 60.0
+    rate_per_vpc_bps: _Num | None = 1e6
+    peak_rate_bps: _Num | None = None
+    phases: list[Annotated[list[_Num], Field(min_length=2, max_length=2)]] = Field(
+        default_factory=list, max_length=1000, description="(duration_s, multiplier) pairs.")
+    mean_size_bytes: _PosNum = 512 * 1024
+    top_share: _Share = 0.8
+    size_range: _PosNum = 1e4
+    multicast_share: _Share = 0.5
+    max_subnets: _NonNegInt = 3
+    max_security_groups: _NonNegInt = 2
+    vpc_size_sigma: _Num = 1.0
+    messages_per_request: _Num = 1.5
+    seed: Annotated[int, Field(ge=0, le=2**32 - 1), BeforeValidator(_json_int)] = 0
+    split: Annotated[list[_Share], Field(min_length=3, max_length=3)] = Field(
+        default_factory=lambda: [0.6, 0.2, 0.2])
+    extra: dict[Annotated[str, Field(max_length=100)], _Scalar] = Field(
+        default_factory=dict, max_length=100, description="Per-scenario baseline "
+        "parameters.")
 
 
 class MessageIn(BaseModel):
@@ -64,7 +113,7 @@ class MessageIn(BaseModel):
         "enum": list(OPERATION_NAMES)})
     resource_id: ResourceId
     size_bytes: JsonInt = Field(gt=0, le=_MAX)
-    hosts: list[Id] = Field(min_length=1, description="D(m): destination node ids.")
+    hosts: IdList = Field(min_length=1, description="D(m): destination node ids.")
     timestamp_ns: NsTime = Field(description="Send time, ns since the epoch; "
                               "not earlier than the previous message's.")
 
@@ -102,10 +151,11 @@ class OnlineSessionCreate(BaseModel):
 
     model_config = _STRICT
     nodes: list[NodeIn] = Field(min_length=1, description="Every compute node and its s(n).")
-    scenario: dict[str, Any] | None = Field(default=None, description="A ScenarioSpec "
-                                            "(e.g. a trace dataset's manifest 'scenario').")
-    dataset: str | None = Field(default=None, max_length=200, description="Or a dataset "
-                                "config's name (configs/dataset/<name>.yaml): its scenario.")
+    scenario: ScenarioIn | None = Field(default=None, description="A ScenarioSpec "
+                                        "(e.g. a trace dataset's manifest 'scenario').")
+    dataset: str | None = Field(default=None, max_length=100, pattern=DATASET_NAME,
+                                description="Or the name of a dataset config the server "
+                                "ships (GET /v1/online/datasets lists them): its scenario.")
     controller: ControllerIn | None = Field(default=None, description="C_b and C_p (without "
                                             "a scenario; with one they must agree).")
     num_topics: Annotated[int, Field(ge=1, le=4096), BeforeValidator(_json_int)] | None = (
@@ -116,7 +166,8 @@ class OnlineSessionCreate(BaseModel):
     batch_key: Literal["hosts", "hosts+vpc", "hosts+vpc+config"] = "hosts"
     name: str = Field(default="live", min_length=1, max_length=100,
                       pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-    cost: dict[str, JsonFloat] | None = Field(default=None, description="OnlineCost weights "
+    cost: dict[Annotated[str, Field(max_length=64)], JsonFloat] | None = Field(
+        default=None, max_length=64, description="OnlineCost weights "
                                           "the intervals are scored with (default: the "
                                           "loaded online policy's).")
 
@@ -230,7 +281,8 @@ class OnlinePolicyOut(BaseModel):
     loaded: bool
     version: int = Field(description="Increases with every load (0: none).")
     hash: str | None = Field(description="SHA-256 of actor.onnx.")
-    path: str | None = None
+    name: str | None = Field(default=None, description="The bundle's name (its directory's "
+                             "name on the server; never a path).")
     loaded_at: float | None = None
     features: list[str] | None = None
     knob_map: dict | None = None

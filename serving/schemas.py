@@ -23,6 +23,7 @@ __all__ = [
     "DecisionSingleOut",
     "ErrorOut",
     "HealthOut",
+    "IdList",
     "NodeIn",
     "PolicyOut",
     "PolicySwap",
@@ -96,6 +97,30 @@ JsonFloat = Annotated[float, BeforeValidator(_json_number)]
 JsonBool = Annotated[bool, Strict()]
 #: an id, rate or count (>= 0)
 Id = Annotated[int, Field(ge=0, le=MAX_JSON_INT), BeforeValidator(_json_int)]
+
+
+def _json_ints(v: Any) -> Any:
+    """A list of JSON integers, checked in one call: the common case (every item already an
+    ``int``, not a ``bool``) passes as it is; otherwise each item as :func:`_json_int` takes
+    it (``3.0`` is 3), and an item that is not an integer is left for the strict item type
+    to refuse at its index."""
+    if isinstance(v, list):
+        for x in v:
+            if type(x) is not int:
+                return [_item(x) for x in v]
+    return v
+
+
+def _item(x: Any) -> Any:
+    if isinstance(x, float) and x.is_integer():
+        return int(x)
+    return x
+
+
+#: a list of ids (node ids of D(m), type ids): one validator call for the list, not one per
+#: item (a 20,000-type session lists hundreds of thousands of them)
+IdList = Annotated[list[Annotated[int, Field(ge=0, le=MAX_JSON_INT), Strict()]],
+                   BeforeValidator(_json_ints)]
 #: a count (>= 1)
 Count = Annotated[int, Field(ge=1, le=MAX_JSON_INT), BeforeValidator(_json_int)]
 #: a channel as a session holds it (-1 undecided, 0 RPC, t topic t)
@@ -132,7 +157,7 @@ class TypeIn(BaseModel):
     model_config = _STRICT
     id: JsonInt = Field(ge=0, le=_MAX, description="The controller's id of the message type "
                     "(e.g. its index in the adapter's TypeCatalog).")
-    destinations: list[Id] = Field(min_length=1, description="D(m): destination node ids.")
+    destinations: IdList = Field(min_length=1, description="D(m): destination node ids.")
     rate_bps: Id | None = Field(default=None, description="Current f(m), "
                                  "bit/s (restoring a session).")
     messages: Count | None = None
@@ -152,15 +177,15 @@ class ChannelHealth(BaseModel):
                                       "state.")
     since_ns: NsTime = Field(default=0, description="Unix time (ns) of the "
                           "last MQ state change (0: never changed).")
-    rerouted: list[Id] = Field(
+    rerouted: IdList = Field(
         default_factory=list, description="Types moved from their topic to RPC while the MQ "
         "channel is down.")
-    waiting: list[Id] = Field(
+    waiting: IdList = Field(
         default_factory=list, description="Types held until the MQ channel is back (RPC had "
         "no room for them within C_b and C_p).")
-    unreachable: list[Id] = Field(
+    unreachable: IdList = Field(
         default_factory=list, description="Nodes whose RPC endpoint is down.")
-    relayed: list[Id] = Field(
+    relayed: IdList = Field(
         default_factory=list, description="Of the unreachable nodes, those reached through "
         "a topic they subscribe to instead.")
 
@@ -216,7 +241,7 @@ class DecideRequest(BaseModel):
 
 class DecideBatchRequest(BaseModel):
     model_config = _STRICT
-    types: list[Id] | None = Field(default=None, description="Types to decide, in order; "
+    types: IdList | None = Field(default=None, description="Types to decide, in order; "
                                     "null: every active undecided type (all with replan) in "
                                     "the policy's decision order.")
     replan: JsonBool = Field(default=False, description="Clear the assignment first (one "
@@ -240,7 +265,8 @@ class PolicyOut(BaseModel):
     loaded: bool = Field(description="Whether a policy bundle is loaded.")
     version: int = Field(description="Increases with every load (0: none).")
     hash: str | None = Field(description="SHA-256 of the actor (ONNX).")
-    path: str | None = None
+    name: str | None = Field(default=None, description="The bundle's name (its directory's "
+                             "name on the server; never a path).")
     loaded_at: float | None = Field(default=None, description="Unix time of the load.")
     scenario_signature: dict = Field(default_factory=dict)
     observation: dict = Field(default_factory=dict, description="Observation layout.")

@@ -160,6 +160,8 @@ class Session:
         self.type_ids: list[int] = []  # slot -> client's type id
         self._slot: dict[int, int] = {}  # client's type id -> slot
         self._dest: list[np.ndarray] = []  # slot -> sorted node indices
+        #: sum of |D(m)| over the catalogue (the server's memory estimate reads it)
+        self.num_destinations = 0
         self.rates = np.zeros(0, np.int64)  # slot -> f(m) bit/s (0: inactive)
         self.messages = np.zeros(0, np.int64)
         self.channel = np.zeros(0, np.int64)  # slot -> channel, -1 undecided
@@ -205,6 +207,7 @@ class Session:
             self._slot[tid] = len(self.type_ids)
             self.type_ids.append(tid)
             self._dest.append(idx)
+            self.num_destinations += int(idx.size)
         if new:
             k = len(new)
             self.rates = np.concatenate([self.rates, np.zeros(k, np.int64)])

@@ -39,6 +39,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import sys
 import threading
 from collections import OrderedDict
@@ -51,6 +52,7 @@ from security.pki import PkiError
 from security.tls import Security
 
 from .bundle import BUNDLE_CONTENT, BUNDLE_FORMAT, SIGNATURE_FILE, BundleError
+from .logsafe import log_field
 
 __all__ = [
     "ALGORITHM",
@@ -73,6 +75,8 @@ log = logging.getLogger("smart.security.bundle")
 ALGORITHM = "ed25519"
 #: prefixed to the signed bytes, so a signing key's signature means nothing elsewhere
 _DOMAIN = b"smart-dsmd policy bundle signature v1\n"
+#: what a key id may be (``key_id_of`` writes 16 hex digits)
+_KEY_ID = re.compile(r"[0-9A-Za-z._-]{1,64}")
 _LOGGED: OrderedDict[tuple[str, str, str], None] = OrderedDict()
 _LOGGED_LOCK = threading.Lock()
 _DEFAULT: dict[tuple[str, int, int], BundleTrust] = {}
@@ -357,8 +361,8 @@ def _log_once(level: int, d: Path, key_id: str | None, reason: str) -> None:
         _LOGGED.move_to_end(k)
         while len(_LOGGED) > 512:
             _LOGGED.popitem(last=False)
-    log.log(logging.DEBUG if seen else level, "bundle %s (key id %s): %s", d, key_id or "-",
-            reason)
+    log.log(logging.DEBUG if seen else level, "bundle %s (key id %s): %s", log_field(d),
+            log_field(key_id or "-"), log_field(reason, 1000))
 
 
 def _refuse(d: Path, key_id: str | None, reason: str) -> SignatureError:
@@ -376,12 +380,14 @@ def _read_signature(d: Path, path: Path) -> tuple[str, bytes, dict[str, Any]]:
     if not isinstance(doc, dict):
         raise _refuse(d, None, f"{path} is malformed: not a JSON object")
     kid = doc.get("key_id")
-    kid_s = kid if isinstance(kid, str) and len(kid) <= 64 else None
+    # a key id is a name, never text to log as is (a newline would forge a log line)
+    kid_s = kid if isinstance(kid, str) and _KEY_ID.fullmatch(kid) else None
     if doc.get("algorithm") != ALGORITHM:
         raise _refuse(d, kid_s, f"{path} is malformed: algorithm "
                       f"{str(doc.get('algorithm'))[:40]!r}, expected {ALGORITHM!r}")
     if kid_s is None:
-        raise _refuse(d, None, f"{path} is malformed: key_id must be a string")
+        raise _refuse(d, None, f"{path} is malformed: key_id must be a key id (1-64 letters, "
+                      f"digits, '.', '_' or '-'), got {log_field(repr(kid), 80)}")
     sig_b64 = doc.get("signature")
     try:
         if not isinstance(sig_b64, str):

@@ -154,7 +154,9 @@ def test_hot_swap_and_refusal(client, tiny_problems, tiny_bundles):
     sid = new_session(client, ps, w)["session_id"]
     h1 = client.get("/v1/policy", headers=H).json()["hash"]
     r = client.put("/v1/policy", json={"path": str(tiny_bundles["mismatched"])}, headers=HA)
-    assert r.status_code == 409 and sid in r.json()["detail"]
+    # another key's session: counted, never named (tests/test_serving_hostile.py)
+    assert r.status_code == 409 and sid not in r.json()["detail"]
+    assert "1 session(s) of other keys do not fit it" in r.json()["detail"]
     assert client.get("/v1/policy", headers=H).json()["hash"] == h1  # the old one stays
     r = client.put("/v1/policy", json={"path": "/nowhere"}, headers=HA)
     assert r.status_code == 409 and "missing" in r.json()["detail"]

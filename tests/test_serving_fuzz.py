@@ -22,8 +22,7 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           response_schema_conformance]
 
 _PS: list = []
-APP = create_app(ServerSettings(api_keys=[KEY], admin_keys=[ADMIN], max_batch=50,
-                                max_body_bytes=200_000))
+APP = create_app(ServerSettings(api_keys=[KEY], admin_keys=[ADMIN], max_batch=50))
 schema = schemathesis.openapi.from_asgi("/openapi.json", APP)
 
 

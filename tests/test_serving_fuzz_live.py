@@ -1,8 +1,10 @@
 """The API contract under schemathesis as a new user would run it: the CLI, every check
 (``--checks all``) and every phase, the stateful one included (it follows the OpenAPI links
 from session creation to the session operations), against a live server (``serve.py``
-under uvicorn, HTTPS with the test run's PKI, a loaded bundle, a real key). It must find
-nothing."""
+under uvicorn, HTTPS with the test run's PKI, a loaded bundle, a real key), at the default
+body limit and resource limits. It must find nothing. Non-standard numbers, lone surrogates
+and the other hostile inputs a schema-driven fuzzer does not send are
+``tests/test_serving_hostile.py``'s."""
 
 from __future__ import annotations
 
@@ -27,8 +29,7 @@ def test_schemathesis_all_checks_and_stateful_against_the_live_server(tmp_path, 
         pytest.fail(f"the schemathesis CLI is not installed at {exe} "
                     f"(pip install -e '.[test]')")
     with LocalServer(tiny_bundles["a"], tmp_path / "server", api_key=KEY,
-                     admin_key=ADMIN, overrides=["max_batch=50", "max_body_bytes=200000",
-                                                 "max_sessions=200"]) as srv:
+                     admin_key=ADMIN, overrides=["max_batch=50", "max_sessions=200"]) as srv:
         # the admin key: the policy swap is fuzzed too (and its sessions are its own)
         cmd = [str(exe), "run", f"{srv.url}/openapi.json", "--checks", "all",
                "--phases", "examples,coverage,fuzzing,stateful",

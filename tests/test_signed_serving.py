@@ -116,8 +116,8 @@ def test_a_refused_swap_keeps_the_policy_serving(server, tiny_bundles, tiny_prob
                 assert r.status_code == 409, r.text
                 assert why in r.json()["detail"] and str(d) in r.json()["detail"]
                 now = _policy(server)
-                assert (now["version"], now["hash"], now["path"]) == \
-                       (version, v1["hash"], v1["path"])
+                assert (now["version"], now["hash"], now["name"]) == \
+                       (version, v1["hash"], v1["name"])
                 after = remote.decide(replan=True)
                 assert {(x.source, x.policy_version) for x in after} == {("policy", version)}
                 assert [x.channel for x in after] == [x.channel for x in before]

@@ -100,7 +100,10 @@ class ObservationBuilder:
                 f"instance has N={inst.num_nodes}, K={inst.num_topics} but the observation "
                 f"layout expects N={layout.num_nodes}, K={layout.num_topics}")
         assert inst.catalog_index is not None  # filled in DSMDInstance.__post_init__
-        if inst.num_types and int(inst.catalog_index.max()) >= layout.catalog_size:
+        # the channel variant reads no per-type slot: any catalogue fits it (the paper
+        # variants' X and Y have one slot per catalogue type)
+        if (layout.variant != "channel" and inst.num_types
+                and int(inst.catalog_index.max()) >= layout.catalog_size):
             raise DSMDError(
                 f"instance type {int(inst.catalog_index.max())} is outside the observation "
                 f"layout's catalogue of {layout.catalog_size} types")
