@@ -19,19 +19,13 @@ from __future__ import annotations
 import numpy as np
 
 from envs.dsmd.instance import RPC, DSMDInstance
+from envs.dsmd.policy import vpc_topic
 from envs.dsmd.schema import ConfigurationType
 from envs.dsmd.traces import CONFIG_NAMES
 
-from .policy import Policy, PolicyError
+from .policy import Policy
 
 __all__ = ["IDCS", "VITA", "AlcorAuto", "RPCOnly", "vpc_topic"]
-
-
-def vpc_topic(vpc: np.ndarray, num_topics: int) -> np.ndarray:
-    """VITA's topic of a VPC: ``1 + (vpc - 1) mod K`` (VPC ids start at 1)."""
-    if num_topics <= 0:
-        raise PolicyError("this policy needs at least one MQ topic (K >= 1)")
-    return 1 + (np.asarray(vpc, dtype=np.int64) - 1) % num_topics
 
 
 class RPCOnly(Policy):

@@ -10,12 +10,12 @@ from omegaconf import DictConfig
 
 from envs.dsmd.errors import DSMDError
 from envs.dsmd.problems import build_problems
-from envs.seeding import seed_everything
 
 from .config import output_dir, scenario_spec, to_dict
 from .evaluation import evaluate_policies
 from .registry import make_policies
 from .reporting import report
+from .seeding import seed_everything
 from .tracking import tracked_run
 
 __all__ = ["run_main"]

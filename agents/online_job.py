@@ -26,7 +26,6 @@ from omegaconf import DictConfig
 from envs.dsmd.dataset import TraceDataset, build_dataset, load_dataset_spec
 from envs.dsmd.errors import DSMDError
 from envs.dsmd.online import OnlineCost
-from envs.seeding import seed_everything
 
 from .config import output_dir, to_dict
 from .online_eval import (
@@ -46,6 +45,7 @@ from .online_eval import (
     tune,
 )
 from .plots import online_timeline_plot, pareto_plot
+from .seeding import seed_everything
 from .tracking import tracked_run
 
 __all__ = ["Tuning", "open_online_dataset", "run_online_main", "test_online", "tune_online"]

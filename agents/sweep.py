@@ -12,12 +12,12 @@ import pandas as pd
 from omegaconf import DictConfig
 
 from envs.dsmd.problems import build_problems
-from envs.seeding import seed_everything
 
 from .config import output_dir, scenario_spec, to_dict
 from .evaluation import evaluate_policies, format_table, summarize
 from .plots import sweep_plots
 from .registry import make_policies
+from .seeding import seed_everything
 from .tracking import tracked_run
 
 __all__ = ["run_sweep"]

@@ -28,8 +28,6 @@ import numpy as np
 import pandas as pd
 from omegaconf import DictConfig
 
-from envs.seeding import seed_everything
-
 from .config import output_dir, to_dict
 from .episodes import (
     ActorEnvPolicy,
@@ -41,6 +39,7 @@ from .episodes import (
     run_episodes,
     summarize_episodes,
 )
+from .seeding import seed_everything
 from .tracking import tracked_run
 
 if TYPE_CHECKING:

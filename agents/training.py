@@ -37,10 +37,10 @@ import pandas as pd
 from omegaconf import DictConfig
 
 from envs.dsmd.errors import DSMDError
-from envs.seeding import seed_everything
 
 from .config import output_dir, to_dict
 from .plots import learning_curve_plot
+from .seeding import seed_everything
 from .tracking import tracked_run
 
 __all__ = [

@@ -3,18 +3,18 @@
 Every random stream in the project is derived from one integer seed through
 :class:`numpy.random.SeedSequence` and a tuple of names, so two components never share
 a stream by accident and the same seed always gives the same result (tested in
-``tests/test_determinism.py``).
+``tests/test_determinism.py``). The global states of third-party code (Python's ``random``,
+numpy's legacy state, torch) are seeded from the same streams by
+:func:`agents.seeding.seed_everything`, where the training stack is.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
-import random
 
 import numpy as np
 
-__all__ = ["derive_seed", "rng", "seed_everything"]
+__all__ = ["derive_seed", "rng"]
 
 
 def derive_seed(seed: int, *names: str | int) -> int:
@@ -33,19 +33,3 @@ def derive_seed(seed: int, *names: str | int) -> int:
 def rng(seed: int, *names: str | int) -> np.random.Generator:
     """A numpy Generator for the stream ``names`` under ``seed``."""
     return np.random.default_rng(derive_seed(seed, *names))
-
-
-def seed_everything(seed: int) -> None:
-    """Seed Python's ``random``, numpy's legacy global state and torch (if importable).
-
-    Simulator code never uses global state (it takes explicit Generators); this is for
-    third-party code (RLlib, torch) that does.
-    """
-    os.environ.setdefault("PYTHONHASHSEED", str(seed))
-    random.seed(seed)
-    np.random.seed(derive_seed(seed, "numpy-global") % (2**32))
-    try:  # torch is optional for the simulator
-        import torch
-    except ImportError:  # pragma: no cover - torch is a declared dependency
-        return
-    torch.manual_seed(derive_seed(seed, "torch"))

@@ -6,7 +6,8 @@
   static bundle (``checkpoints/default``) on every ``godaddy`` test window, and each
   window's cost terms;
 - every interval's cost terms of the static re-planners, the tuned-knob heuristic, the
-  hindsight oracle and a shipped online bundle on the first ``godaddy_online`` test trace;
+  hindsight oracle and an online bundle (``make run``'s, else a seeded untrained actor) on
+  the first ``godaddy_online`` test trace;
 - the ``tiny_exact`` table (every baseline and the exact optimum on every ``tiny`` window);
 - the tables of small runs of the three reproduction entry points (``sweep.py``,
   ``trees.py``, ``shaping.py``), timing columns left out.
@@ -68,6 +69,26 @@ def static_godaddy(out: dict) -> None:
     out["godaddy/windows"] = len(insts)
 
 
+def _online_bundle() -> Path:
+    """``make run``'s online bundle if there is one, else a seeded (untrained) actor over the
+    default executor, exported to a temporary directory: the same weights in every run."""
+    trained = ROOT / "checkpoints/godaddy_online__ddpg__0"
+    if (trained / "metadata.json").is_file():
+        return trained
+    import tempfile
+
+    import torch
+
+    from agents.bundle_export import export_online_bundle
+    from envs.dsmd.online import OnlineCost
+    from envs.dsmd.online_control import OBS_SIZE, KnobMap
+
+    torch.manual_seed(0)
+    actor = torch.nn.Sequential(torch.nn.Linear(OBS_SIZE, 3), torch.nn.Tanh())
+    return export_online_bundle(actor, KnobMap(), OnlineCost(),
+                                Path(tempfile.mkdtemp(prefix="snapshot-")) / "online")
+
+
 def online_godaddy(out: dict) -> None:
     from agents.config import to_dict
     from agents.online_eval import DeciderSpec, evaluate_online
@@ -82,8 +103,7 @@ def online_godaddy(out: dict) -> None:
     specs.append(DeciderSpec.make("tuned", "online_greedy", headroom=0.2, horizon=4.0,
                                   alpha=0.5))
     specs.append(DeciderSpec.make("hindsight", "oracle"))
-    specs.append(DeciderSpec.make("learned", "learned",
-                                  bundle=str(ROOT / "checkpoints/godaddy_online__ddpg__0")))
+    specs.append(DeciderSpec.make("learned", "learned", bundle=str(_online_bundle())))
     df = evaluate_online(ds, [tid], specs, cost, windows=40, progress=False)
     num = df.select_dtypes("number")
     for name, g in df.groupby("policy", sort=True):

@@ -11,20 +11,20 @@ same messages give the same plans, placements and interval costs as
   so far), whose closed intervals form an :class:`envs.dsmd.online.OnlineTrace`; an
   :class:`envs.dsmd.online.OnlineSimulator` over it holds the channel table and the last
   interval's realised terms, and grows with it (``OnlineSimulator.extend``);
-* at the boundary of interval ``w`` (:meth:`OnlineSession.begin`) the decider (for a served
-  policy: :class:`envs.dsmd.online_control.KnobPolicy` over the bundle's actor, whose
-  observation is the environment's ``KnobMap.observe``) plans from the simulator's view,
-  as ``OnlineSimulator.step`` asks it;
-* during the interval (:meth:`OnlineSession.submit`) every type the plan does not cover is
-  placed on its first message, with what ``OnlineSimulator._place`` gives the decider: the
-  view, the type (:class:`~envs.dsmd.online.NewType`: its destinations, the size of that
-  message, the rate estimate ``8 size / T``, its current channel) and the expected load of
-  the plan and the types placed before it (:class:`~envs.dsmd.online.Placement`);
-* at the end (:meth:`OnlineSession.close`) the interval is scored by the simulator itself:
-  ``OnlineSimulator.step`` over the grown trace, with a decider that replays the plan and
-  the placements made live and checks that the simulator asks for exactly those (the same
-  types, in the same order, with the same facts), so scoring and the state carried to the
-  next interval are the simulator's, never a copy of it.
+* each interval is one :class:`envs.dsmd.online.OpenInterval` of that simulator, the same
+  three phases ``OnlineSimulator.step`` runs in a row, here run as the requests arrive:
+  at the boundary of interval ``w`` (:meth:`OnlineSession.begin`) the decider (for a
+  served policy: :class:`envs.dsmd.online_control.KnobPolicy` over the bundle's actor,
+  whose observation is the environment's ``KnobMap.observe``) plans from the interval's
+  view and ``OpenInterval.begin`` checks and applies the plan; during the interval
+  (:meth:`OnlineSession.submit`) ``OpenInterval.place`` places every type the plan does
+  not cover on its first message (the decider is told its destinations, the size of that
+  message, the rate estimate ``8 size / T`` and its current channel, and sees the expected
+  load of the plan and the types placed before it); at the end
+  (:meth:`OnlineSession.close`) the simulator's trace grows by the closed interval and
+  ``OpenInterval.score`` scores it, which also checks that the placements match the
+  trace's arrivals. Scoring and the state carried to the next interval are the
+  simulator's, never a copy of it.
 
 Decisions taken elsewhere (the server's, recorded by a remote adapter; a history restored
 on a new server session) enter the same way: ``begin(given=...)`` and
@@ -39,7 +39,6 @@ from typing import Literal
 
 import numpy as np
 
-from envs.dsmd.cost import CostState
 from envs.dsmd.instance import UNASSIGNED
 from envs.dsmd.message import Message
 from envs.dsmd.online import (
@@ -47,8 +46,9 @@ from envs.dsmd.online import (
     OnlineCost,
     OnlineDecider,
     OnlineSimulator,
-    OnlineView,
+    OpenInterval,
     Placement,
+    PlanError,
 )
 from envs.dsmd.online_control import KnobMap, KnobPolicy
 from envs.dsmd.parser import BatchKey, destination_key
@@ -157,14 +157,12 @@ class Closed:
 
 @dataclass
 class _Interval:
-    """The open interval's decisions so far."""
+    """The open interval: the simulator's :class:`OpenInterval` and what the session adds to
+    it (the plan as served, who decides the placements, the types that sent so far)."""
 
     plan: Plan
-    view: OnlineView
-    channel: np.ndarray  # the view's channel table (plan and placements applied)
+    iv: OpenInterval
     decider: OnlineDecider | None
-    placed: dict[int, int] = field(default_factory=dict)  # type -> channel, in order
-    facts: list[NewType] = field(default_factory=list)  # what each placement was told
     seen: set[int] = field(default_factory=set)  # types with a message in the interval
 
 
@@ -220,10 +218,10 @@ class OnlineSession:
     def channel_of(self, type_id: int) -> int:
         """The channel type ``type_id`` is on now (-1: none yet)."""
         t = int(type_id)
-        iv = self._open
-        if iv is not None and t in iv.placed:
-            return iv.placed[t]
-        ch = iv.channel if iv is not None else self.sim.channel
+        op = self._open
+        if op is not None and t in op.iv.placed:
+            return op.iv.placed[t]
+        ch = op.iv.channel if op is not None else self.sim.channel
         return int(ch[t]) if 0 <= t < ch.size else UNASSIGNED
 
     # ------------------------------------------------------------------ boundary
@@ -233,9 +231,9 @@ class OnlineSession:
         ``given`` one (types, channels, expected rates) decided elsewhere."""
         if self._open is not None:
             raise StateConflict(f"interval {self.window} is already planned")
-        sim, w = self.sim, self.window
-        channel = sim.channel.copy()  # the view's table: the plan and placements go here
-        view = OnlineView(sim.trace, w, channel, sim.hindsight, sim.last)
+        w = self.window
+        iv = self.sim.open()  # the interval's view: the plan and placements go there
+        view = iv.view
         knobs = obs = None
         source: DecisionSource
         if given is not None:
@@ -251,31 +249,13 @@ class OnlineSession:
             if isinstance(decider, KnobPolicy):
                 knobs = dict(decider.knobs_used[-1])
                 obs = decider.map.observe(view)
-        self._check_plan(types, chans, rates, source)
-        channel[types] = chans
-        plan = Plan(w, types, chans, rates, source, knobs, obs)
-        self._open = _Interval(plan, view, channel, decider)
+        try:  # the simulator's checks, before the plan is served
+            iv.begin(types, chans, rates, who=source)
+        except PlanError as e:  # a given plan is the caller's error, a decider's a conflict
+            raise (MessageRejected if source == "given" else StateConflict)(str(e)) from None
+        plan = Plan(w, iv.types, iv.channels, iv.rates, source, knobs, obs)
+        self._open = _Interval(plan, iv, decider)
         return plan
-
-    def _check_plan(self, types: np.ndarray, chans: np.ndarray, rates: np.ndarray,
-                    source: str) -> None:
-        """The checks ``OnlineSimulator.step`` makes of a plan, made before it is served."""
-        err = StateConflict if source != "given" else MessageRejected
-        if not types.shape == chans.shape == rates.shape or types.ndim != 1:
-            raise err("a plan needs types, channels and rates of one length")
-        if np.unique(types).size != types.size:
-            raise err("a plan lists a type twice")
-        tr, k = self.sim.trace, self.spec.num_topics
-        bad = np.flatnonzero((types < 0) | (types >= tr.num_types))
-        if bad.size:
-            raise err(f"planned type {int(types[bad[0]])} has not been seen (types 0.."
-                      f"{tr.num_types - 1} are known)")
-        bad = np.flatnonzero((chans < 0) | (chans > k))
-        if bad.size:
-            raise err(f"planned type {int(types[bad[0]])} on channel {int(chans[bad[0]])} "
-                      f"outside 0..{k}")
-        if (rates < 0).any():
-            raise err("expected rates must be >= 0")
 
     # ------------------------------------------------------------------ the interval
     def submit(self, messages: Sequence[Message], given: Mapping[int, int] | None = None,
@@ -352,50 +332,29 @@ class OnlineSession:
             out[i] = t
         return out
 
-    def _place(self, iv: _Interval, todo: list[tuple[int, int]], messages: Sequence[Message],
+    def _place(self, op: _Interval, todo: list[tuple[int, int]], messages: Sequence[Message],
                given: dict[int, int], who: OnlineDecider | None,
                label: DecisionSource) -> list[Placed]:
-        """``OnlineSimulator._place`` for this batch's types: the expected load is the plan
-        at its expected rates plus the types placed before (this interval), each new one
-        at ``8 size / T`` of its first message; the types still to come are not in it (the
-        simulator's are there unassigned, which no :class:`Placement` query reads)."""
-        if not todo:
-            return []
-        tr, cat = self.sim.trace, self.live.catalog
-        plan = iv.plan
-        before = list(iv.placed.items())
-        size = np.array([messages[i].size_bytes for _, i in todo], np.int64)
-        est = np.maximum(np.rint(8.0 * size / tr.interval_s), 1).astype(np.int64)
-        old_est = np.array([f.rate_bps for f in iv.facts], np.int64)
-        types = np.concatenate([plan.types, np.array([t for t, _ in before], np.int64),
-                                np.array([t for t, _ in todo], np.int64)])
-        rates = np.concatenate([np.maximum(plan.rates, 1), old_est, est])
-        start = np.concatenate([plan.channels, np.array([c for _, c in before], np.int64),
-                                np.full(len(todo), UNASSIGNED, np.int64)])
-        state = CostState(tr.instance(types, rates), start)
-        k = self.spec.num_topics
-        out = []
-        src: DecisionSource
-        for j, (t, i) in enumerate(todo):
-            row = plan.types.size + len(before) + j
-            prev = int(iv.channel[t]) if t < iv.channel.size else UNASSIGNED
-            nt = NewType(t, cat.destinations[t], int(size[j]), int(est[j]), int(cat.vpc[t]),
-                         int(cat.config[t]), prev)
-            if t in given:
-                c, src = given[t], "given"
-            else:
-                assert who is not None  # checked by submit before any change
-                c, src = int(who.place(iv.view, nt, Placement(state, row))), label
-                if not 0 <= c <= k:
-                    raise StateConflict(f"{getattr(who, 'name', 'decider')}: placed type {t} "
-                                        f"on channel {c} outside 0..{k}")
-            state.move(row, c)
-            if t < iv.channel.size:
-                iv.channel[t] = c
-            iv.placed[t] = c
-            iv.facts.append(nt)
-            out.append(Placed(t, c, int(messages[i].message_id), prev, int(est[j]), src))
-        return out
+        """``OpenInterval.place`` for this batch's types (each at the size of its first
+        message here), by ``given`` where it has the type, else by ``who``."""
+        view = op.iv.view
+        sources: list[DecisionSource] = []
+
+        def decide(new: NewType, at: Placement) -> int:
+            if new.type_id in given:
+                sources.append("given")
+                return given[new.type_id]
+            assert who is not None  # checked by submit before any change
+            sources.append(label)
+            return int(who.place(view, new, at))
+
+        try:
+            done = op.iv.place([(t, int(messages[i].size_bytes)) for t, i in todo], decide)
+        except PlanError as e:
+            raise StateConflict(f"{getattr(who, 'name', 'decider')}: {e}") from None
+        return [Placed(nt.type_id, c, int(messages[i].message_id), nt.previous_channel,
+                       nt.rate_bps, src)
+                for (nt, c), (_, i), src in zip(done, todo, sources)]
 
     # ------------------------------------------------------------------ scoring
     def close(self) -> Closed:
@@ -403,53 +362,14 @@ class OnlineSession:
         always plans, even before an interval with no message)."""
         if self._open is None:
             self.begin()
-        iv = self._open
-        assert iv is not None
+        op = self._open
+        assert op is not None
         self.sim.extend(self.live.close())
-        replay = _Replay(iv)
-        res = self.sim.step(replay)
-        replay.finish()
+        res = op.iv.score()  # also checks the placements against the trace's arrivals
         self._open = None
-        inst = self.sim.trace.realised(iv.plan.window)
+        inst = self.sim.trace.realised(op.plan.window)
         assert inst.catalog_index is not None  # filled in DSMDInstance.__post_init__
         terms = {k: (int(v) if isinstance(v, (int, np.integer)) else float(v))
                  for k, v in res.as_dict().items()}
-        return Closed(iv.plan.window, terms, inst.catalog_index.copy(),
+        return Closed(op.plan.window, terms, inst.catalog_index.copy(),
                       np.asarray(res.channel, np.int64).copy())
-
-
-class _Replay:
-    """The decider ``OnlineSimulator.step`` scores an interval with: it returns the plan
-    and the placements made live, and checks it is asked for exactly those."""
-
-    name = "live-session"
-
-    def __init__(self, iv: _Interval) -> None:
-        self.iv, self.i = iv, 0
-
-    def reset(self, seed: int | None = None) -> None:
-        pass
-
-    def plan(self, view: OnlineView) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        p = self.iv.plan
-        return p.types, p.channels, p.rates
-
-    def place(self, view: OnlineView, new: NewType, placement: Placement) -> int:
-        facts, placed = self.iv.facts, self.iv.placed
-        if self.i >= len(facts):
-            raise AssertionError(f"the simulator places type {new.type_id}, which the session "
-                                 "never placed")
-        f = facts[self.i]
-        self.i += 1
-        same = (f.type_id == new.type_id and f.size_bytes == new.size_bytes
-                and f.rate_bps == new.rate_bps and f.vpc == new.vpc and f.config == new.config
-                and f.previous_channel == new.previous_channel
-                and np.array_equal(f.destinations, new.destinations))
-        if not same:
-            raise AssertionError(f"the simulator places {new} where the session placed {f}")
-        return placed[f.type_id]
-
-    def finish(self) -> None:
-        if self.i != len(self.iv.facts):
-            raise AssertionError("the session placed types the simulator does not place")
-

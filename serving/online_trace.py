@@ -2,9 +2,10 @@
 an :class:`envs.dsmd.online.OnlineTrace` of the intervals closed so far.
 
 :func:`envs.dsmd.parser.parse_trace` parses a whole trace at once; a live session receives
-it interval by interval. :class:`LiveTrace` does the same type lookup
-(:meth:`envs.dsmd.parser.TypeCatalog.type_of`, types numbered densely in first-seen order)
-and the same per-interval counters (Algorithm 1, lines 8 and 10), so that after ``w``
+it interval by interval. :class:`LiveTrace` runs the same two parts of Algorithm 1: the type
+lookup (:meth:`envs.dsmd.parser.TypeCatalog.type_of`, types numbered densely in first-seen
+order) as each message arrives, and the per-interval counters (lines 8 and 10,
+:func:`envs.dsmd.parser.count_intervals`) as each interval closes, so that after ``w``
 closed intervals :meth:`LiveTrace.trace` equals ``OnlineTrace.from_dataset`` over the
 same messages with ``duration_s = w T``: the same type ids, rates, arrivals and realised
 instances. Interval ``w`` covers ``[t0 + w T, t0 + (w + 1) T)``; ``t0`` is the session's
@@ -27,7 +28,7 @@ import numpy as np
 from envs.dsmd.errors import DSMDError
 from envs.dsmd.message import Message
 from envs.dsmd.online import OnlineTrace
-from envs.dsmd.parser import BatchKey, ParsedTrace, TypeCatalog
+from envs.dsmd.parser import BatchKey, ParsedTrace, TypeCatalog, count_intervals
 from envs.dsmd.scenarios import ScenarioSpec
 from envs.dsmd.topology import Topology
 
@@ -158,16 +159,14 @@ class LiveTrace:
         if n:
             types = np.fromiter((t for t, _ in self._open), np.int64, n)
             sizes = np.fromiter((s for _, s in self._open), np.int64, n)
+            # the interval's counters: the same counting as a whole trace's parse
+            counter, count = count_intervals(types, np.zeros(n, np.int64), sizes, 1, m)
             lo = self._rows
             self._type.a[lo:lo + n], self._size.a[lo:lo + n] = types, sizes
             self._win.a[lo:lo + n] = w
-            np.add.at(self._bytes.a[w], types, sizes)
-            np.add.at(self._count.a[w], types, 1)
+            self._bytes.a[w, :m], self._count.a[w, :m] = counter[0], count[0]
             self._first.a[self._types_closed:m] = w
             self._rows += n
-            if int(self._bytes.a[w].max()) >= 2**53:  # as parse_trace refuses it
-                raise DSMDError("per-interval byte counter exceeds 2**53; use a shorter "
-                                "interval")
         self._types_closed = m
         self._open = []
         self.closed = w + 1

@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 
 from agents.greedy import GreedyLocalSearch
+from agents.seeding import seed_everything
 from envs.dsmd.problems import build_problems
 from envs.dsmd.scenarios import load_scenario
-from envs.seeding import derive_seed, rng, seed_everything
+from envs.seeding import derive_seed, rng
 
 
 def test_derive_seed_is_stable_and_separates_streams():

@@ -5,7 +5,10 @@ Online, a controller commits the channels for the next interval knowing only wha
 measured (Algorithm 1 estimates ``f(m)`` from the interval that just ended), types first
 seen during an interval need a channel on their first message, and every change costs.
 
-One interval ``i`` of a trace runs as follows (:class:`OnlineSimulator`):
+One interval ``i`` of a trace runs as follows, in three phases of one
+:class:`OpenInterval` (:meth:`OnlineSimulator.open`), which the simulator runs in a row
+(:meth:`OnlineSimulator.step`) and a live session runs as a controller's requests arrive
+(:class:`serving.online_session.OnlineSession`), so that what is trained is what is served:
 
 1. **Boundary.** The decider's :meth:`OnlineDecider.plan` sees an :class:`OnlineView`: the
    types seen before ``i`` (destinations, VPC, configuration), the per-interval rate
@@ -51,6 +54,7 @@ Nothing here imports gymnasium; :mod:`envs.dsmd.online_env` is the thin wrapper.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -74,7 +78,9 @@ __all__ = [
     "OnlineSimulator",
     "OnlineTrace",
     "OnlineView",
+    "OpenInterval",
     "Placement",
+    "PlanError",
     "relabel_topics",
     "run_online",
 ]
@@ -432,6 +438,146 @@ class IntervalResult:
         return dict(self.values)
 
 
+class PlanError(DSMDError):
+    """A boundary plan or a placement that cannot be applied (the message names the type,
+    the channel or the field)."""
+
+
+class OpenInterval:
+    """One interval of an :class:`OnlineSimulator` between its boundary and its score: the
+    three phases of the module docstring, each called once in order (:meth:`begin`, then
+    :meth:`place` for each batch of types whose first message arrived, then :meth:`score`).
+
+    ``view`` is what the deciders see (:class:`OnlineView`); its channel table is this
+    interval's own copy, with the plan and the placements applied as they are made, and it
+    becomes the simulator's when the interval is scored. The trace may grow while the
+    interval is open (a live session's: :meth:`OnlineSimulator.extend`); the interval is
+    scored on the trace that holds it."""
+
+    def __init__(self, sim: OnlineSimulator) -> None:
+        self.sim, self.window = sim, sim.window
+        self.channel = sim.channel.copy()
+        self.view = OnlineView(sim.trace, self.window, self.channel, sim.hindsight, sim.last)
+        self.types = self.channels = self.rates = np.zeros(0, np.int64)
+        self.begun = False
+        #: type -> channel of every type placed so far, in placement order
+        self.placed: dict[int, int] = {}
+        self._est: list[int] = []  # each placed type's rate estimate, in order
+
+    # ------------------------------------------------------------------ 1. boundary
+    def begin(self, types: Sequence[int] | np.ndarray, channels: Sequence[int] | np.ndarray,
+              rates: Sequence[int] | np.ndarray, who: str = "plan") -> None:
+        """Apply the boundary plan: ``channels[i]`` for ``types[i]``, expected at
+        ``rates[i]`` bit/s (every other type keeps its channel). :class:`PlanError`, naming
+        ``who`` and the problem, if the plan lists a type twice, a type not seen before the
+        interval (the oracle may plan the interval's own), a channel outside 0..K or a
+        negative rate; nothing is applied then."""
+        if self.begun:
+            raise PlanError(f"{who}: interval {self.window} is already planned")
+        t, c, r = (np.asarray(a, np.int64).reshape(-1) for a in (types, channels, rates))
+        if not (np.shape(types) == np.shape(channels) == np.shape(rates) and t.ndim == 1):
+            raise PlanError(f"{who}: a plan needs types, channels and rates of one length")
+        if np.unique(t).size != t.size:
+            raise PlanError(f"{who}: a plan lists a type twice")
+        tr, k = self.sim.trace, self.sim.trace.spec.num_topics
+        bad = np.flatnonzero((t < 0) | (t >= tr.num_types))
+        if bad.size:
+            raise PlanError(f"{who}: planned type {int(t[bad[0]])} has not been seen (types "
+                            f"0..{tr.num_types - 1} are known)")
+        seen = tr.first_window[t] < self.window
+        if self.sim.hindsight:
+            seen |= tr.first_window[t] == self.window
+        if not seen.all():
+            raise PlanError(f"{who}: planned type {int(t[~seen][0])} before it was seen")
+        bad = np.flatnonzero((c < 0) | (c > k))
+        if bad.size:
+            raise PlanError(f"{who}: planned type {int(t[bad[0]])} on channel "
+                            f"{int(c[bad[0]])} outside 0..{k}")
+        if (r < 0).any():
+            raise PlanError(f"{who}: expected rates must be >= 0")
+        self.types, self.channels, self.rates = t, c, r
+        self.channel[t] = c
+        self.begun = True
+
+    # ------------------------------------------------------------------ 2. the interval
+    def place(self, todo: Sequence[tuple[int, int]],
+              decide: Callable[[NewType, Placement], int]) -> list[tuple[NewType, int]]:
+        """Place types the plan does not cover, in the order of their first message:
+        ``todo`` holds (type, size in bytes of that message); ``decide(new, placement)``
+        gives each one's channel from what is known then (:class:`NewType`: its rate
+        estimate ``8 size / T``, its previous channel if it is a returning type) and the
+        expected load of the plan at its expected rates and of the types placed before it
+        (:class:`Placement`). Returns what each was told and its channel."""
+        if not self.begun:
+            raise PlanError(f"interval {self.window} is not planned yet")
+        if not todo:
+            return []
+        tr = self.sim.trace
+        cat = tr.parsed.catalog
+        size = np.array([s for _, s in todo], np.int64)
+        est = np.maximum(np.rint(8.0 * size / tr.interval_s), 1).astype(np.int64)
+        new = np.array([t for t, _ in todo], np.int64)
+        before = np.array(list(self.placed), np.int64)
+        types = np.concatenate([self.types, before, new])
+        rates = np.concatenate([np.maximum(self.rates, 1), np.array(self._est, np.int64), est])
+        start = np.concatenate([self.channels, np.array(list(self.placed.values()), np.int64),
+                                np.full(new.size, UNASSIGNED, np.int64)])
+        state = CostState(tr.instance(types, rates), start)
+        k = tr.spec.num_topics
+        out = []
+        for j, t in enumerate(new.tolist()):
+            row = self.types.size + before.size + j
+            prev = int(self.channel[t]) if t < self.channel.size else UNASSIGNED
+            nt = NewType(t, cat.destinations[t], int(size[j]), int(est[j]), int(cat.vpc[t]),
+                         int(cat.config[t]), prev)
+            c = int(decide(nt, Placement(state, row)))
+            if not 0 <= c <= k:
+                raise PlanError(f"placed type {t} on channel {c} outside 0..{k}")
+            state.move(row, c)
+            if t < self.channel.size:
+                self.channel[t] = c
+            self.placed[t] = c
+            self._est.append(int(est[j]))
+            out.append((nt, c))
+        return out
+
+    def arrivals_to_place(self) -> list[tuple[int, int]]:
+        """(type, size of its first message) of every type of this interval that the plan
+        does not cover, in the order of their first messages: what :meth:`place` must be
+        given, read from the trace (the simulator's whole interval at once)."""
+        tr = self.sim.trace
+        arrived, rows = tr.arrivals(self.window)
+        todo = ~np.isin(arrived, self.types)
+        return list(zip(arrived[todo].tolist(), tr.sizes[rows[todo]].tolist()))
+
+    # ------------------------------------------------------------------ 3. scoring
+    def score(self) -> IntervalResult:
+        """Score the interval on its realised rates (the trace must hold it now), make its
+        channels the simulator's and move the simulator to the next interval. Every type
+        that sent in it must have been planned or placed, in the order of its first message
+        (:class:`PlanError` otherwise: the decisions do not match the trace)."""
+        sim, w = self.sim, self.window
+        if not self.begun:
+            raise PlanError(f"interval {w} is not planned yet")
+        if sim.window != w or sim.trace.num_windows <= w:
+            raise PlanError(f"interval {w} cannot be scored (the simulator is at interval "
+                            f"{sim.window} of {sim.trace.num_windows})")
+        want = [t for t, _ in self.arrivals_to_place()]
+        if want != list(self.placed):
+            raise PlanError(f"interval {w}: types {want[:5]} sent without a plan, in that "
+                            f"order, but {list(self.placed)[:5]} were placed")
+        n = self.channel.size
+        sim.channel[:n] = self.channel
+        for t, c in self.placed.items():
+            sim.channel[t] = c
+        placed = np.array(want, np.int64)
+        returning = int(np.count_nonzero(sim.trace.first_window[placed] < w))
+        result = sim._score(w, self.types.size, placed.size - returning, returning)
+        sim.last = result.as_dict()
+        sim.window += 1
+        return result
+
+
 class OnlineSimulator:
     """Runs a decider over the intervals of one :class:`OnlineTrace` (module docstring)."""
 
@@ -490,66 +636,24 @@ class OnlineSimulator:
     def view(self) -> OnlineView:
         return OnlineView(self.trace, self.window, self.channel, self.hindsight, self.last)
 
+    def open(self) -> OpenInterval:
+        """The next interval, at its boundary (:class:`OpenInterval`); the trace need not
+        hold it yet (a live session's grows when it closes), only when it is scored."""
+        return OpenInterval(self)
+
     def step(self, decider: OnlineDecider) -> IntervalResult:
-        """Plan at the boundary, place new types during the interval, score it."""
+        """Plan at the boundary, place new types during the interval, score it: the three
+        phases of :class:`OpenInterval`, in a row."""
         if self.done:
             raise DSMDError("the trace is over; reset() the simulator")
-        tr, w = self.trace, self.window
-        view = self.view()
-        types, chans, rates = decider.plan(view)
-        types = np.asarray(types, np.int64)
-        chans = np.asarray(chans, np.int64)
-        rates = np.asarray(rates, np.int64)
-        if not (types.shape == chans.shape == rates.shape):
-            raise DSMDError(f"{decider.name}: plan() must return types, channels and rates "
-                            "of one length")
-        if types.size:
-            if np.unique(types).size != types.size:
-                raise DSMDError(f"{decider.name}: plan() returned a type twice")
-            seen = tr.first_window[types] < w
-            if self.hindsight:
-                seen |= tr.first_window[types] == w
-            if not seen.all():
-                raise DSMDError(f"{decider.name}: planned type {int(types[~seen][0])} before "
-                                "it was seen")
-            bad = np.flatnonzero((chans < 0) | (chans > tr.spec.num_topics))
-            if bad.size:
-                raise DSMDError(f"{decider.name}: planned type {int(types[bad[0]])} on channel "
-                                f"{int(chans[bad[0]])} outside 0..{tr.spec.num_topics}")
-        self.channel[types] = chans
-        arrived, rows = tr.arrivals(w)
-        todo = ~np.isin(arrived, types)
-        if todo.any():
-            self._place(decider, view, types, chans, rates, arrived[todo], rows[todo])
-        returning = int(np.count_nonzero(todo & (tr.first_window[arrived] < w)))
-        result = self._score(w, types.size, int(todo.sum()) - returning, returning)
-        self.last = result.as_dict()
-        self.window += 1
-        return result
-
-    def _place(self, decider: OnlineDecider, view: OnlineView, types: np.ndarray,
-               chans: np.ndarray, rates: np.ndarray, todo: np.ndarray, rows: np.ndarray
-               ) -> None:
-        """Place the types the plan did not cover, each on its first message of the interval
-        (new ones have no channel yet; returning ones may keep theirs)."""
-        tr = self.trace
-        size = tr.sizes[rows]
-        est = np.maximum(np.rint(8.0 * size / tr.interval_s), 1).astype(np.int64)
-        inst = tr.instance(np.concatenate([types, todo]), np.concatenate([np.maximum(rates, 1),
-                                                                           est]))
-        start = np.concatenate([chans, np.full(todo.size, UNASSIGNED, np.int64)])
-        state = CostState(inst, start)
-        cat = tr.parsed.catalog
-        k = tr.spec.num_topics
-        for j, t in enumerate(todo.tolist()):
-            row = types.size + j
-            nt = NewType(t, cat.destinations[t], int(size[j]), int(est[j]), int(cat.vpc[t]),
-                         int(cat.config[t]), int(self.channel[t]))
-            c = int(decider.place(view, nt, Placement(state, row)))
-            if not 0 <= c <= k:
-                raise DSMDError(f"{decider.name}: placed type {t} on channel {c} outside 0..{k}")
-            state.move(row, c)
-            self.channel[t] = c
+        iv = self.open()
+        iv.begin(*decider.plan(iv.view), who=decider.name)
+        view = iv.view
+        try:
+            iv.place(iv.arrivals_to_place(), lambda new, at: decider.place(view, new, at))
+        except PlanError as e:
+            raise PlanError(f"{decider.name}: {e}") from None
+        return iv.score()
 
     def _score(self, w: int, planned: int, placed: int, returning: int) -> IntervalResult:
         tr, cfg = self.trace, self.cost

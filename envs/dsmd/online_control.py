@@ -4,8 +4,8 @@ environment (``smart/DSMDOnline-v0``), evaluation, training and serving.
 The learned online policy is DDPG whose continuous action sets the knobs of a
 feasible-by-construction executor each interval (``docs/online.md``, "The learned online
 policy"; the design in the manner of RLScale-Bench's calibrated executors): the executor
-(:class:`agents.online.OnlineGreedy` by default, loaded by import path so that this core
-does not import the agents) decides every channel, the action only sets how. Three pieces:
+(:class:`envs.dsmd.online_greedy.OnlineGreedy`, named in :data:`~envs.dsmd.online_greedy.
+EXECUTORS`) decides every channel, the action only sets how. Three pieces:
 
 * :func:`online_features` -- the observation at an interval boundary, from what the
   controller knows then (:class:`envs.dsmd.online.OnlineView`: the past intervals' rate
@@ -22,15 +22,16 @@ does not import the agents) decides every channel, the action only sets how. Thr
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from .errors import DSMDError
 from .online import NewType, OnlineCost, OnlineDecider, OnlineView, Placement
+from .online_greedy import DEFAULT_EXECUTOR, executor_class
 
 __all__ = [
     "DEFAULT_EXECUTOR",
@@ -38,11 +39,8 @@ __all__ = [
     "OBS_SIZE",
     "KnobMap",
     "KnobPolicy",
-    "load_executor",
     "online_features",
 ]
-
-DEFAULT_EXECUTOR = "agents.online:OnlineGreedy"
 
 #: The observation's values, in order; each is clipped to [-1, 1].
 FEATURES: tuple[str, ...] = (
@@ -93,24 +91,13 @@ def online_features(view: OnlineView) -> np.ndarray:
     return np.clip(o, -1.0, 1.0).astype(np.float32)
 
 
-def load_executor(path: str) -> type:
-    """The executor class named ``"module:Class"``."""
-    mod, _, cls = path.partition(":")
-    if not cls:
-        raise DSMDError(f"executor must be 'module:Class', got {path!r}")
-    try:
-        executor: type = getattr(importlib.import_module(mod), cls)
-        return executor
-    except (ImportError, AttributeError) as e:
-        raise DSMDError(f"cannot load executor {path!r}: {e}") from None
-
-
 @dataclass(frozen=True)
 class KnobMap:
     """Action ``[0, 1]^3`` -> the executor's knobs (module docstring)."""
 
     max_headroom: float = 0.3
     max_horizon: float = 16.0
+    #: the executor's name (:data:`envs.dsmd.online_greedy.EXECUTORS`)
     executor: str = DEFAULT_EXECUTOR
     #: the observation values the policy reads (:data:`FEATURES` names; the others are 0);
     #: ``None``: all of them
@@ -126,6 +113,7 @@ class KnobMap:
                 raise DSMDError(f"unknown observation features {unknown}; known: "
                                 f"{list(FEATURES)}")
             object.__setattr__(self, "features", tuple(self.features))
+        executor_class(self.executor)  # an unknown executor is refused here, naming it
 
     def observe(self, view: OnlineView) -> np.ndarray:
         """:func:`online_features` with the features this policy does not read set to 0."""
@@ -162,7 +150,8 @@ class KnobMap:
 
     def decider(self, knobs: dict[str, float], cost: OnlineCost) -> OnlineDecider:
         fc = "last" if knobs["alpha"] >= 1.0 else "ewma"
-        executor: OnlineDecider = load_executor(self.executor)(cost=cost, forecast=fc, **knobs)
+        make: Any = executor_class(self.executor)  # the knobs are its keyword arguments
+        executor: OnlineDecider = make(cost=cost, forecast=fc, **knobs)
         return executor
 
 

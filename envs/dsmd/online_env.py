@@ -7,7 +7,8 @@ realised scoring, switching accounting), which does not import gymnasium.
 An episode is a contiguous run of intervals of one trace of a trace dataset
 (:mod:`envs.dsmd.dataset`), drawn from the chosen split (traces are split by seed). At each
 interval boundary the agent sets the knobs of a feasible-by-construction executor (by
-default :class:`agents.online.OnlineGreedy`: greedy + local search on forecast rates); the
+default :class:`envs.dsmd.online_greedy.OnlineGreedy`: greedy + local search on forecast
+rates); the
 executor sets the channel of every known type for the next interval and places the types
 first seen during it. The interval is then scored on its realised rates (Eq. 1) with the
 switching costs of :class:`envs.dsmd.online.OnlineCost`.
@@ -66,7 +67,8 @@ from gymnasium import spaces
 
 from .errors import DSMDError
 from .online import OnlineCost, OnlineSimulator, OnlineTrace
-from .online_control import OBS_SIZE, KnobMap, load_executor
+from .online_control import OBS_SIZE, KnobMap
+from .online_greedy import DEFAULT_EXECUTOR
 from .parser import BatchKey
 from .problems import DATASETS_DIR
 
@@ -97,7 +99,7 @@ class DSMDOnlineEnv(gym.Env):
 
     def __init__(self, dataset: Any = "tiny_online", split: str = "train",
                  cost: dict | OnlineCost | None = None, max_intervals: int | None = None,
-                 warmup: int = 0, executor: str = "agents.online:OnlineGreedy",
+                 warmup: int = 0, executor: str = DEFAULT_EXECUTOR,
                  max_headroom: float = 0.3, max_horizon: float = 16.0,
                  features: Sequence[str] | None = None,
                  cache_dir: str | Path | None = DATASETS_DIR,
@@ -119,7 +121,6 @@ class DSMDOnlineEnv(gym.Env):
         self.warmup = int(warmup)
         self.knob_map = KnobMap(float(max_headroom), float(max_horizon), executor,
                                 None if features is None else tuple(features))
-        load_executor(executor)  # a bad path fails here, not at the first step
         self.observation_space = spaces.Box(-1.0, 1.0, (OBS_SIZE,), dtype=np.float32)
         self.action_space = spaces.Box(0.0, 1.0, (3,), dtype=np.float32)
         self.sim: OnlineSimulator | None = None

@@ -37,6 +37,7 @@ __all__ = [
     "MessageParser",
     "ParsedTrace",
     "TypeCatalog",
+    "count_intervals",
     "destination_key",
     "parse_trace",
 ]
@@ -240,13 +241,22 @@ def parse_trace(trace: Trace, topology: Topology, interval_s: float,
     n_win = int(win[-1]) + 1
     if end_ns is not None:
         n_win = max(n_win, -(-(int(end_ns) - t0) // step))
-    m = len(cat)
-    flat = win * m + types
-    counter = np.bincount(flat, weights=trace.size_bytes.astype(np.float64),
-                          minlength=n_win * m)
+    counter, count = count_intervals(types, win, trace.size_bytes, n_win, len(cat))
+    return ParsedTrace(cat, float(interval_s), t0, types, win, counter, count)
+
+
+def count_intervals(types: np.ndarray, windows: np.ndarray, sizes: np.ndarray, num_windows: int,
+                    num_types: int) -> tuple[np.ndarray, np.ndarray]:
+    """Algorithm 1's counters (lines 8 and 10): the bytes and the messages of each type in
+    each interval, ``[num_windows, num_types]`` int64 each, from every message's type,
+    interval (0-based, relative to the first counted) and size. The one counting of a whole
+    trace (:func:`parse_trace`) and of a live session's intervals as they close
+    (:class:`serving.online_trace.LiveTrace`)."""
+    flat = np.asarray(windows, np.int64) * num_types + np.asarray(types, np.int64)
+    size = num_windows * num_types
+    counter = np.bincount(flat, weights=np.asarray(sizes).astype(np.float64), minlength=size)
     if counter.size and counter.max() >= 2**53:
         raise DSMDError("per-interval byte counter exceeds 2**53; use a shorter interval")
-    count = np.bincount(flat, minlength=n_win * m)
-    return ParsedTrace(cat, float(interval_s), t0, types, win,
-                       np.rint(counter).astype(np.int64).reshape(n_win, m),
-                       count.astype(np.int64).reshape(n_win, m))
+    count = np.bincount(flat, minlength=size)
+    return (np.rint(counter).astype(np.int64).reshape(num_windows, num_types),
+            count.astype(np.int64).reshape(num_windows, num_types))
