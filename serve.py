@@ -81,16 +81,32 @@ def settings_from(cfg: DictConfig):
                           announce_send_timeout_s=send_timeout_s)
 
 
+def transport_limits(cfg: DictConfig):
+    """The HTTP connection limits of ``transport:`` (:mod:`serving.transport`: header size,
+    header deadline, idle timeout); absent: the defaults. ``++transport.<key>=...`` sets
+    one whether or not the config file has the block."""
+    from omegaconf import OmegaConf
+
+    from serving.transport import TransportLimits
+
+    block = cfg.get("transport")
+    if isinstance(block, DictConfig):
+        block = OmegaConf.to_container(block, resolve=True)
+    return TransportLimits.from_mapping(block)
+
+
 @hydra.main(config_path="configs", config_name="serve", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     import uvicorn
 
     from serving import logsafe
     from serving.app import create_app
+    from serving.transport import uvicorn_options
 
     logsafe.install()  # one line per record: no request or file can forge a log line
 
     settings = settings_from(cfg)
+    limits = transport_limits(cfg)  # before anything starts: a bad setting fails fast
     settings.security.warn_if_insecure("policy server (plain HTTP, unsigned bundles accepted)")
     if not settings.auth:
         logging.getLogger("smart.security").warning(
@@ -99,7 +115,8 @@ def main(cfg: DictConfig) -> None:
     tls = settings.tls_files()
     app = create_app(settings)
     ssl = {} if tls is None else {"ssl_certfile": tls[0], "ssl_keyfile": tls[1]}
-    uvicorn.run(app, host=cfg.host, port=int(cfg.port), log_level=cfg.log_level, **ssl)
+    uvicorn.run(app, host=cfg.host, port=int(cfg.port), log_level=cfg.log_level, **ssl,
+                **uvicorn_options(limits))
 
 
 if __name__ == "__main__":
