@@ -12,7 +12,8 @@ the default limits of ``configs/serve.yaml``):
 * **heavy batches**: one session of 2,000 nodes, K = 4,096 and 20,000 types, then
   ``decide/batch`` re-planning all 20,000 types, again and again;
 * **online topics**: ``POST /v1/online/sessions`` whose ``scenario.num_topics`` is 10^8
-  (one request of about 1 KB; refused by today's limits).
+  (about 1 KB; refused by today's limits), then its first interval planned, one message
+  placed on topic 1 and the interval closed (scored), again and again.
 
 The other key (the victim) sends ``GET /v1/health/live`` and ``POST .../decide`` on its own
 small session every 50 ms throughout; reported: the victim's p50 / p99 / max latency, the
@@ -141,11 +142,29 @@ def attack_batches(c: httpx.Client, stop: threading.Event, out: Counter) -> None
 
 
 def attack_online(c: httpx.Client, stop: threading.Event, out: Counter) -> None:
+    from envs.dsmd.message import messages_from_trace
+    from envs.dsmd.problems import build_problems
     from envs.dsmd.scenarios import load_scenario
+    from serving.online_schemas import MessageIn
 
-    scen = load_scenario("tiny").to_dict() | {"num_topics": 10**8}
-    r = c.post("/v1/online/sessions", json={"nodes": nodes(1), "scenario": scen})
-    out[f"create {r.status_code}"] += 1
+    tiny = load_scenario("tiny")
+    first = messages_from_trace(build_problems(tiny, cache_dir=None).dataset.trace)[0]
+    message = MessageIn.of(first) | {"hosts": [0], "timestamp_ns": 1}
+    scen = tiny.to_dict() | {"num_topics": 10**8}
+    while not stop.is_set():
+        r = c.post("/v1/online/sessions", json={"nodes": nodes(1), "scenario": scen,
+                                                "start_ns": 0})
+        out[f"create {r.status_code}"] += 1
+        if r.status_code != 201:
+            return
+        sid = r.json()["session_id"]  # then use it: one message in an interval, scored
+        r = c.put(f"/v1/online/sessions/{sid}/intervals/0/plan", json={"plan": []})
+        out[f"plan {r.status_code}"] += 1
+        r = c.post(f"/v1/online/sessions/{sid}/intervals/0/messages",
+                   json={"messages": [message], "placements": [{"type": 0, "channel": 1}]})
+        out[f"messages {r.status_code}"] += 1
+        r = c.post(f"/v1/online/sessions/{sid}/intervals/0/close")
+        out[f"close {r.status_code}"] += 1
 
 
 ATTACKS = {"largest sessions": attack_largest, "heavy batches": attack_batches,
