@@ -279,7 +279,11 @@ def main() -> None:
     if before_commit:
         notes.append(f"'before' is commit {before_commit}, served from a git worktree with "
                      "this environment's Python.")
-    finish("bench_server_abuse", {"settings": {"duration_s": duration, "quick": args.quick,
+    command = "python bench/bench_server_abuse.py" + (f" --before {args.before}"
+                                                       if args.before else "") + (
+        " --quick" if args.quick else "")
+    finish("bench_server_abuse", {"command": command,
+                                  "settings": {"duration_s": duration, "quick": args.quick,
                                                "before": args.before,
                                                "before_commit": before_commit},
                                   "results": results, "total_s": time.perf_counter() - t0},

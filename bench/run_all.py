@@ -24,7 +24,7 @@ BENCHMARKS = ("bench_env", "bench_trace", "bench_exact", "bench_replay", "bench_
               "bench_shaping", "bench_online", "bench_dataset", "bench_outbox",
               "bench_failover", "bench_fairness", "bench_announce", "bench_security_grpc",
               "bench_security_server", "bench_security_testbed", "bench_netem",
-              "bench_switch_cost", "bench_rpc_patterns")
+              "bench_switch_cost", "bench_rpc_patterns", "bench_server_abuse")
 
 
 def run(name: str, extra: list[str]) -> tuple[int, float]:
