@@ -541,3 +541,18 @@ def test_one_key_holds_at_most_its_share_of_the_worker_threads():
     order = asyncio.run(scenario())
     # a's third job waits for one of its own; b's starts at once
     assert order.index("start b1") < order.index("start a3"), order
+
+
+def test_the_wire_scenario_is_the_scenario_spec():
+    """``ScenarioIn`` (the online API's typed scenario) has exactly ``ScenarioSpec``'s fields,
+    and every shipped scenario passes through it unchanged."""
+    from dataclasses import fields
+
+    from envs.dsmd.scenarios import ScenarioSpec
+    from serving.online_schemas import ScenarioIn
+
+    assert set(ScenarioIn.model_fields) == {f.name for f in fields(ScenarioSpec)}
+    for name in ("tiny", "godaddy", "cern"):
+        spec = load_scenario(name)
+        assert ScenarioSpec.from_dict(ScenarioIn.model_validate(spec.to_dict()).model_dump()) \
+            == spec, name
