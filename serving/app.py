@@ -79,7 +79,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from envs.dsmd import kernels
+from envs.dsmd import kernels, online_greedy
 from envs.dsmd.errors import DSMDError
 from security.tls import Security as TransportSecurity
 
@@ -397,6 +397,7 @@ def create_app(settings: ServerSettings | None = None, *,
         # the simulator's compiled loops (loaded from their on-disk cache, or compiled on a
         # fresh install) before the first request, not inside it
         await asyncio.to_thread(kernels.warm_up)
+        await asyncio.to_thread(online_greedy.warm_up)
         if cfg.bundle:
             try:
                 load(cfg.bundle)

@@ -32,6 +32,7 @@ __all__ = [
     "evaluate",
     "metrics_from",
     "node_stats",
+    "subscriptions",
     "violation",
 ]
 
@@ -108,6 +109,18 @@ def evaluate(inst: DSMDInstance, channel: np.ndarray) -> CostSnapshot:
         total_traffic=int(fd[rpc].sum() + np.dot(topic_rate, subs)),
         necessary=int(fd[assigned].sum()),
         sent_messages=int((msgs * d)[rpc].sum() + msgs[mq].sum()))
+
+
+def subscriptions(inst: DSMDInstance, channel: np.ndarray) -> np.ndarray:
+    """Eq. 1's ``z``: ``z[t - 1, n]`` is true iff node ``n`` subscribes topic ``t`` under
+    ``channel`` (some type on ``t`` has ``n`` in ``D(m)``), bool ``[K, N]``."""
+    channel = np.asarray(channel, dtype=np.int64)
+    _check_channels(inst, channel)
+    row = inst.type_of_entry
+    e = channel[row] > 0
+    z = np.zeros((inst.num_topics + 1, inst.num_nodes), dtype=bool)
+    z[channel[row[e]], inst.dest_idx[e]] = True
+    return z[1:]
 
 
 def violation(inst: DSMDInstance, controller_bw: int, controller_cpu: int,
@@ -209,8 +222,7 @@ class CostState:
         self._fan = inst.fanout.tolist()
         assert inst.messages is not None  # filled in DSMDInstance.__post_init__
         self._msgs = inst.messages.tolist()
-        ptr = inst.dest_ptr
-        self._dest = [inst.dest_idx[ptr[i]:ptr[i + 1]] for i in range(m)]
+        self._dest = inst.destination_lists
         # what the unassigned types will cost at least, whatever their channel: f(m) on
         # each destination node and f(m) (one publish) on the controller; tracked from the
         # first fits(reserve=True) on (see _track_pending), so plain moves pay nothing for it
@@ -221,25 +233,24 @@ class CostState:
 
     # ------------------------------------------------------------------ updates
     def assign_all(self, channel: np.ndarray) -> None:
-        """Set the whole assignment at once (vectorised; equals a sequence of moves)."""
+        """Set the whole assignment at once (one compiled pass, :func:`envs.dsmd.kernels.
+        build_state`; equals :func:`evaluate` and a sequence of moves)."""
         channel = np.asarray(channel, dtype=np.int64)
         _check_channels(self.inst, channel)
-        snap = evaluate(self.inst, channel)
+        inst = self.inst
         self.channel = channel.copy()
-        self.node_traffic = snap.node_traffic.copy()
-        self.topic_rate = snap.topic_rate.copy()
-        self.topic_subscribers = snap.topic_subscribers.copy()
-        self.topic_types = np.bincount(channel[channel > 0],
-                                       minlength=self.inst.num_topics + 1).astype(np.int64)
+        self.node_traffic = np.zeros(inst.num_nodes, dtype=np.int64)
+        self.topic_rate = np.zeros(inst.num_topics + 1, dtype=np.int64)
+        self.topic_subscribers = np.zeros(inst.num_topics + 1, dtype=np.int64)
+        self.topic_types = np.zeros(inst.num_topics + 1, dtype=np.int64)
         self.sub_count[:] = 0
-        row = self.inst.type_of_entry
-        e = channel[row] > 0
-        np.add.at(self.sub_count, (channel[row[e]], self.inst.dest_idx[e]), 1)
-        self.controller_bw, self.controller_cpu = snap.controller_bw, snap.controller_cpu
-        self.total_traffic, self.necessary = snap.total_traffic, snap.necessary
-        self.sent_messages = snap.sent_messages
-        self.assigned = int(np.count_nonzero(channel >= 0))
-        self.rpc_types = int(np.count_nonzero(channel == RPC))
+        sc = np.zeros(7, dtype=np.int64)
+        assert inst.messages is not None  # filled in DSMDInstance.__post_init__
+        _k.build_state(self.channel, self.node_traffic, self.topic_rate,
+                       self.topic_subscribers, self.topic_types, self.sub_count, sc,
+                       inst.dest_ptr, inst.dest_idx, inst.rate_bps, inst.fanout, inst.messages)
+        (self.controller_bw, self.controller_cpu, self.total_traffic, self.necessary,
+         self.sent_messages, self.assigned, self.rpc_types) = (int(x) for x in sc)
         if self.pending_node is not None:
             self._track_pending()
         self.version += 1
@@ -314,7 +325,42 @@ class CostState:
         self.assigned -= 1
         self.channel[m] = UNASSIGNED
 
+    def kernel_arrays(self) -> tuple:
+        """The state as the state kernels (:func:`envs.dsmd.kernels.state_move`) take it:
+        ``(channel, node_traffic, topic_rate, topic_subscribers, topic_types, sub_count, sc,
+        dest_ptr, dest_idx, rate, fanout, messages, capacity, C_b, C_p)``. The arrays are
+        the state's own (changed in place); ``sc`` holds its scalars, to be written back
+        with :meth:`sync_scalars` after a kernel moved types."""
+        inst = self.inst
+        sc = np.array([self.controller_bw, self.controller_cpu, self.total_traffic,
+                       self.necessary, self.sent_messages, self.assigned, self.rpc_types],
+                      dtype=np.int64)
+        return (self.channel, self.node_traffic, self.topic_rate, self.topic_subscribers,
+                self.topic_types, self.sub_count, sc, inst.dest_ptr, inst.dest_idx,
+                inst.rate_bps, inst.fanout, inst.messages, inst.node_capacity_bps,
+                int(inst.controller_bw_bps), int(inst.controller_cpu))
+
+    def sync_scalars(self, sc: np.ndarray) -> None:
+        """Take the scalars a state kernel kept in ``sc`` (:meth:`kernel_arrays`); the
+        pending least costs, if tracked, are recomputed."""
+        (self.controller_bw, self.controller_cpu, self.total_traffic, self.necessary,
+         self.sent_messages, self.assigned, self.rpc_types) = (int(x) for x in sc)
+        if self.pending_node is not None:
+            self._track_pending()
+        self.version += 1
+
     # ------------------------------------------------------------------ what-ifs
+    def violations_if(self, m: int, channels: np.ndarray) -> np.ndarray:
+        """:meth:`violation` with unassigned ``m`` on each of ``channels`` (float64); the
+        state is left as it was."""
+        if self.channel[m] != UNASSIGNED:
+            raise InstanceError(f"type {m} is assigned; remove it before a what-if")
+        channels = np.asarray(channels, dtype=np.int64)
+        if channels.size and (channels.min() < RPC or channels.max() > self.inst.num_topics):
+            raise InstanceError(f"channels must be in 0..{self.inst.num_topics}")
+        out: np.ndarray = _k.violations_if(int(m), channels, *self.kernel_arrays())
+        return out
+
     def channel_costs(self, m: int) -> tuple[np.ndarray, np.ndarray]:
         """(increase of ``sum_n b(n)``, new subscribers) per channel if unassigned ``m`` went there.
 
@@ -409,6 +455,20 @@ class CostState:
                             self.inst.inv_capacity, self.sub_count[c], self._dest[m],
                             self._rate[m], c == RPC, int(self.topic_rate[c]),
                             int(self.topic_subscribers[c]))
+
+    def least_fitting(self, m: int, scores: np.ndarray, fallback: int = 4) -> int:
+        """The channel of least ``scores`` (float64, K+1; equal scores: lower channel first)
+        that unassigned ``m`` fits on (:meth:`fits`, no reserve); if none, the least
+        (violation, score) among RPC and the ``fallback`` best-scoring topics. One compiled
+        pass; the state is left as it was."""
+        if self.channel[m] != UNASSIGNED:
+            raise InstanceError(f"type {m} is assigned; remove it before a what-if")
+        scores = np.asarray(scores, dtype=np.float64)
+        if scores.shape != (self.inst.num_topics + 1,):
+            raise InstanceError(f"scores need {self.inst.num_topics + 1} entries, got "
+                                f"{scores.shape}")
+        return int(_k.least_fitting(int(m), scores, int(fallback), self.inst.inv_capacity,
+                                    *self.kernel_arrays()))
 
     def first_fit(self, m: int, scores: np.ndarray, skip: int = -1) -> int:
         """The highest-scoring channel other than ``skip`` (ties: lower index first) that

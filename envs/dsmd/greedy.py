@@ -24,13 +24,13 @@ static baseline ``greedy``.
 
 from __future__ import annotations
 
-import heapq
 import time
 
 import numpy as np
 
+from . import greedy_kernels as _gk
 from .cost import CostState
-from .instance import RPC, UNASSIGNED, DSMDInstance
+from .instance import RPC, DSMDInstance
 from .policy import Policy, vpc_topic
 
 __all__ = ["GreedyLocalSearch", "violation"]
@@ -60,20 +60,6 @@ class GreedyLocalSearch(Policy):
     def info(self) -> dict:
         return dict(self._info)
 
-    # ------------------------------------------------------------------ helpers
-    def _best_topics(self, state: CostState, m: int) -> tuple[np.ndarray, np.ndarray]:
-        """Topics (1..K) sorted by added node traffic, and those increases."""
-        delta = state.topic_deltas(m)[1:]
-        k = min(self.candidates, delta.size)
-        idx = np.argpartition(delta, k - 1)[:k] if k < delta.size else np.arange(delta.size)
-        idx = idx[np.argsort(delta[idx], kind="stable")]
-        return idx + 1, delta[idx]
-
-    def _ctrl_over(self, state: CostState) -> tuple[float, float]:
-        inst = state.inst
-        return (max(state.controller_bw / inst.controller_bw_bps - 1.0, 0.0),
-                max(state.controller_cpu / inst.controller_cpu - 1.0, 0.0))
-
     # ------------------------------------------------------------------ algorithm
     def assign(self, inst: DSMDInstance) -> np.ndarray:
         t0 = time.perf_counter()
@@ -85,52 +71,13 @@ class GreedyLocalSearch(Policy):
         relief_bw = f * (d - 1) / inst.controller_bw_bps
         relief_cpu = (d - 1) / inst.controller_cpu
         multicast = np.flatnonzero(d > 1)
-        moves = 0
-        # 2. free moves, biggest relief first
-        for row in multicast[np.argsort(-(relief_bw[multicast] + relief_cpu[multicast]),
-                                        kind="stable")]:
-            m = int(row)
-            state.move(m, UNASSIGNED)
-            topics, deltas = self._best_topics(state, m)
-            if deltas[0] == f[m] * d[m]:  # zero redundancy
-                state.move(m, int(topics[0]))
-                moves += 1
-            else:
-                state.move(m, RPC)
-        # 3. lazy greedy relief of the controller
-        bw_over, cpu_over = self._ctrl_over(state)
-        if bw_over > 0 or cpu_over > 0:
-            heap: list[tuple[float, int]] = []
-            for row in multicast:
-                if state.channel[row] == RPC:
-                    heap.append((0.0, int(row)))  # optimistic score, refreshed on pop
-            heapq.heapify(heap)
-            while heap and (bw_over > 0 or cpu_over > 0):
-                if time.perf_counter() - t0 > self.time_limit_s:
-                    break
-                _score, m = heapq.heappop(heap)
-                w_bw, w_cpu = (1.0 if bw_over > 0 else 0.0), (1.0 if cpu_over > 0 else 0.0)
-                relief = w_bw * relief_bw[m] + w_cpu * relief_cpu[m]
-                if relief <= 0:
-                    continue
-                state.move(m, UNASSIGNED)
-                topics, deltas = self._best_topics(state, m)
-                cost = float(deltas[0] - f[m] * d[m])
-                new_score = cost / relief
-                if heap and new_score > heap[0][0] + 1e-12:
-                    state.move(m, RPC)
-                    heapq.heappush(heap, (new_score, m))
-                    continue
-                placed = False
-                for t in topics:
-                    if state.node_peak_if(m, int(t)) <= 1.0:
-                        state.move(m, int(t))
-                        placed = True
-                        moves += 1
-                        break
-                if not placed:
-                    state.move(m, RPC)
-                bw_over, cpu_over = self._ctrl_over(state)
+        # 2. free moves, biggest relief first; 3. lazy greedy relief of the controller
+        free_order = multicast[np.argsort(-(relief_bw[multicast] + relief_cpu[multicast]),
+                                          kind="stable")]
+        arrays = state.kernel_arrays()
+        moves = int(_gk.greedy_construct(free_order, multicast, relief_bw, relief_cpu,
+                                         self._k(inst), _node_major(state), *arrays))
+        state.sync_scalars(arrays[6])
         # 4. local search
         passes = self._local_search(state, t0)
         start = "greedy"
@@ -145,34 +92,30 @@ class GreedyLocalSearch(Policy):
                       "violation": violation(state), "start": start}
         return state.channel.copy()
 
+    def _k(self, inst: DSMDInstance) -> int:
+        return max(min(self.candidates, inst.num_topics), 1)
+
     def _local_search(self, state: CostState, t0: float) -> int:
+        """Step 4: passes in descending order of f(m)|D(m)| until one moves nothing (at most
+        ``local_search_passes``; the time limit is checked between passes)."""
         inst = state.inst
         order = np.argsort(-(inst.rate_bps * inst.fanout), kind="stable")
+        arrays = state.kernel_arrays()
+        sub_t = _node_major(state)
         passes = 0
-        for _ in range(self.passes):
-            passes += 1
-            improved = False
-            for row in order:
+        try:
+            for _ in range(self.passes):
                 if time.perf_counter() - t0 > self.time_limit_s:
-                    return passes
-                m = int(row)
-                cur = int(state.channel[m])
-                v0, t_0 = violation(state), state.total_traffic
-                state.move(m, UNASSIGNED)
-                topics, _ = self._best_topics(state, m)
-                best_c, best_key = cur, (v0, t_0)
-                for c in [RPC, *topics.tolist()]:
-                    if c == cur:
-                        continue
-                    state.move(m, c)
-                    key = (violation(state), state.total_traffic)
-                    state.move(m, UNASSIGNED)
-                    better = (key[0] < best_key[0] - 1e-12) or (
-                        key[0] <= 1e-12 and best_key[0] <= 1e-12 and key[1] < best_key[1])
-                    if better:
-                        best_c, best_key = c, key
-                state.move(m, best_c)
-                improved |= best_c != cur
-            if not improved:
-                break
+                    break
+                passes += 1
+                if not _gk.local_search_pass(order, self._k(inst), sub_t, *arrays):
+                    break
+        finally:
+            state.sync_scalars(arrays[6])
         return passes
+
+
+def _node_major(state: CostState) -> np.ndarray:
+    """``state.sub_count`` transposed, node-major (the planner kernels keep it in step):
+    the topics a type's destinations reach are then rows, not columns, of the table."""
+    return np.ascontiguousarray(state.sub_count.T)

@@ -31,6 +31,13 @@ def rates_bps(counter_bytes: np.ndarray, interval_s: float) -> np.ndarray:
                       ).astype(np.int64)
 
 
+def _sorted_within_types(ptr: np.ndarray, idx: np.ndarray) -> bool:
+    """Whether every type's destinations are strictly increasing (then none repeats)."""
+    up = np.diff(idx) > 0
+    up[ptr[1:-1] - 1] = True  # the step from one type's last node to the next's first
+    return bool(up.all())
+
+
 @dataclass(frozen=True, eq=False)
 class DSMDInstance:
     """One DSMD problem (Eq. 1): what must be delivered in one rate-estimation interval."""
@@ -99,18 +106,20 @@ class DSMDInstance:
         """The instance over catalogue ``types`` (destinations, VPC and configuration from the
         catalogue) with the given rates (measured, estimated or forecast)."""
         types = np.asarray(types, np.int64)
-        lens = np.fromiter((catalog.destinations[t].size for t in types), np.int64, types.size)
+        arr = catalog.arrays()
+        cat_ptr = arr["ptr"]
+        lens = cat_ptr[types + 1] - cat_ptr[types]
         ptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-        idx = (np.concatenate([catalog.destinations[t] for t in types]) if types.size
-               else np.zeros(0, np.int64)).astype(np.int64)
+        # entry j of the new CSR is entry (start of its type in the catalogue + offset)
+        idx = arr["idx"][np.repeat(cat_ptr[types] - ptr[:-1], lens)
+                         + np.arange(int(ptr[-1]), dtype=np.int64)]
         cap = (catalog.topology.bandwidth_bps if node_capacity_bps is None
                else np.asarray(node_capacity_bps, np.int64))
         return cls(catalog.topology.num_nodes, int(num_topics), cap.astype(np.int64),
                    int(controller_bw_bps), int(controller_cpu),
                    np.asarray(rates, np.int64), ptr, idx,
                    messages=None if messages is None else np.asarray(messages, np.int64),
-                   vpc=np.array([catalog.vpc[t] for t in types], dtype=np.int64),
-                   config=np.array([catalog.config[t] for t in types], dtype=np.int8),
+                   vpc=arr["vpc"][types], config=arr["config"][types],
                    catalog_index=types, interval_s=interval_s, name=name)
 
     def validate(self) -> None:
@@ -134,7 +143,7 @@ class DSMDInstance:
         if self.dest_idx.size and (self.dest_idx.min() < 0
                                    or self.dest_idx.max() >= self.num_nodes):
             raise InstanceError("destination node index out of range")
-        if self.dest_idx.size:
+        if self.dest_idx.size and not _sorted_within_types(self.dest_ptr, self.dest_idx):
             row = np.repeat(np.arange(m), np.diff(self.dest_ptr))
             order = np.lexsort((self.dest_idx, row))
             dup = (np.diff(self.dest_idx[order]) == 0) & (np.diff(row[order]) == 0)
@@ -183,6 +192,17 @@ class DSMDInstance:
             self._cache["necessary"] = int(np.dot(self.rate_bps, self.fanout))
         necessary: int = self._cache["necessary"]
         return necessary
+
+    @property
+    def destination_lists(self) -> list[np.ndarray]:
+        """``D(m)`` of every type as a list of views (built once per instance; the
+        incremental cost state indexes it on every move)."""
+        if "dest_lists" not in self._cache:
+            ptr = self.dest_ptr.tolist()
+            idx = self.dest_idx
+            self._cache["dest_lists"] = [idx[ptr[i]:ptr[i + 1]] for i in range(len(ptr) - 1)]
+        lists: list[np.ndarray] = self._cache["dest_lists"]
+        return lists
 
     @property
     def inv_capacity(self) -> np.ndarray:

@@ -29,21 +29,30 @@ __all__ = [
     "argmax_ties",
     "argmax_ties_rows",
     "as_scores",
+    "build_state",
     "channel_costs",
     "channel_costs_many",
     "channel_observation",
     "channel_observation_rows",
     "first_fit",
+    "first_fit_in",
+    "least_fitting",
     "max_ratio",
     "nodes_fit",
     "observation_shared",
     "rpc_shift",
+    "state_move",
+    "state_violation",
     "topic_add",
     "topic_remove",
+    "violations_if",
     "warm_up",
 ]
 
 _LOG_RATE_SCALE = 12.0  # the observation's log10(1 + f) / 12 (envs.dsmd.observation)
+#: indices of ``CostState``'s scalars in the int64 ``sc`` of the state kernels
+BW, CPU, TOT, NEC, SENT, ASG, RPCT = range(7)
+_PW_BLOCK = 128  # NumPy's PW_BLOCKSIZE (its pairwise summation)
 
 
 @njit(cache=True, nogil=True)
@@ -350,6 +359,294 @@ def first_fit(scores: np.ndarray, skip: int, b: np.ndarray, pend: np.ndarray, in
 
 
 @njit(cache=True, nogil=True)
+def first_fit_in(order: np.ndarray, b: np.ndarray, inv: np.ndarray, sub_count: np.ndarray,
+                 dest: np.ndarray, f: int, topic_rate: np.ndarray,
+                 topic_subscribers: np.ndarray, rpc_ok: bool, topic_ok: bool) -> int:
+    """The first channel of ``order`` on which the type fits without the reserve
+    (:func:`nodes_fit`; ``rpc_ok`` / ``topic_ok``: the controller's half of the test for RPC
+    / for any topic), or -1 if none does. A topic's current subscribers are checked through
+    the nodes that ``f`` more would put over s(n) (found once, by the same float test), not
+    by a scan of every node per topic."""
+    tight = np.empty(b.shape[0], np.int64)
+    nt = 0
+    if f != 0:
+        for n in range(b.shape[0]):
+            x = b[n] + f
+            if x * inv[n] > 1.0:
+                tight[nt] = n
+                nt += 1
+    for i in range(order.shape[0]):
+        c = order[i]
+        if c == 0:
+            if rpc_ok and nodes_fit(b, b, False, inv, sub_count[0], dest, f, True, 0, 0):
+                return 0
+        elif topic_ok:
+            row = sub_count[c]
+            ok = True
+            if f != 0 and topic_subscribers[c] != 0:
+                for j in range(nt):
+                    if row[tight[j]] > 0:
+                        ok = False
+                        break
+            if ok and _dests_fit(b, b, False, inv, dest, topic_rate[c] + f, row, True):
+                return int(c)
+    return -1
+
+
+@njit(cache=True, nogil=True)
+def _block_sum(a: np.ndarray, lo: int, n: int) -> float:
+    """NumPy's pairwise sum of ``a[lo:lo + n]`` for ``n <= 128``: sequential below 8,
+    else eight accumulators, combined as ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7)),
+    then the rest."""
+    if n < 8:
+        res = 0.0
+        for i in range(lo, lo + n):
+            res += a[i]
+        return res
+    r0, r1, r2, r3 = a[lo], a[lo + 1], a[lo + 2], a[lo + 3]
+    r4, r5, r6, r7 = a[lo + 4], a[lo + 5], a[lo + 6], a[lo + 7]
+    i = 8
+    stop = n - n % 8
+    while i < stop:
+        r0 += a[lo + i]
+        r1 += a[lo + i + 1]
+        r2 += a[lo + i + 2]
+        r3 += a[lo + i + 3]
+        r4 += a[lo + i + 4]
+        r5 += a[lo + i + 5]
+        r6 += a[lo + i + 6]
+        r7 += a[lo + i + 7]
+        i += 8
+    res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    while i < n:
+        res += a[lo + i]
+        i += 1
+    return float(res)
+
+
+@njit(cache=True, nogil=True)
+def _pairwise_sum(a: np.ndarray, lo: int, n: int) -> float:
+    """``a[lo:lo + n].sum()`` in NumPy's pairwise order: blocks of at most 128
+    (:func:`_block_sum`), above that the two halves (the first a multiple of 8) summed
+    apart and added. An explicit stack, not recursion (numba's on-disk cache does not
+    reload recursive functions safely)."""
+    if n <= _PW_BLOCK:
+        return _block_sum(a, lo, n)
+    s_lo = np.empty(96, np.int64)
+    s_n = np.empty(96, np.int64)
+    s_join = np.empty(96, np.bool_)
+    res = np.empty(64, np.float64)
+    top, rtop = 1, 0
+    s_lo[0], s_n[0], s_join[0] = lo, n, False
+    while top > 0:
+        top -= 1
+        lo_i, n_i, join = s_lo[top], s_n[top], s_join[top]
+        if join:  # both halves done: left below right
+            res[rtop - 2] = res[rtop - 2] + res[rtop - 1]
+            rtop -= 1
+        elif n_i <= _PW_BLOCK:
+            res[rtop] = _block_sum(a, lo_i, n_i)
+            rtop += 1
+        else:
+            n2 = n_i // 2
+            n2 -= n2 % 8
+            s_lo[top], s_n[top], s_join[top] = lo_i, n_i, True
+            s_lo[top + 1], s_n[top + 1], s_join[top + 1] = lo_i + n2, n_i - n2, False
+            s_lo[top + 2], s_n[top + 2], s_join[top + 2] = lo_i, n2, False
+            top += 3
+    return float(res[0])
+
+
+@njit(cache=True, nogil=True)
+def _array_sum(a: np.ndarray) -> float:
+    """``float(a.sum())`` as NumPy computes it for a contiguous float64 array: the pairwise
+    sum of every element, added to the identity 0."""
+    return 0.0 + _pairwise_sum(a, 0, a.shape[0])
+
+
+@njit(cache=True, nogil=True)
+def state_violation(b: np.ndarray, cap: np.ndarray, bw: int, cpu: int, bw_cap: int, cpu_cap: int,
+              tmp: np.ndarray) -> float:
+    """:func:`envs.dsmd.cost.violation`: ``[bw/C_b - 1]^+ + [sends/C_p - 1]^+ +
+    sum_n [b(n)/s(n) - 1]^+`` (``tmp``: float64 scratch of N entries)."""
+    v = max(bw / bw_cap - 1.0, 0.0)
+    v += max(cpu / cpu_cap - 1.0, 0.0)
+    over = False
+    for n in range(b.shape[0]):
+        if b[n] > cap[n]:
+            over = True
+            break
+    if over:
+        for n in range(b.shape[0]):
+            x = b[n] - cap[n]
+            tmp[n] = (x if x > 0 else 0) / cap[n]
+        v += _array_sum(tmp)
+    return v
+
+
+@njit(cache=True, nogil=True)
+def _count_rpc(sc: np.ndarray, f: int, d: int, msgs: int, sign: int) -> None:
+    """The scalars an RPC type adds (``sign`` 1) or takes back (-1): f|D| of controller
+    bandwidth and of node traffic, |D| sends, |D| copies of its messages, one RPC type."""
+    sc[BW] += sign * f * d
+    sc[CPU] += sign * d
+    sc[TOT] += sign * f * d
+    sc[SENT] += sign * msgs * d
+    sc[RPCT] += sign
+
+
+@njit(cache=True, nogil=True)
+def state_move(m: int, c: int, ch: np.ndarray, b: np.ndarray, trate: np.ndarray, tsubs: np.ndarray,
+          ttypes: np.ndarray, sub: np.ndarray, sc: np.ndarray, dest_ptr: np.ndarray,
+          dest_idx: np.ndarray, rate: np.ndarray, fan: np.ndarray, msgs: np.ndarray) -> None:
+    """``CostState.move(m, c)`` on the state's arrays (``CostState.kernel_arrays``; the
+    scalars in ``sc``, indices ``BW`` .. ``RPCT``); the pending least costs are not tracked
+    (a what-if that moves back leaves them right)."""
+    old = ch[m]
+    if old == c:
+        return
+    f, d = rate[m], fan[m]
+    dest = dest_idx[dest_ptr[m]:dest_ptr[m + 1]]
+    if old != -1:
+        if old == 0:
+            rpc_shift(b, dest, -f, b, False)
+            _count_rpc(sc, f, d, msgs[m], -1)
+        else:
+            r_old, s_old = trate[old], tsubs[old]
+            gone = topic_remove(b, sub[old], dest, f, r_old, b, False)
+            trate[old] = r_old - f
+            tsubs[old] = s_old - gone
+            ttypes[old] -= 1
+            sc[TOT] -= f * (s_old - gone) + r_old * gone
+            sc[BW] -= f
+            sc[CPU] -= 1
+            sc[SENT] -= msgs[m]
+        sc[NEC] -= f * d
+        sc[ASG] -= 1
+        ch[m] = -1
+    if c != -1:
+        if c == 0:
+            rpc_shift(b, dest, f, b, False)
+            _count_rpc(sc, f, d, msgs[m], 1)
+        else:
+            r_old, s_old = trate[c], tsubs[c]
+            fresh = topic_add(b, sub[c], dest, f, r_old, s_old, b, False)
+            trate[c] = r_old + f
+            tsubs[c] = s_old + fresh
+            ttypes[c] += 1
+            sc[TOT] += f * s_old + (r_old + f) * fresh
+            sc[BW] += f
+            sc[CPU] += 1
+            sc[SENT] += msgs[m]
+        sc[NEC] += f * d
+        sc[ASG] += 1
+        ch[m] = c
+
+
+@njit(cache=True, nogil=True)
+def violations_if(m: int, channels: np.ndarray, ch: np.ndarray, b: np.ndarray,
+                  trate: np.ndarray, tsubs: np.ndarray, ttypes: np.ndarray, sub: np.ndarray,
+                  sc: np.ndarray, dest_ptr: np.ndarray, dest_idx: np.ndarray, rate: np.ndarray,
+                  fan: np.ndarray, msgs: np.ndarray, cap: np.ndarray, bw_cap: int,
+                  cpu_cap: int) -> np.ndarray:
+    """:func:`state_violation` with unassigned ``m`` on each of ``channels`` in turn (the
+    state is left as it was)."""
+    out = np.empty(channels.shape[0], np.float64)
+    tmp = np.empty(b.shape[0], np.float64)
+    for i in range(channels.shape[0]):
+        state_move(m, channels[i], ch, b, trate, tsubs, ttypes, sub, sc, dest_ptr, dest_idx,
+                   rate, fan, msgs)
+        out[i] = state_violation(b, cap, sc[BW], sc[CPU], bw_cap, cpu_cap, tmp)
+        state_move(m, -1, ch, b, trate, tsubs, ttypes, sub, sc, dest_ptr, dest_idx, rate,
+                   fan, msgs)
+    return out
+
+
+@njit(cache=True, nogil=True)
+def build_state(ch: np.ndarray, b: np.ndarray, trate: np.ndarray, tsubs: np.ndarray,
+                ttypes: np.ndarray, sub: np.ndarray, sc: np.ndarray, dest_ptr: np.ndarray,
+                dest_idx: np.ndarray, rate: np.ndarray, fan: np.ndarray,
+                msgs: np.ndarray) -> None:
+    """Eq. 1's quantities of the whole assignment ``ch`` into the zeroed arrays and ``sc``
+    (``CostState.assign_all``): RPC types on their destinations, topic rates and the
+    subscription counts, then every subscriber receives its topic's whole rate."""
+    for m in range(ch.shape[0]):
+        c = ch[m]
+        if c < 0:
+            continue
+        f, d = rate[m], fan[m]
+        if c == 0:
+            for i in range(dest_ptr[m], dest_ptr[m + 1]):
+                b[dest_idx[i]] += f
+            _count_rpc(sc, f, d, msgs[m], 1)
+        else:
+            row = sub[c]
+            for i in range(dest_ptr[m], dest_ptr[m + 1]):
+                row[dest_idx[i]] += 1
+            trate[c] += f
+            ttypes[c] += 1
+            sc[BW] += f
+            sc[CPU] += 1
+            sc[SENT] += msgs[m]
+        sc[NEC] += f * d
+        sc[ASG] += 1
+    for t in range(1, trate.shape[0]):
+        if ttypes[t] == 0:
+            continue
+        row = sub[t]
+        r = trate[t]
+        s = 0
+        for n in range(b.shape[0]):
+            if row[n] > 0:
+                b[n] += r
+                s += 1
+        tsubs[t] = s
+        sc[TOT] += r * s
+
+
+@njit(cache=True, nogil=True)
+def least_fitting(m: int, scores: np.ndarray, fallback: int, inv: np.ndarray, ch: np.ndarray,
+                  b: np.ndarray, trate: np.ndarray, tsubs: np.ndarray, ttypes: np.ndarray,
+                  sub: np.ndarray, sc: np.ndarray, dest_ptr: np.ndarray, dest_idx: np.ndarray,
+                  rate: np.ndarray, fan: np.ndarray, msgs: np.ndarray, cap: np.ndarray,
+                  bw_cap: int, cpu_cap: int) -> int:
+    """The channel of least score (equal scores: lower channel first) on which unassigned
+    ``m`` fits (``CostState.fits``, no reserve); if none does, the least (violation,
+    score) among RPC and the ``fallback`` best-scoring topics (earlier first on equal
+    pairs). The state is left as it was."""
+    f, d = rate[m], fan[m]
+    dest = dest_idx[dest_ptr[m]:dest_ptr[m + 1]]
+    rpc_ok = sc[BW] + f * d <= bw_cap and sc[CPU] + d <= cpu_cap
+    topic_ok = sc[BW] + f <= bw_cap and sc[CPU] + 1 <= cpu_cap
+    order = np.argsort(scores, kind="mergesort")
+    if rpc_ok or topic_ok:
+        c = first_fit_in(order, b, inv, sub, dest, f, trate, tsubs, rpc_ok, topic_ok)
+        if c >= 0:
+            return c
+    tmp = np.empty(b.shape[0], np.float64)
+    best = 0
+    state_move(m, 0, ch, b, trate, tsubs, ttypes, sub, sc, dest_ptr, dest_idx, rate, fan, msgs)
+    best_v = state_violation(b, cap, sc[BW], sc[CPU], bw_cap, cpu_cap, tmp)
+    state_move(m, -1, ch, b, trate, tsubs, ttypes, sub, sc, dest_ptr, dest_idx, rate, fan, msgs)
+    taken = 0
+    for i in range(order.shape[0]):
+        c = order[i]
+        if c == 0:
+            continue
+        if taken == fallback:
+            break
+        taken += 1
+        state_move(m, c, ch, b, trate, tsubs, ttypes, sub, sc, dest_ptr, dest_idx, rate, fan,
+                   msgs)
+        v = state_violation(b, cap, sc[BW], sc[CPU], bw_cap, cpu_cap, tmp)
+        state_move(m, -1, ch, b, trate, tsubs, ttypes, sub, sc, dest_ptr, dest_idx, rate, fan,
+                   msgs)
+        if v < best_v or (v == best_v and scores[c] < scores[best]):
+            best, best_v = c, v
+    return best
+
+
+@njit(cache=True, nogil=True)
 def max_ratio(b: np.ndarray, inv: np.ndarray) -> float:
     """max_n b(n) / s(n) (0 for no nodes)."""
     top = 0.0
@@ -429,6 +726,16 @@ def warm_up() -> None:
     nodes_fit(i64, i64, True, inv, row[1], dest, 1, False, 0, 0)
     for sc in (np.zeros(2, np.float32), np.zeros(2, np.float64)):
         first_fit(sc, 0, i64, i64, inv, row, dest, 1, s, r, True, True)
+    first_fit_in(np.array([1, 0], np.int64), i64, inv, row, dest, 1, s, r, True, True)
+    # a two-type state: build it, then a what-if on each channel (state_move, the violation)
+    ch, ptr = np.array([0, -1], np.int64), np.array([0, 2, 3], np.int64)
+    idx, one = np.array([0, 2, 1], np.int64), np.ones(2, np.int64)
+    st = (ch, np.zeros(3, np.int64), np.zeros(2, np.int64), np.zeros(2, np.int64),
+          np.zeros(2, np.int64), np.zeros((2, 3), np.int32), np.zeros(7, np.int64), ptr, idx,
+          one, np.array([2, 1], np.int64), one, np.full(3, 10, np.int64), 10, 10)
+    build_state(*st[:12])
+    violations_if(1, np.array([0, 1], np.int64), *st)
+    least_fitting(1, np.zeros(2), 1, inv, *st)
     max_ratio(i64, inv)
     argmax_ties(np.zeros(3, np.float32))
     argmax_ties(np.zeros(3, np.float64))

@@ -160,12 +160,15 @@ def relabel_topics(need: np.ndarray, have: np.ndarray) -> np.ndarray:
     (Hungarian method). Which types share a topic, and so Eq. 1's cost, does not change.
     """
     from scipy.optimize import linear_sum_assignment
+    from scipy.sparse import csr_matrix
 
     k = need.shape[0]
     perm = np.arange(k + 1, dtype=np.int64)
     if k == 0:
         return perm
-    overlap = need.astype(np.int32) @ have.astype(np.int32).T
+    # sparse: a node subscribes a few of the K topics; the counts are exact in a double
+    overlap = (csr_matrix(need, dtype=np.float64)
+               @ csr_matrix(have, dtype=np.float64).T).toarray()
     rows, cols = linear_sum_assignment(overlap, maximize=True)
     perm[rows + 1] = cols + 1
     return perm
@@ -388,15 +391,17 @@ class Placement:
         """Whether channel ``c`` keeps every expected load within Eq. 1's capacities."""
         return self.__state.fits(self.__row, int(c))
 
+    def choose(self, scores: Sequence[float] | np.ndarray, fallback: int = 4) -> int:
+        """The channel of least ``scores`` (K+1 values; equal scores: lower channel first)
+        that :meth:`fits`; if none does, the least (:meth:`violation_if`, score) among RPC
+        and the ``fallback`` best-scoring topics. One compiled pass."""
+        return self.__state.least_fitting(self.__row, np.asarray(scores, np.float64),
+                                          int(fallback))
+
     def violation_if(self, c: int) -> float:
         """The expected normalised violation (:func:`envs.dsmd.cost.violation`) with the new
         type on channel ``c``."""
-        st, row = self.__state, self.__row
-        st.move(row, int(c))
-        try:
-            return st.violation()
-        finally:
-            st.move(row, UNASSIGNED)
+        return float(self.__state.violations_if(self.__row, np.array([c], np.int64))[0])
 
 
 class OnlineDecider(Protocol):

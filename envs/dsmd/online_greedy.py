@@ -35,10 +35,11 @@ from typing import Any
 
 import numpy as np
 
-from .cost import CostState
+from . import greedy_kernels as _gk
+from .cost import CostState, subscriptions
 from .errors import DSMDError
 from .greedy import GreedyLocalSearch
-from .instance import RPC, DSMDInstance
+from .instance import RPC, UNASSIGNED, DSMDInstance
 from .online import NewType, OnlineCost, OnlineView, Placement, relabel_topics
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "executor_class",
     "forecast",
     "place_least_cost",
+    "warm_up",
 ]
 
 FORECASTS = ("last", "ewma", "holt")
@@ -99,12 +101,7 @@ def place_least_cost(placement: Placement, new: NewType, cost: OnlineCost) -> in
     if new.previous_channel >= 0:  # a returning type: leaving its channel is a move
         score = score + cost.w_move
         score[new.previous_channel] -= cost.w_move
-    order = np.argsort(score, kind="stable").tolist()
-    for c in order:
-        if placement.fits(c):
-            return int(c)
-    cand = [RPC, *[c for c in order if c != RPC][:4]]
-    return int(min(cand, key=lambda c: (placement.violation_if(c), float(score[c]))))
+    return placement.choose(score, fallback=4)
 
 
 class OnlineGreedy:
@@ -173,9 +170,8 @@ class OnlineGreedy:
 
     @staticmethod
     def _relabel(inst: DSMDInstance, fresh: np.ndarray, current: np.ndarray) -> np.ndarray:
-        need = CostState(inst, fresh).sub_count[1:] > 0
-        now = CostState(inst, current).sub_count[1:] > 0
-        out: np.ndarray = relabel_topics(need, now)[fresh]
+        out: np.ndarray = relabel_topics(subscriptions(inst, fresh),
+                                         subscriptions(inst, current))[fresh]
         return out
 
     def _lazy(self, inst: DSMDInstance, fresh: np.ndarray, start: np.ndarray) -> np.ndarray:
@@ -183,30 +179,12 @@ class OnlineGreedy:
         within ``horizon`` intervals (or removes violation)."""
         st = CostState(inst, start)
         cfg = self.cost
-        nec = max(inst.necessary_bps, 1)
         order = np.argsort(-(inst.rate_bps * inst.fanout), kind="stable")
-        for _ in range(2):
-            changed = False
-            for m in order[fresh[order] != st.channel[order]].tolist():
-                a, b = int(st.channel[m]), int(fresh[m])
-                dest = inst.destinations(m)
-                infos = 0
-                if a > 0:
-                    infos += int(np.count_nonzero(st.sub_count[a][dest] == 1))
-                if b > 0:
-                    infos += int(np.count_nonzero(st.sub_count[b][dest] == 0))
-                v0 = st.violation()
-                t0 = st.total_traffic
-                st.move(m, b)
-                v1 = st.violation()
-                gain = (t0 - st.total_traffic) / nec + cfg.w_violation * (v0 - v1)
-                price = cfg.w_move + cfg.w_subscribe * infos
-                if v1 < v0 - 1e-12 or gain * self.horizon > price:
-                    changed = True
-                else:
-                    st.move(m, a)
-            if not changed:
-                break
+        arrays = st.kernel_arrays()
+        _gk.lazy_switch(np.asarray(fresh, np.int64), order, max(int(inst.necessary_bps), 1),
+                        float(self.horizon), float(cfg.w_violation), float(cfg.w_move),
+                        float(cfg.w_subscribe), 2, *arrays)
+        st.sync_scalars(arrays[6])
         return st.channel.copy()
 
     # ------------------------------------------------------------------ new types
@@ -233,3 +211,22 @@ def executor_class(name: str) -> type[OnlineGreedy]:
     if cls is None:
         raise DSMDError(f"unknown executor {name!r}; known: {sorted(EXECUTORS)}")
     return cls
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's on-disk cache) every compiled loop the executor runs
+    (:mod:`envs.dsmd.greedy_kernels`, the placement what-ifs) on a three-type instance, so
+    that the first real interval does not pay for it: the policy server calls this while
+    starting. Loading from the cache is much faster than compiling on a fresh install."""
+    inst = DSMDInstance(num_nodes=3, num_topics=2,
+                        node_capacity_bps=np.full(3, 100, np.int64), controller_bw_bps=30,
+                        controller_cpu=3, rate_bps=np.array([5, 7, 9], np.int64),
+                        dest_ptr=np.array([0, 2, 3, 5], np.int64),
+                        dest_idx=np.array([0, 1, 2, 0, 2], np.int64))
+    fresh = GreedyLocalSearch(local_search_passes=1).assign(inst)
+    current = np.array([RPC, 1, 2], np.int64)
+    OnlineGreedy._relabel(inst, fresh, current)
+    OnlineGreedy(horizon=1.0)._lazy(inst, fresh, current)
+    state = CostState(inst, np.array([RPC, 1, UNASSIGNED], np.int64))
+    state.least_fitting(2, np.zeros(inst.num_topics + 1))
+    state.violations_if(2, np.array([RPC, 1], np.int64))

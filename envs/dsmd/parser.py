@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -79,6 +79,7 @@ class TypeCatalog:
     config: list[int] = field(default_factory=list)
     _index: dict[int, int] = field(default_factory=dict, repr=False)
     _by_bytes: dict[bytes, int] = field(default_factory=dict, repr=False)
+    _arrays: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.batch_key not in BATCH_KEYS:
@@ -119,12 +120,25 @@ class TypeCatalog:
 
     def csr(self) -> tuple[np.ndarray, np.ndarray]:
         """Destinations of all types as CSR (indptr, node indices)."""
-        lens = np.fromiter((d.size for d in self.destinations), dtype=np.int64,
-                           count=len(self.destinations))
-        ptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-        idx = (np.concatenate(self.destinations) if self.destinations
-               else np.zeros(0, np.int64)).astype(np.int64)
-        return ptr, idx
+        a = self.arrays()
+        return a["ptr"], a["idx"]
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The catalogue as arrays: ``ptr``/``idx`` (destinations as CSR), ``vpc``,
+        ``config``; built once per catalogue size (a live catalogue only grows), read-only."""
+        n = len(self.keys)
+        if self._arrays.get("n") != n:
+            lens = np.fromiter((d.size for d in self.destinations), dtype=np.int64, count=n)
+            ptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+            idx = (np.concatenate(self.destinations) if n else np.zeros(0, np.int64)
+                   ).astype(np.int64)
+            got = {"ptr": ptr, "idx": idx, "vpc": np.asarray(self.vpc, np.int64),
+                   "config": np.asarray(self.config, np.int8)}
+            for a in got.values():
+                a.flags.writeable = False
+            self._arrays.clear()
+            self._arrays.update(got, n=n)
+        return {k: v for k, v in self._arrays.items() if k != "n"}
 
 
 @dataclass(frozen=True)
