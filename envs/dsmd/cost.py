@@ -244,11 +244,11 @@ class CostState:
         self.topic_subscribers = np.zeros(inst.num_topics + 1, dtype=np.int64)
         self.topic_types = np.zeros(inst.num_topics + 1, dtype=np.int64)
         self.sub_count[:] = 0
-        sc = np.zeros(7, dtype=np.int64)
-        assert inst.messages is not None  # filled in DSMDInstance.__post_init__
-        _k.build_state(self.channel, self.node_traffic, self.topic_rate,
-                       self.topic_subscribers, self.topic_types, self.sub_count, sc,
-                       inst.dest_ptr, inst.dest_idx, inst.rate_bps, inst.fanout, inst.messages)
+        self.controller_bw = self.controller_cpu = self.total_traffic = self.necessary = 0
+        self.sent_messages = self.assigned = self.rpc_types = 0
+        st = self.kernel_arrays()
+        _k.build_state(st)
+        sc = st[6]
         (self.controller_bw, self.controller_cpu, self.total_traffic, self.necessary,
          self.sent_messages, self.assigned, self.rpc_types) = (int(x) for x in sc)
         if self.pending_node is not None:
@@ -326,7 +326,8 @@ class CostState:
         self.channel[m] = UNASSIGNED
 
     def kernel_arrays(self) -> tuple:
-        """The state as the state kernels (:func:`envs.dsmd.kernels.state_move`) take it:
+        """The state as the state kernels (:func:`envs.dsmd.kernels.state_move`) take it, one
+        tuple:
         ``(channel, node_traffic, topic_rate, topic_subscribers, topic_types, sub_count, sc,
         dest_ptr, dest_idx, rate, fanout, messages, capacity, C_b, C_p)``. The arrays are
         the state's own (changed in place); ``sc`` holds its scalars, to be written back
@@ -358,7 +359,7 @@ class CostState:
         channels = np.asarray(channels, dtype=np.int64)
         if channels.size and (channels.min() < RPC or channels.max() > self.inst.num_topics):
             raise InstanceError(f"channels must be in 0..{self.inst.num_topics}")
-        out: np.ndarray = _k.violations_if(int(m), channels, *self.kernel_arrays())
+        out: np.ndarray = _k.violations_if(int(m), channels, self.kernel_arrays())
         return out
 
     def channel_costs(self, m: int) -> tuple[np.ndarray, np.ndarray]:
@@ -468,7 +469,7 @@ class CostState:
             raise InstanceError(f"scores need {self.inst.num_topics + 1} entries, got "
                                 f"{scores.shape}")
         return int(_k.least_fitting(int(m), scores, int(fallback), self.inst.inv_capacity,
-                                    *self.kernel_arrays()))
+                                    self.kernel_arrays()))
 
     def first_fit(self, m: int, scores: np.ndarray, skip: int = -1) -> int:
         """The highest-scoring channel other than ``skip`` (ties: lower index first) that

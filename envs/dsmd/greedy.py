@@ -74,18 +74,19 @@ class GreedyLocalSearch(Policy):
         # 2. free moves, biggest relief first; 3. lazy greedy relief of the controller
         free_order = multicast[np.argsort(-(relief_bw[multicast] + relief_cpu[multicast]),
                                           kind="stable")]
-        arrays = state.kernel_arrays()
+        st, sub_t = state.kernel_arrays(), _node_major(state)
         moves = int(_gk.greedy_construct(free_order, multicast, relief_bw, relief_cpu,
-                                         self._k(inst), _node_major(state), *arrays))
-        state.sync_scalars(arrays[6])
-        # 4. local search
-        passes = self._local_search(state, t0)
+                                         self._k(inst), sub_t, st))
+        state.sync_scalars(st[6])
+        # 4. local search (its kernel keeps sub_t in step with the state)
+        order = np.argsort(-(f * d), kind="stable")
+        passes = self._local_search(state, t0, order, sub_t)
         start = "greedy"
         # 5. the same local search from IDCS's assignment; keep the better
         assert inst.vpc is not None  # filled in DSMDInstance.__post_init__
-        alt = CostState(inst, np.where(inst.fanout > 1, vpc_topic(inst.vpc, inst.num_topics),
+        alt = CostState(inst, np.where(d > 1, vpc_topic(inst.vpc, inst.num_topics),
                                        RPC).astype(np.int64))
-        passes += self._local_search(alt, t0)
+        passes += self._local_search(alt, t0, order, _node_major(alt))
         if _rank(alt) < _rank(state):
             state, start = alt, "idcs"
         self._info = {"moves": moves, "passes": passes, "time_s": time.perf_counter() - t0,
@@ -95,23 +96,22 @@ class GreedyLocalSearch(Policy):
     def _k(self, inst: DSMDInstance) -> int:
         return max(min(self.candidates, inst.num_topics), 1)
 
-    def _local_search(self, state: CostState, t0: float) -> int:
-        """Step 4: passes in descending order of f(m)|D(m)| until one moves nothing (at most
-        ``local_search_passes``; the time limit is checked between passes)."""
-        inst = state.inst
-        order = np.argsort(-(inst.rate_bps * inst.fanout), kind="stable")
-        arrays = state.kernel_arrays()
-        sub_t = _node_major(state)
+    def _local_search(self, state: CostState, t0: float, order: np.ndarray,
+                      sub_t: np.ndarray) -> int:
+        """Step 4: passes over ``order`` (descending f(m)|D(m)|) until one moves nothing (at
+        most ``local_search_passes``; the time limit is checked between passes). ``sub_t``:
+        the state's subscription table, node-major (:func:`_node_major`)."""
+        st = state.kernel_arrays()
         passes = 0
         try:
             for _ in range(self.passes):
                 if time.perf_counter() - t0 > self.time_limit_s:
                     break
                 passes += 1
-                if not _gk.local_search_pass(order, self._k(inst), sub_t, *arrays):
+                if not _gk.local_search_pass(order, self._k(state.inst), sub_t, st):
                     break
         finally:
-            state.sync_scalars(arrays[6])
+            state.sync_scalars(st[6])
         return passes
 
 

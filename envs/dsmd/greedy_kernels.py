@@ -17,36 +17,21 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .kernels import BW, CPU, TOT, state_move
-from .kernels import state_violation as violation
+from .kernels import BW, CPU, TOT, state_move, violation_of
 
 __all__ = ["greedy_construct", "lazy_switch", "local_search_pass"]
 
 
 @njit(cache=True, nogil=True)
-def _move(
-    m: int,
-    c: int,
-    sub_t: np.ndarray,
-    ch: np.ndarray,
-    b: np.ndarray,
-    trate: np.ndarray,
-    tsubs: np.ndarray,
-    ttypes: np.ndarray,
-    sub: np.ndarray,
-    sc: np.ndarray,
-    dest_ptr: np.ndarray,
-    dest_idx: np.ndarray,
-    rate: np.ndarray,
-    fan: np.ndarray,
-    msgs: np.ndarray,
-) -> None:
-    """:func:`envs.dsmd.kernels.state_move`, keeping ``sub_t`` (``sub_count`` transposed,
-    node-major) in step."""
+def _move(m: int, c: int, sub_t: np.ndarray, st: tuple) -> None:
+    """:func:`envs.dsmd.kernels.state_move` on the state ``st``
+    (``CostState.kernel_arrays``), keeping ``sub_t`` (``sub_count`` transposed, node-major)
+    in step."""
+    ch, dest_ptr, dest_idx = st[0], st[7], st[8]
     old = ch[m]
     if old == c:
         return
-    state_move(m, c, ch, b, trate, tsubs, ttypes, sub, sc, dest_ptr, dest_idx, rate, fan, msgs)
+    state_move(m, c, st)
     for i in range(dest_ptr[m], dest_ptr[m + 1]):
         n = dest_idx[i]
         if old > 0:
@@ -56,24 +41,14 @@ def _move(
 
 
 @njit(cache=True, nogil=True)
-def _best_topics(
-    m: int,
-    k: int,
-    sub_t: np.ndarray,
-    tsubs: np.ndarray,
-    trate: np.ndarray,
-    dest_ptr: np.ndarray,
-    dest_idx: np.ndarray,
-    rate: np.ndarray,
-    covered: np.ndarray,
-    top: np.ndarray,
-    top_delta: np.ndarray,
-) -> int:
+def _best_topics(m: int, k: int, sub_t: np.ndarray, st: tuple, covered: np.ndarray,
+                 top: np.ndarray, top_delta: np.ndarray) -> int:
     """The ``k`` topics (1..K) of least added node traffic for unassigned ``m``, ascending
     (equal additions: lower topic first), into ``top`` / ``top_delta``; returns how many
     (``min(k, K)``). The addition is ``CostState.channel_costs``'s; the destinations a topic
     reaches already are counted from the node-major ``sub_t`` (``covered``: int64 scratch
     of K+1 zeros, left zero)."""
+    trate, tsubs, dest_ptr, dest_idx, rate = st[2], st[3], st[7], st[8], st[9]
     lo, hi = dest_ptr[m], dest_ptr[m + 1]
     f, d = rate[m], hi - lo
     k1 = tsubs.shape[0]
@@ -104,20 +79,11 @@ def _best_topics(
 
 
 @njit(cache=True, nogil=True)
-def _node_peak_if(
-    m: int,
-    c: int,
-    b: np.ndarray,
-    cap: np.ndarray,
-    sub: np.ndarray,
-    trate: np.ndarray,
-    dest_ptr: np.ndarray,
-    dest_idx: np.ndarray,
-    rate: np.ndarray,
-) -> float:
+def _node_peak_if(m: int, c: int, st: tuple) -> float:
     """``CostState.node_peak_if``: max_n b(n)/s(n) over the nodes whose traffic changes if
     unassigned ``m`` goes to ``c``."""
-    dest = dest_idx[dest_ptr[m] : dest_ptr[m + 1]]
+    b, trate, sub, dest_ptr, dest_idx, rate, cap = st[1], st[2], st[5], st[7], st[8], st[9], st[12]
+    dest = dest_idx[dest_ptr[m]:dest_ptr[m + 1]]
     f = rate[m]
     peak = 0.0
     first = True
@@ -186,82 +152,35 @@ def _heap_pop(s: np.ndarray, r: np.ndarray, size: int) -> int:
 
 
 @njit(cache=True, nogil=True)
-def greedy_construct(
-    free_order: np.ndarray,
-    multicast: np.ndarray,
-    relief_bw: np.ndarray,
-    relief_cpu: np.ndarray,
-    k: int,
-    sub_t: np.ndarray,
-    ch: np.ndarray,
-    b: np.ndarray,
-    trate: np.ndarray,
-    tsubs: np.ndarray,
-    ttypes: np.ndarray,
-    sub: np.ndarray,
-    sc: np.ndarray,
-    dest_ptr: np.ndarray,
-    dest_idx: np.ndarray,
-    rate: np.ndarray,
-    fan: np.ndarray,
-    msgs: np.ndarray,
-    cap: np.ndarray,
-    bw_cap: int,
-    cpu_cap: int,
-) -> int:
-    """Steps 2 and 3 of :class:`envs.dsmd.greedy.GreedyLocalSearch` from the all-RPC state:
-    free moves (``free_order``: the multicast rows, largest relief first), then, while C_b
-    or C_p is exceeded, the lazy greedy over a heap of (added redundancy per unit of relief,
-    row), equal scores in row order. Returns the number of moves."""
+def _controller_over(st: tuple) -> tuple[float, float]:
+    """([bw / C_b - 1]^+, [sends / C_p - 1]^+) of the state."""
+    sc, bw_cap, cpu_cap = st[6], st[13], st[14]
+    return max(sc[BW] / bw_cap - 1.0, 0.0), max(sc[CPU] / cpu_cap - 1.0, 0.0)
+
+
+@njit(cache=True, nogil=True)
+def greedy_construct(free_order: np.ndarray, multicast: np.ndarray, relief_bw: np.ndarray,
+                     relief_cpu: np.ndarray, k: int, sub_t: np.ndarray, st: tuple) -> int:
+    """Steps 2 and 3 of :class:`envs.dsmd.greedy.GreedyLocalSearch` from the all-RPC state
+    ``st`` (``CostState.kernel_arrays``): free moves (``free_order``: the multicast rows,
+    largest relief first), then, while C_b or C_p is exceeded, the lazy greedy over a heap
+    of (added redundancy per unit of relief, row), equal scores in row order. Returns the
+    number of moves."""
+    ch, rate, fan = st[0], st[9], st[10]
     top = np.empty(k, np.int64)
     top_delta = np.empty(k, np.int64)
-    covered = np.zeros(tsubs.shape[0], np.int64)
+    covered = np.zeros(st[3].shape[0], np.int64)
     moves = 0
     for i in range(free_order.shape[0]):
         m = free_order[i]
-        _move(
-            m, -1, sub_t, ch, b, trate, tsubs, ttypes, sub, sc, dest_ptr, dest_idx, rate, fan, msgs
-        )
-        _best_topics(m, k, sub_t, tsubs, trate, dest_ptr, dest_idx, rate, covered, top, top_delta)
+        _move(m, -1, sub_t, st)
+        _best_topics(m, k, sub_t, st, covered, top, top_delta)
         if top_delta[0] == rate[m] * fan[m]:  # zero redundancy
-            _move(
-                m,
-                top[0],
-                sub_t,
-                ch,
-                b,
-                trate,
-                tsubs,
-                ttypes,
-                sub,
-                sc,
-                dest_ptr,
-                dest_idx,
-                rate,
-                fan,
-                msgs,
-            )
+            _move(m, top[0], sub_t, st)
             moves += 1
         else:
-            _move(
-                m,
-                0,
-                sub_t,
-                ch,
-                b,
-                trate,
-                tsubs,
-                ttypes,
-                sub,
-                sc,
-                dest_ptr,
-                dest_idx,
-                rate,
-                fan,
-                msgs,
-            )
-    bw_over = max(sc[BW] / bw_cap - 1.0, 0.0)
-    cpu_over = max(sc[CPU] / cpu_cap - 1.0, 0.0)
+            _move(m, 0, sub_t, st)
+    bw_over, cpu_over = _controller_over(st)
     if not (bw_over > 0 or cpu_over > 0):
         return moves
     hs = np.empty(multicast.shape[0] + 1, np.float64)
@@ -278,76 +197,23 @@ def greedy_construct(
         relief = w_bw * relief_bw[m] + w_cpu * relief_cpu[m]
         if relief <= 0:
             continue
-        _move(
-            m, -1, sub_t, ch, b, trate, tsubs, ttypes, sub, sc, dest_ptr, dest_idx, rate, fan, msgs
-        )
-        got = _best_topics(
-            m, k, sub_t, tsubs, trate, dest_ptr, dest_idx, rate, covered, top, top_delta
-        )
+        _move(m, -1, sub_t, st)
+        got = _best_topics(m, k, sub_t, st, covered, top, top_delta)
         new_score = float(top_delta[0] - rate[m] * fan[m]) / relief
         if size > 0 and new_score > hs[0] + 1e-12:
-            _move(
-                m,
-                0,
-                sub_t,
-                ch,
-                b,
-                trate,
-                tsubs,
-                ttypes,
-                sub,
-                sc,
-                dest_ptr,
-                dest_idx,
-                rate,
-                fan,
-                msgs,
-            )
+            _move(m, 0, sub_t, st)
             size = _heap_push(hs, hr, size, new_score, m)
             continue
         placed = False
         for j in range(got):
-            if _node_peak_if(m, top[j], b, cap, sub, trate, dest_ptr, dest_idx, rate) <= 1.0:
-                _move(
-                    m,
-                    top[j],
-                    sub_t,
-                    ch,
-                    b,
-                    trate,
-                    tsubs,
-                    ttypes,
-                    sub,
-                    sc,
-                    dest_ptr,
-                    dest_idx,
-                    rate,
-                    fan,
-                    msgs,
-                )
+            if _node_peak_if(m, top[j], st) <= 1.0:
+                _move(m, top[j], sub_t, st)
                 placed = True
                 moves += 1
                 break
         if not placed:
-            _move(
-                m,
-                0,
-                sub_t,
-                ch,
-                b,
-                trate,
-                tsubs,
-                ttypes,
-                sub,
-                sc,
-                dest_ptr,
-                dest_idx,
-                rate,
-                fan,
-                msgs,
-            )
-        bw_over = max(sc[BW] / bw_cap - 1.0, 0.0)
-        cpu_over = max(sc[CPU] / cpu_cap - 1.0, 0.0)
+            _move(m, 0, sub_t, st)
+        bw_over, cpu_over = _controller_over(st)
     return moves
 
 
@@ -356,28 +222,18 @@ def _min_slack(b: np.ndarray, cap: np.ndarray) -> int:
     """min_n s(n) - b(n) (negative: some node is over its capacity)."""
     low = cap[0] - b[0] if b.shape[0] else 0
     for n in range(1, b.shape[0]):
-        x = cap[n] - b[n]
-        low = min(low, x)
+        low = min(low, cap[n] - b[n])
     return low
 
 
 @njit(cache=True, nogil=True)
-def _would_overflow(
-    c: int,
-    dest: np.ndarray,
-    f: int,
-    b: np.ndarray,
-    cap: np.ndarray,
-    sub: np.ndarray,
-    tsubs: np.ndarray,
-    trate: np.ndarray,
-    slack: int,
-) -> bool:
+def _would_overflow(c: int, dest: np.ndarray, f: int, st: tuple, slack: int) -> bool:
     """Whether some node would exceed s(n) with the unassigned type (destinations ``dest``,
     rate ``f``) on channel ``c``: the nodes :func:`envs.dsmd.kernels.state_move` changes,
     read without moving (RPC: each destination gets f; topic: its subscribers f, its new
     subscribers the whole topic). ``slack``: :func:`_min_slack` of the state (no subscriber
     can overflow when f is within it)."""
+    b, trate, tsubs, sub, cap = st[1], st[2], st[3], st[5], st[12]
     if c == 0:
         for i in range(dest.shape[0]):
             n = dest[i]
@@ -398,26 +254,7 @@ def _would_overflow(
 
 
 @njit(cache=True, nogil=True)
-def local_search_pass(
-    order: np.ndarray,
-    k: int,
-    sub_t: np.ndarray,
-    ch: np.ndarray,
-    b: np.ndarray,
-    trate: np.ndarray,
-    tsubs: np.ndarray,
-    ttypes: np.ndarray,
-    sub: np.ndarray,
-    sc: np.ndarray,
-    dest_ptr: np.ndarray,
-    dest_idx: np.ndarray,
-    rate: np.ndarray,
-    fan: np.ndarray,
-    msgs: np.ndarray,
-    cap: np.ndarray,
-    bw_cap: int,
-    cpu_cap: int,
-) -> bool:
+def local_search_pass(order: np.ndarray, k: int, sub_t: np.ndarray, st: tuple) -> bool:
     """One pass of step 4 over the rows of ``order``: each type moves to RPC or one of its
     ``k`` best topics when that lowers the violation (by more than 1e-12), or keeps it
     (near) zero and lowers sum_n b(n). Returns whether any type moved.
@@ -426,32 +263,30 @@ def local_search_pass(
     violation is then the controller's terms alone and the node traffic grows by the
     channel's addition (the integers and floats the move would give); otherwise it is
     moved there and back."""
+    ch, b, sc, dest_ptr, dest_idx, rate, fan = st[0], st[1], st[6], st[7], st[8], st[9], st[10]
+    cap, bw_cap, cpu_cap = st[12], st[13], st[14]
     top = np.empty(k, np.int64)
     top_delta = np.empty(k, np.int64)
-    covered = np.zeros(tsubs.shape[0], np.int64)
+    covered = np.zeros(st[3].shape[0], np.int64)
     tmp = np.empty(b.shape[0], np.float64)
     improved = False
     # the state's violation, carried from type to type: after each type's final move the
     # state is the one its chosen candidate was scored on (or the one it started from)
-    v_now = violation(b, cap, sc[BW], sc[CPU], bw_cap, cpu_cap, tmp)
+    v_now = violation_of(st, tmp)
     for i in range(order.shape[0]):
         m = order[i]
         cur = ch[m]
         best_v, best_t, best_c = v_now, sc[TOT], cur
-        _move(
-            m, -1, sub_t, ch, b, trate, tsubs, ttypes, sub, sc, dest_ptr, dest_idx, rate, fan, msgs
-        )
-        got = _best_topics(
-            m, k, sub_t, tsubs, trate, dest_ptr, dest_idx, rate, covered, top, top_delta
-        )
-        dest = dest_idx[dest_ptr[m] : dest_ptr[m + 1]]
+        _move(m, -1, sub_t, st)
+        got = _best_topics(m, k, sub_t, st, covered, top, top_delta)
+        dest = dest_idx[dest_ptr[m]:dest_ptr[m + 1]]
         f, d = rate[m], fan[m]
         slack = _min_slack(b, cap)
         for j in range(-1, got):
             c = 0 if j < 0 else top[j]
             if c == cur:
                 continue
-            if slack >= 0 and not _would_overflow(c, dest, f, b, cap, sub, tsubs, trate, slack):
+            if slack >= 0 and not _would_overflow(c, dest, f, st, slack):
                 if c == 0:
                     bw, cpu, t = sc[BW] + f * d, sc[CPU] + d, sc[TOT] + f * d
                 else:
@@ -459,61 +294,13 @@ def local_search_pass(
                 v = max(bw / bw_cap - 1.0, 0.0)
                 v += max(cpu / cpu_cap - 1.0, 0.0)
             else:
-                _move(
-                    m,
-                    c,
-                    sub_t,
-                    ch,
-                    b,
-                    trate,
-                    tsubs,
-                    ttypes,
-                    sub,
-                    sc,
-                    dest_ptr,
-                    dest_idx,
-                    rate,
-                    fan,
-                    msgs,
-                )
-                v = violation(b, cap, sc[BW], sc[CPU], bw_cap, cpu_cap, tmp)
+                _move(m, c, sub_t, st)
+                v = violation_of(st, tmp)
                 t = sc[TOT]
-                _move(
-                    m,
-                    -1,
-                    sub_t,
-                    ch,
-                    b,
-                    trate,
-                    tsubs,
-                    ttypes,
-                    sub,
-                    sc,
-                    dest_ptr,
-                    dest_idx,
-                    rate,
-                    fan,
-                    msgs,
-                )
+                _move(m, -1, sub_t, st)
             if (v < best_v - 1e-12) or (v <= 1e-12 and best_v <= 1e-12 and t < best_t):
                 best_c, best_v, best_t = c, v, t
-        _move(
-            m,
-            best_c,
-            sub_t,
-            ch,
-            b,
-            trate,
-            tsubs,
-            ttypes,
-            sub,
-            sc,
-            dest_ptr,
-            dest_idx,
-            rate,
-            fan,
-            msgs,
-        )
+        _move(m, best_c, sub_t, st)
         v_now = best_v
         if best_c != cur:
             improved = True
@@ -521,37 +308,16 @@ def local_search_pass(
 
 
 @njit(cache=True, nogil=True)
-def lazy_switch(
-    fresh: np.ndarray,
-    order: np.ndarray,
-    necessary: int,
-    horizon: float,
-    w_violation: float,
-    w_move: float,
-    w_subscribe: float,
-    sweeps: int,
-    ch: np.ndarray,
-    b: np.ndarray,
-    trate: np.ndarray,
-    tsubs: np.ndarray,
-    ttypes: np.ndarray,
-    sub: np.ndarray,
-    sc: np.ndarray,
-    dest_ptr: np.ndarray,
-    dest_idx: np.ndarray,
-    rate: np.ndarray,
-    fan: np.ndarray,
-    msgs: np.ndarray,
-    cap: np.ndarray,
-    bw_cap: int,
-    cpu_cap: int,
-) -> None:
+def lazy_switch(fresh: np.ndarray, order: np.ndarray, necessary: int, horizon: float,
+                w_violation: float, w_move: float, w_subscribe: float, sweeps: int,
+                st: tuple) -> None:
     """The hysteresis of :class:`envs.dsmd.online_greedy.OnlineGreedy` (lazy capacity
-    provisioning): in ``order``, each type whose channel differs from the fresh plan's
-    takes it when that removes violation or when its gain per interval (node traffic saved
-    over ``necessary``, plus ``w_violation`` x violation removed) times ``horizon`` exceeds
-    its price (``w_move`` + ``w_subscribe`` x the SubscribeInfos it causes); up to
-    ``sweeps`` sweeps, until one changes nothing."""
+    provisioning) on the state ``st``: in ``order``, each type whose channel differs from
+    the fresh plan's takes it when that removes violation or when its gain per interval
+    (node traffic saved over ``necessary``, plus ``w_violation`` x violation removed) times
+    ``horizon`` exceeds its price (``w_move`` + ``w_subscribe`` x the SubscribeInfos it
+    causes); up to ``sweeps`` sweeps, until one changes nothing."""
+    ch, b, sub, sc, dest_ptr, dest_idx = st[0], st[1], st[5], st[6], st[7], st[8]
     tmp = np.empty(b.shape[0], np.float64)
     for _ in range(sweeps):
         changed = False
@@ -572,19 +338,15 @@ def lazy_switch(
                 for j in range(lo, hi):
                     if row[dest_idx[j]] == 0:
                         infos += 1
-            v0 = violation(b, cap, sc[BW], sc[CPU], bw_cap, cpu_cap, tmp)
+            v0 = violation_of(st, tmp)
             t0 = sc[TOT]
-            state_move(
-                m, c, ch, b, trate, tsubs, ttypes, sub, sc, dest_ptr, dest_idx, rate, fan, msgs
-            )
-            v1 = violation(b, cap, sc[BW], sc[CPU], bw_cap, cpu_cap, tmp)
+            state_move(m, c, st)
+            v1 = violation_of(st, tmp)
             gain = (t0 - sc[TOT]) / necessary + w_violation * (v0 - v1)
             price = w_move + w_subscribe * infos
             if v1 < v0 - 1e-12 or gain * horizon > price:
                 changed = True
             else:
-                state_move(
-                    m, a, ch, b, trate, tsubs, ttypes, sub, sc, dest_ptr, dest_idx, rate, fan, msgs
-                )
+                state_move(m, a, st)
         if not changed:
             break

@@ -45,6 +45,7 @@ __all__ = [
     "state_violation",
     "topic_add",
     "topic_remove",
+    "violation_of",
     "violations_if",
     "warm_up",
 ]
@@ -496,12 +497,11 @@ def _count_rpc(sc: np.ndarray, f: int, d: int, msgs: int, sign: int) -> None:
 
 
 @njit(cache=True, nogil=True)
-def state_move(m: int, c: int, ch: np.ndarray, b: np.ndarray, trate: np.ndarray, tsubs: np.ndarray,
-          ttypes: np.ndarray, sub: np.ndarray, sc: np.ndarray, dest_ptr: np.ndarray,
-          dest_idx: np.ndarray, rate: np.ndarray, fan: np.ndarray, msgs: np.ndarray) -> None:
-    """``CostState.move(m, c)`` on the state's arrays (``CostState.kernel_arrays``; the
-    scalars in ``sc``, indices ``BW`` .. ``RPCT``); the pending least costs are not tracked
-    (a what-if that moves back leaves them right)."""
+def state_move(m: int, c: int, st: tuple) -> None:
+    """``CostState.move(m, c)`` on the state ``st`` (``CostState.kernel_arrays``: its arrays,
+    the scalars in ``sc``, indices ``BW`` .. ``RPCT``); the pending least costs are not
+    tracked (a what-if that moves back leaves them right)."""
+    ch, b, trate, tsubs, ttypes, sub, sc, dest_ptr, dest_idx, rate, fan, msgs = st[:12]
     old = ch[m]
     if old == c:
         return
@@ -544,32 +544,31 @@ def state_move(m: int, c: int, ch: np.ndarray, b: np.ndarray, trate: np.ndarray,
 
 
 @njit(cache=True, nogil=True)
-def violations_if(m: int, channels: np.ndarray, ch: np.ndarray, b: np.ndarray,
-                  trate: np.ndarray, tsubs: np.ndarray, ttypes: np.ndarray, sub: np.ndarray,
-                  sc: np.ndarray, dest_ptr: np.ndarray, dest_idx: np.ndarray, rate: np.ndarray,
-                  fan: np.ndarray, msgs: np.ndarray, cap: np.ndarray, bw_cap: int,
-                  cpu_cap: int) -> np.ndarray:
+def violation_of(st: tuple, tmp: np.ndarray) -> float:
+    """:func:`state_violation` of the state ``st``."""
+    sc = st[6]
+    return state_violation(st[1], st[12], sc[BW], sc[CPU], st[13], st[14], tmp)
+
+
+@njit(cache=True, nogil=True)
+def violations_if(m: int, channels: np.ndarray, st: tuple) -> np.ndarray:
     """:func:`state_violation` with unassigned ``m`` on each of ``channels`` in turn (the
-    state is left as it was)."""
+    state ``st`` is left as it was)."""
     out = np.empty(channels.shape[0], np.float64)
-    tmp = np.empty(b.shape[0], np.float64)
+    tmp = np.empty(st[1].shape[0], np.float64)
     for i in range(channels.shape[0]):
-        state_move(m, channels[i], ch, b, trate, tsubs, ttypes, sub, sc, dest_ptr, dest_idx,
-                   rate, fan, msgs)
-        out[i] = state_violation(b, cap, sc[BW], sc[CPU], bw_cap, cpu_cap, tmp)
-        state_move(m, -1, ch, b, trate, tsubs, ttypes, sub, sc, dest_ptr, dest_idx, rate,
-                   fan, msgs)
+        state_move(m, channels[i], st)
+        out[i] = violation_of(st, tmp)
+        state_move(m, -1, st)
     return out
 
 
 @njit(cache=True, nogil=True)
-def build_state(ch: np.ndarray, b: np.ndarray, trate: np.ndarray, tsubs: np.ndarray,
-                ttypes: np.ndarray, sub: np.ndarray, sc: np.ndarray, dest_ptr: np.ndarray,
-                dest_idx: np.ndarray, rate: np.ndarray, fan: np.ndarray,
-                msgs: np.ndarray) -> None:
-    """Eq. 1's quantities of the whole assignment ``ch`` into the zeroed arrays and ``sc``
-    (``CostState.assign_all``): RPC types on their destinations, topic rates and the
-    subscription counts, then every subscriber receives its topic's whole rate."""
+def build_state(st: tuple) -> None:
+    """Eq. 1's quantities of the whole assignment ``ch`` of ``st`` into its zeroed arrays
+    and ``sc`` (``CostState.assign_all``): RPC types on their destinations, topic rates and
+    the subscription counts, then every subscriber receives its topic's whole rate."""
+    ch, b, trate, tsubs, ttypes, sub, sc, dest_ptr, dest_idx, rate, fan, msgs = st[:12]
     for m in range(ch.shape[0]):
         c = ch[m]
         if c < 0:
@@ -605,15 +604,14 @@ def build_state(ch: np.ndarray, b: np.ndarray, trate: np.ndarray, tsubs: np.ndar
 
 
 @njit(cache=True, nogil=True)
-def least_fitting(m: int, scores: np.ndarray, fallback: int, inv: np.ndarray, ch: np.ndarray,
-                  b: np.ndarray, trate: np.ndarray, tsubs: np.ndarray, ttypes: np.ndarray,
-                  sub: np.ndarray, sc: np.ndarray, dest_ptr: np.ndarray, dest_idx: np.ndarray,
-                  rate: np.ndarray, fan: np.ndarray, msgs: np.ndarray, cap: np.ndarray,
-                  bw_cap: int, cpu_cap: int) -> int:
+def least_fitting(m: int, scores: np.ndarray, fallback: int, inv: np.ndarray,
+                  st: tuple) -> int:
     """The channel of least score (equal scores: lower channel first) on which unassigned
     ``m`` fits (``CostState.fits``, no reserve); if none does, the least (violation,
     score) among RPC and the ``fallback`` best-scoring topics (earlier first on equal
-    pairs). The state is left as it was."""
+    pairs). The state ``st`` is left as it was."""
+    b, trate, tsubs, sub, sc, dest_ptr, dest_idx = st[1], st[2], st[3], st[5], st[6], st[7], st[8]
+    rate, fan, bw_cap, cpu_cap = st[9], st[10], st[13], st[14]
     f, d = rate[m], fan[m]
     dest = dest_idx[dest_ptr[m]:dest_ptr[m + 1]]
     rpc_ok = sc[BW] + f * d <= bw_cap and sc[CPU] + d <= cpu_cap
@@ -625,9 +623,9 @@ def least_fitting(m: int, scores: np.ndarray, fallback: int, inv: np.ndarray, ch
             return c
     tmp = np.empty(b.shape[0], np.float64)
     best = 0
-    state_move(m, 0, ch, b, trate, tsubs, ttypes, sub, sc, dest_ptr, dest_idx, rate, fan, msgs)
-    best_v = state_violation(b, cap, sc[BW], sc[CPU], bw_cap, cpu_cap, tmp)
-    state_move(m, -1, ch, b, trate, tsubs, ttypes, sub, sc, dest_ptr, dest_idx, rate, fan, msgs)
+    state_move(m, 0, st)
+    best_v = violation_of(st, tmp)
+    state_move(m, -1, st)
     taken = 0
     for i in range(order.shape[0]):
         c = order[i]
@@ -636,11 +634,9 @@ def least_fitting(m: int, scores: np.ndarray, fallback: int, inv: np.ndarray, ch
         if taken == fallback:
             break
         taken += 1
-        state_move(m, c, ch, b, trate, tsubs, ttypes, sub, sc, dest_ptr, dest_idx, rate, fan,
-                   msgs)
-        v = state_violation(b, cap, sc[BW], sc[CPU], bw_cap, cpu_cap, tmp)
-        state_move(m, -1, ch, b, trate, tsubs, ttypes, sub, sc, dest_ptr, dest_idx, rate, fan,
-                   msgs)
+        state_move(m, c, st)
+        v = violation_of(st, tmp)
+        state_move(m, -1, st)
         if v < best_v or (v == best_v and scores[c] < scores[best]):
             best, best_v = c, v
     return best
@@ -728,14 +724,14 @@ def warm_up() -> None:
         first_fit(sc, 0, i64, i64, inv, row, dest, 1, s, r, True, True)
     first_fit_in(np.array([1, 0], np.int64), i64, inv, row, dest, 1, s, r, True, True)
     # a two-type state: build it, then a what-if on each channel (state_move, the violation)
-    ch, ptr = np.array([0, -1], np.int64), np.array([0, 2, 3], np.int64)
-    idx, one = np.array([0, 2, 1], np.int64), np.ones(2, np.int64)
-    st = (ch, np.zeros(3, np.int64), np.zeros(2, np.int64), np.zeros(2, np.int64),
-          np.zeros(2, np.int64), np.zeros((2, 3), np.int32), np.zeros(7, np.int64), ptr, idx,
+    one = np.ones(2, np.int64)
+    st = (np.array([0, -1], np.int64), np.zeros(3, np.int64), np.zeros(2, np.int64),
+          np.zeros(2, np.int64), np.zeros(2, np.int64), np.zeros((2, 3), np.int32),
+          np.zeros(7, np.int64), np.array([0, 2, 3], np.int64), np.array([0, 2, 1], np.int64),
           one, np.array([2, 1], np.int64), one, np.full(3, 10, np.int64), 10, 10)
-    build_state(*st[:12])
-    violations_if(1, np.array([0, 1], np.int64), *st)
-    least_fitting(1, np.zeros(2), 1, inv, *st)
+    build_state(st)
+    violations_if(1, np.array([0, 1], np.int64), st)
+    least_fitting(1, np.zeros(2), 1, inv, st)
     max_ratio(i64, inv)
     argmax_ties(np.zeros(3, np.float32))
     argmax_ties(np.zeros(3, np.float64))

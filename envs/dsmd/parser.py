@@ -118,11 +118,6 @@ class TypeCatalog:
     def index_of_key(self, key: int) -> int | None:
         return self._index.get(int(key))
 
-    def csr(self) -> tuple[np.ndarray, np.ndarray]:
-        """Destinations of all types as CSR (indptr, node indices)."""
-        a = self.arrays()
-        return a["ptr"], a["idx"]
-
     def arrays(self) -> dict[str, np.ndarray]:
         """The catalogue as arrays: ``ptr``/``idx`` (destinations as CSR), ``vpc``,
         ``config``; built once per catalogue size (a live catalogue only grows), read-only."""
