@@ -2,7 +2,9 @@
 
 * :mod:`agents.ddpg.replay` -- proportional prioritized replay on a numpy sum-tree;
 * :mod:`agents.ddpg.module` -- the RLModule (actor, critic(s), targets);
-* :mod:`agents.ddpg.learner` -- the torch Learner (TD3 flags, IS weights, TD errors);
+* :mod:`agents.ddpg.update` -- one gradient update, top to bottom (:func:`ddpg_update`);
+* :mod:`agents.ddpg.learner` -- the torch Learner: RLlib's hooks around that update, the
+  optimizers, the target networks and the TD3 delay counter;
 * :mod:`agents.ddpg.algorithm` -- ``DDPGConfig`` / ``DDPG`` with a training step that feeds
   the fast replay straight to the learner group.
 * :mod:`agents.ddpg.rllib_internals` -- every private RLlib attribute the above reach, each

@@ -39,17 +39,18 @@ from ray.rllib.utils.metrics import (
 )
 
 from .connectors import ActionsToEnv, LatestObservationsToTensor, supports_fast_connectors
-from .learner import DEMO, DDPGTorchLearner
+from .learner import DDPGTorchLearner
 from .module import ARCHITECTURES, DDPGTorchRLModule
 from .noise import OrnsteinUhlenbeckNoise
 from .replay import PrioritizedReplay, linear_schedule
 from .rllib_internals import (
     bump_weights_seq_no,
-    learner_update,
     local_learner,
     log_steps_trained,
     sample_episodes,
+    uses_grad_scaler_or_lr_schedulers,
 )
+from .update import DEMO, WEIGHTS
 
 __all__ = ["DDPG", "DDPGConfig"]
 
@@ -58,8 +59,84 @@ _MODULE_KEYS = ("twin_q", "exploration_noise", "exploration_noise_final",
 
 
 class DDPGConfig(SACConfig):
-    """Configuration of :class:`DDPG` (TD3 when ``twin_q``, ``target_noise`` and
-    ``policy_delay=2`` are set; see :meth:`td3`)."""
+    """Configuration of :class:`DDPG`: DDPG (Lillicrap et al.) with TD3's tricks as flags
+    (:meth:`td3` sets all three), proportional prioritized replay (Schaul et al.) and
+    learning from demonstrations (DDPGfD). Set fields with :meth:`training`; what one gradient
+    update does with them is :func:`agents.ddpg.update.ddpg_update`.
+
+    Networks and exploration
+
+    :param architecture: ``"mlp"``: the paper's networks, fully connected ReLU layers of
+        sizes ``fcnet_hiddens``, tanh on the actor's output, the critic on ``[obs, action]``;
+        ``"per_channel"``: one small network shared by every channel
+        (:mod:`agents.ddpg.networks`, needs the environment's ``observation="channel"``)
+    :param fcnet_hiddens: hidden layer sizes of the ``mlp`` actor and critic
+    :param per_channel_hiddens: hidden layer sizes of the ``per_channel`` networks
+    :param channel_blocks: feature blocks per channel in the ``per_channel`` observation
+    :param noise_type: ``"gaussian"``: ``N(0, exploration_noise)`` added to the actor's
+        action, clipped to [-1, 1]; ``"ou"``: Ornstein-Uhlenbeck noise per episode (Lillicrap
+        et al., Section 7), a module-to-env connector
+    :param exploration_noise: standard deviation of the Gaussian exploration noise
+    :param exploration_noise_final: the Gaussian noise's standard deviation after
+        ``exploration_noise_steps`` (linear annealing); ``None``: no annealing
+    :param exploration_noise_steps: environment steps over which the noise anneals
+    :param ou_theta: mean reversion of the Ornstein-Uhlenbeck noise
+    :param ou_sigma: scale of the Ornstein-Uhlenbeck noise
+    :param random_warmup_steps: environment steps with uniformly random actions before the
+        actor acts
+
+    The update
+
+    :param actor_lr: Adam learning rate of the actor
+    :param critic_lr: Adam learning rate of the critic(s)
+    :param critic_weight_decay: L2 weight decay of the critic(s) (Lillicrap et al. used
+        1e-2)
+    :param gamma: discount factor
+    :param tau: Polyak coefficient of the soft target updates,
+        ``target <- target + tau (main - target)``
+    :param twin_q: two critics and the minimum of their targets (TD3's clipped double Q)
+    :param target_noise: standard deviation of the noise on the target action (TD3's
+        target policy smoothing); 0: none
+    :param target_noise_clip: the target noise is clipped to ``[-clip, clip]``
+    :param policy_delay: the actor and the targets move every ``policy_delay``-th update
+        (TD3: 2); the critic on every one
+    :param critic_warmup_updates: critic-only updates before the actor's first
+    :param train_batch_size_per_learner: rows per gradient update
+    :param updates_per_step: gradient updates per environment step sampled (exact over
+        time: fractional credit carries over)
+    :param num_steps_sampled_before_learning_starts: environment steps before the first
+        update
+
+    Replay
+
+    :param buffer_capacity: transitions kept (the oldest are overwritten)
+    :param prioritized_replay: proportional prioritized replay; ``False``: uniform, unit
+        weights
+    :param per_alpha: priority exponent (0: uniform)
+    :param per_beta: importance-sampling exponent at the start
+    :param per_beta_final: the exponent after ``per_beta_steps`` environment steps (linear)
+    :param per_beta_steps: environment steps over which beta anneals
+    :param per_eps: added to ``|TD error|`` so no priority is zero
+    :param n_step: must be 1: the replay stores one-step transitions
+
+    Demonstrations (:meth:`DDPG.add_demonstrations`)
+
+    :param demo_fraction: share of every batch drawn, uniformly, from the demonstrations
+    :param bc_weight: weight of the Q-filtered behaviour-cloning term in the actor's loss
+        (Nair et al.); 0: none
+    :param bc_pretrain_steps: supervised actor steps on the demonstrations before
+        reinforcement learning (:meth:`DDPG.pretrain_actor`)
+
+    Sampling
+
+    :param fast_connectors: the lean env-runner connectors of :mod:`agents.ddpg.connectors`
+        in place of RLlib's default pipelines (same samples, fewer calls per step), where
+        they apply
+
+    Other fields of ``SACConfig`` (its entropy settings, its replay buffer config) are not
+    read. ``grad_clip``, torch learning-rate schedulers and gradient scalers are refused by
+    :meth:`validate`, as is more than one learner (``num_learners > 1``).
+    """
 
     def __init__(self, algo_class=None) -> None:
         super().__init__(algo_class=algo_class or DDPG)
@@ -162,6 +239,14 @@ class DDPGConfig(SACConfig):
             problems.append(f"updates_per_step must be positive, got {self.updates_per_step}")
         if not 0 <= self.per_beta <= 1 or not 0 <= self.per_beta_final <= 1:
             problems.append("per_beta and per_beta_final must be in [0, 1]")
+        if self.grad_clip is not None:
+            problems.append(f"grad_clip is not supported (got {self.grad_clip}): leave it None")
+        if uses_grad_scaler_or_lr_schedulers(self):
+            problems.append("torch gradient scalers and learning-rate schedulers are not "
+                            "supported: leave them unset")
+        if self.num_learners > 1:
+            problems.append(f"num_learners must be 0 or 1, got {self.num_learners}: one "
+                            "learner runs the update (a GPU learner: num_gpus_per_learner=1)")
         if problems:
             raise ValueError("DDPGConfig: " + "; ".join(problems))
 
@@ -350,7 +435,7 @@ class DDPG(SAC):
         n_rep = batch_size - n_demo
         b = self.replay.sample(n_rep * n, beta=beta)
         keys = (Columns.OBS, Columns.ACTIONS, Columns.REWARDS, Columns.NEXT_OBS,
-                Columns.TERMINATEDS, "weights")
+                Columns.TERMINATEDS, WEIGHTS)
         rep = dict(zip(keys, (b.obs, b.actions, b.rewards, b.next_obs, b.terminateds,
                               b.weights)))
         rows = (np.arange(n)[:, None] * batch_size + np.arange(n_rep)).reshape(-1)
@@ -437,12 +522,10 @@ class DDPG(SAC):
                       timesteps: dict[str, Any]) -> list[dict]:
         """``Learner.update`` for a local learner (``num_learners=0``), without its
         per-minibatch machinery: the ``n`` minibatches become tensors on the learner's device
-        once and go through ``Learner._update`` (:func:`~agents.ddpg.rllib_internals.
-        learner_update`: forward, losses, gradients, optimizer steps,
-        Polyak averaging: the same code) one after another, in order. What ``update`` logs
-        per minibatch (trained-step counters) is logged once for the call, summed;
-        ``before/after_gradient_based_update`` run once, as in ``update``. Returns the
-        reduced metrics in ``learner_group.update``'s format."""
+        once and go through :meth:`DDPGTorchLearner.update_minibatch` one after another, in
+        order. What ``update`` logs per minibatch (trained-step counters) is logged once for
+        the call, summed; ``before/after_gradient_based_update`` run once, as in ``update``.
+        Returns the reduced metrics in ``learner_group.update``'s format."""
         learner = local_learner(self)
         learner.before_gradient_based_update(timesteps=timesteps)
         bump_weights_seq_no(learner)
@@ -452,7 +535,7 @@ class DDPG(SAC):
         losses: dict = {}
         for i in range(n):
             mb = {k: v[i * batch_size:(i + 1) * batch_size] for k, v in tensors.items()}
-            _, losses, _ = learner_update(learner, {DEFAULT_MODULE_ID: mb})
+            losses = learner.update_minibatch({DEFAULT_MODULE_ID: mb})
         log_steps_trained(learner, MultiAgentBatch(
             {DEFAULT_MODULE_ID: SampleBatch({Columns.REWARDS: cols[Columns.REWARDS]})},
             env_steps=n * batch_size))

@@ -8,10 +8,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from ray.rllib.algorithms.sac.sac_learner import QF_PREDS, QF_TARGET_NEXT, QF_TWIN_PREDS
 from ray.rllib.core.columns import Columns
 from ray.rllib.core.learner.utils import make_target_network
-from ray.rllib.core.rl_module.apis import InferenceOnlyAPI, QNetAPI, TargetNetworkAPI
+from ray.rllib.core.rl_module.apis import InferenceOnlyAPI
 from ray.rllib.core.rl_module.rl_module import RLModule
 from ray.rllib.core.rl_module.torch import TorchRLModule
 from ray.rllib.utils.annotations import override
@@ -24,8 +23,9 @@ __all__ = ["ARCHITECTURES", "DDPGTorchRLModule", "mlp"]
 ARCHITECTURES = ("mlp", "per_channel")
 
 
-class DDPGTorchRLModule(TorchRLModule, InferenceOnlyAPI, TargetNetworkAPI, QNetAPI):
-    """``pi`` (obs -> tanh action), ``qf`` (and ``qf_twin``) (obs, action -> Q)."""
+class DDPGTorchRLModule(TorchRLModule, InferenceOnlyAPI):
+    """``pi`` (obs -> tanh action), ``qf`` (and ``qf_twin``) (obs, action -> Q), and their
+    target copies (``target_pi``, ...) on the learner."""
 
     @override(RLModule)
     def setup(self) -> None:
@@ -100,67 +100,29 @@ class DDPGTorchRLModule(TorchRLModule, InferenceOnlyAPI, TargetNetworkAPI, QNetA
         frac = min(max(t, 0) / self.noise_steps, 1.0)
         return self.noise_start + (self.noise_end - self.noise_start) * frac
 
-    def _q(self, net: nn.Module, obs: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
-        return net(obs, act)
-
     @override(RLModule)
     def _forward_train(self, batch: dict[str, Any], **kw) -> dict[str, Any]:
-        obs, act = batch[Columns.OBS], batch[Columns.ACTIONS]
-        out = {QF_PREDS: self._q(self.qf, obs, act)}
-        if self.twin_q:
-            out[QF_TWIN_PREDS] = self._q(self.qf_twin, obs, act)
-        with torch.no_grad():
-            out[QF_TARGET_NEXT] = self.forward_target({Columns.OBS: batch[Columns.NEXT_OBS]})
-        return out
+        """Nothing: :func:`agents.ddpg.update.ddpg_update` runs the networks it needs, in its
+        order (RLlib's torch update calls ``forward_train`` before the learner's hooks)."""
+        return {}
 
-    def actor_objective(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(pi(s), Q(s, pi(s)))`` for the actor's loss: gradients reach ``pi`` only, never
-        the critic (its parameters are frozen for this pass). The learner calls it only on
-        actor steps (TD3's delay), so critic-only updates skip the actor's forward pass."""
-        critic = [*self.qf.parameters(), *(self.qf_twin.parameters() if self.twin_q else [])]
-        flags = [p.requires_grad for p in critic]
-        for p in critic:
-            p.requires_grad_(False)
-        try:
-            pi = self.pi(obs)
-            return pi, self._q(self.qf, obs, pi)
-        finally:
-            for p, f in zip(critic, flags):
-                p.requires_grad_(f)
-
-    # ------------------------------------------------------------------ TargetNetworkAPI
-    @override(TargetNetworkAPI)
+    # ------------------------------------------------------------------ target networks
     def make_target_networks(self) -> None:
+        """Frozen copies of the actor and the critic(s) (the learner makes them at build)."""
         self.target_pi = make_target_network(self.pi)
         self.target_qf = make_target_network(self.qf)
         if self.twin_q:
             self.target_qf_twin = make_target_network(self.qf_twin)
 
-    @override(TargetNetworkAPI)
-    def get_target_network_pairs(self):
+    def get_target_network_pairs(self) -> list[tuple[nn.Module, nn.Module]]:
+        """(main, target) pairs, for the Polyak averaging of
+        :func:`~agents.ddpg.update.ddpg_update`."""
         pairs = [(self.pi, self.target_pi), (self.qf, self.target_qf)]
         if self.twin_q:
             pairs.append((self.qf_twin, self.target_qf_twin))
         return pairs
 
-    @override(TargetNetworkAPI)
-    def forward_target(self, batch: dict[str, Any], **kw) -> torch.Tensor:
-        obs = batch[Columns.OBS]
-        a = self.target_pi(obs)
-        if self.target_noise > 0:  # TD3 target policy smoothing
-            eps = (self.target_noise * torch.randn_like(a)).clamp(-self.target_noise_clip,
-                                                                 self.target_noise_clip)
-            a = (a + eps).clamp(-1.0, 1.0)
-        q = self._q(self.target_qf, obs, a)
-        if self.twin_q:
-            q = torch.min(q, self._q(self.target_qf_twin, obs, a))
-        return q
-
     # ------------------------------------------------------------------ other APIs
     @override(InferenceOnlyAPI)
     def get_non_inference_attributes(self) -> list[str]:
         return ["qf", "qf_twin", "target_pi", "target_qf", "target_qf_twin"]
-
-    @override(QNetAPI)
-    def compute_q_values(self, batch: dict[str, Any]) -> dict[str, Any]:
-        return {QF_PREDS: self._q(self.qf, batch[Columns.OBS], batch[Columns.ACTIONS])}

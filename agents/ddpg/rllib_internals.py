@@ -8,10 +8,10 @@ when it fails after an upgrade, this module is the one to change.
 
 Why the trainer needs them: :meth:`agents.ddpg.algorithm.DDPG.training_step` runs several
 gradient updates per learner call on the local learner (``num_learners=0``) without
-``Learner.update``'s per-minibatch machinery, copies the actor's weights to the local env
-runner tensor by tensor, and :meth:`agents.ddpg.learner.DDPGTorchLearner.apply_gradients`
-replaces ``TorchLearner.apply_gradients``' per-tensor nan/inf checks with one check per
-optimizer. RLlib's hooks that our classes override (``Learner.compute_gradients``,
+``Learner.update``'s per-minibatch machinery, and copies the actor's weights to the local env
+runner tensor by tensor; ``DDPGConfig.validate`` refuses the torch options that its update
+(:func:`agents.ddpg.update.ddpg_update`) does not apply. RLlib's hooks that our classes
+override (``Learner.compute_gradients``,
 ``AlgorithmConfig._model_config_auto_includes``, ``RLModule._forward_train``, ...) are marked
 ``@override`` where they are overridden.
 """
@@ -23,13 +23,10 @@ from typing import Any
 __all__ = [
     "PRIVATE_ATTRIBUTES",
     "bump_weights_seq_no",
-    "has_grad_scalers_or_lr_schedulers",
-    "learner_params",
-    "learner_update",
     "local_learner",
     "log_steps_trained",
-    "module_optimizers",
     "sample_episodes",
+    "uses_grad_scaler_or_lr_schedulers",
 ]
 
 RLLIB_VERSION = "2.60"
@@ -39,13 +36,11 @@ RLLIB_VERSION = "2.60"
 # keyword of the function; every entry is checked by tests/test_rllib_internals.py
 PRIVATE_ATTRIBUTES: tuple[tuple[str, str, str], ...] = (
     ("ray.rllib.core.learner.learner_group.LearnerGroup", "_learner", "instance"),
-    ("ray.rllib.core.learner.learner.Learner", "_update", "class"),
     ("ray.rllib.core.learner.learner.Learner", "_weights_seq_no", "instance"),
     ("ray.rllib.core.learner.learner.Learner", "_log_steps_trained_metrics", "class"),
-    ("ray.rllib.core.learner.learner.Learner", "_module_optimizers", "instance"),
-    ("ray.rllib.core.learner.learner.Learner", "_params", "instance"),
-    ("ray.rllib.core.learner.torch.torch_learner.TorchLearner", "_grad_scalers", "instance"),
-    ("ray.rllib.core.learner.torch.torch_learner.TorchLearner", "_lr_scheduler_classes",
+    ("ray.rllib.algorithms.algorithm_config.AlgorithmConfig", "_torch_grad_scaler_class",
+     "instance"),
+    ("ray.rllib.algorithms.algorithm_config.AlgorithmConfig", "_torch_lr_scheduler_classes",
      "instance"),
     ("ray.rllib.execution.rollout_ops.synchronous_parallel_sample", "_uses_new_env_runners",
      "parameter"),
@@ -70,17 +65,6 @@ def local_learner(algo: Any) -> Any:
     return algo.learner_group._learner
 
 
-def learner_update(learner: Any, batch: dict[str, Any]) -> tuple[Any, Any, Any]:
-    """One gradient update of ``learner`` on ``batch`` (module id -> dict of tensors already on
-    the learner's device): forward, losses, gradients, optimizer steps. Returns
-    ``(fwd_out, loss_per_module, tensor_metrics)``.
-
-    Calls ``Learner._update``: the public ``Learner.update`` also converts the batch to
-    tensors, splits it into minibatches and logs per minibatch, for each call; RLlib 2.60 has
-    no public single-update method."""
-    return learner._update(batch)
-
-
 def bump_weights_seq_no(learner: Any) -> None:
     """Count one weights change of ``learner``, as ``Learner.update`` does once per call.
 
@@ -98,31 +82,14 @@ def log_steps_trained(learner: Any, batch: Any) -> None:
     learner._log_steps_trained_metrics(batch)
 
 
-def module_optimizers(learner: Any) -> dict[str, list[str]]:
-    """Module id -> the names of the optimizers registered for it, in registration order.
+def uses_grad_scaler_or_lr_schedulers(config: Any) -> bool:
+    """Whether an algorithm ``config`` asks for a torch mixed-precision gradient scaler or
+    torch learning-rate schedulers.
 
-    Reads ``Learner._module_optimizers``: ``Learner.get_optimizers_for_module`` returns the
-    optimizers of one module, but RLlib 2.60 has no public list of the modules that have
-    optimizers, nor of their full registration names that ``get_optimizer`` takes."""
-    return learner._module_optimizers
-
-
-def learner_params(learner: Any) -> dict[Any, Any]:
-    """Parameter reference -> parameter tensor of every optimized parameter of ``learner``
-    (the keys of the gradient dicts ``compute_gradients`` returns).
-
-    Reads ``Learner._params``: RLlib 2.60 exposes it to subclasses only through
-    ``filter_param_dict_for_optimizer``, which filters a dict the caller must already have."""
-    return learner._params
-
-
-def has_grad_scalers_or_lr_schedulers(learner: Any) -> bool:
-    """Whether a torch ``learner`` uses mixed-precision gradient scalers or learning-rate
-    schedulers (then only ``TorchLearner.apply_gradients`` applies gradients correctly).
-
-    Reads ``TorchLearner._grad_scalers`` and ``_lr_scheduler_classes``: RLlib 2.60 sets them
-    from the config in ``TorchLearner.__init__`` and has no public flag for either."""
-    return learner._grad_scalers is not None or learner._lr_scheduler_classes is not None
+    Reads ``AlgorithmConfig._torch_grad_scaler_class`` and ``_torch_lr_scheduler_classes``:
+    RLlib 2.60 sets them through ``AlgorithmConfig.experimental`` and has no public getter."""
+    return (config._torch_grad_scaler_class is not None
+            or bool(config._torch_lr_scheduler_classes))
 
 
 def sample_episodes(algo: Any, *, random_actions: bool) -> tuple[list, list]:
