@@ -1,0 +1,215 @@
+"""Which message types will send in the next interval: intermittent-demand state per type,
+the classical forecasts of it, and the features of the learned forecaster.
+
+At an interval boundary a type that exists (its first message is in the past) either sends
+in the next interval or stays silent; on ``godaddy_online`` about a third of the known types
+send in a given interval, half of those that sent in the one before and a quarter of those
+that did not. The online planner's gap to its hindsight oracle is almost all this
+(``docs/online.md``), so this module forecasts, per type, the probability that it sends.
+
+:class:`DemandState` is updated once per interval with what the interval realised (which
+types sent, and their Algorithm 1 rates) and holds, per type:
+
+* the occurrence level of TSB (Teunter, Syntetos and Babai, EJOR 2011): an exponentially
+  weighted mean of the send indicator, updated every interval, at several smoothing
+  constants (:data:`TSB_ALPHAS`); it is the probability forecast of TSB;
+* Croston's (Croston, ORQ 1972) inter-demand interval level ``q`` (updated when the type
+  sends): the probability forecast ``1 / q``; SBA (Syntetos and Boylan, IJF 2005) corrects
+  Croston's demand rate by ``1 - alpha / 2``: ``(1 - alpha / 2) / q``;
+* the last :data:`LAGS` send indicators, the intervals since it last sent, its age, its share
+  of intervals with traffic, its last and smoothed rates;
+
+and, per VPC, the share of its known types that sent in the last interval and the one
+before (a VPC that wakes up wakes its types). :meth:`DemandState.features` is one row per
+type of what a learned model reads; the same object serves the offline panels
+(:func:`demand_panel`) and a live controller, so what is trained on is what is served.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .errors import DSMDError
+
+if TYPE_CHECKING:
+    from .online import OnlineTrace
+
+__all__ = [
+    "CROSTON_ALPHA",
+    "FEATURES",
+    "LAGS",
+    "TSB_ALPHAS",
+    "DemandPanel",
+    "DemandState",
+    "demand_panel",
+    "trace_panel",
+]
+
+LAGS = 4
+TSB_ALPHAS = (0.1, 0.3, 0.5)
+CROSTON_ALPHA = 0.2
+_CAP = 60.0  # intervals: longer gaps and ages carry no more information here
+
+FEATURES: tuple[str, ...] = (
+    *(f"sent_lag{k}" for k in range(1, LAGS + 1)),
+    "log_since_last", "log_age", "sent_share",
+    *(f"tsb_{a}" for a in TSB_ALPHAS),
+    "croston_p", "log_last_rate", "log_rate_level", "log_destinations",
+    "vpc_sent_share", "vpc_sent_share_prev", "vpc_types_log",
+)
+
+
+class DemandState:
+    """Intermittent-demand state of ``num_types`` types (module docstring), updated once per
+    interval by :meth:`update`; a type enters at its first interval with traffic.
+
+    ``vpc`` (per type: its VPC's index) and ``destinations`` (per type: how many nodes it
+    reaches) are static attributes of the type catalogue."""
+
+    def __init__(self, vpc: np.ndarray, destinations: np.ndarray) -> None:
+        self.vpc = np.asarray(vpc, np.int64)
+        self.destinations = np.asarray(destinations, np.float64)
+        if self.vpc.ndim != 1 or self.vpc.shape != self.destinations.shape:
+            raise DSMDError(f"vpc {self.vpc.shape} and destinations "
+                            f"{self.destinations.shape} must be one value per type")
+        m = self.vpc.size
+        self._vpcs = int(self.vpc.max()) + 1 if m else 0
+        self.known = np.zeros(m, bool)
+        self.lags = np.zeros((LAGS, m))  # row 0: the last interval
+        self.since = np.zeros(m)
+        self.age = np.zeros(m)
+        self.count = np.zeros(m)
+        self.tsb = np.zeros((len(TSB_ALPHAS), m))
+        self.interval = np.ones(m)
+        self.last_rate = np.zeros(m)
+        self.rate_level = np.zeros(m)
+        self.vpc_share = np.zeros(self._vpcs)
+        self.vpc_share_prev = np.zeros(self._vpcs)
+        self.vpc_types = np.zeros(self._vpcs)
+
+    @property
+    def num_types(self) -> int:
+        return int(self.vpc.size)
+
+    def update(self, sent: np.ndarray, rates: np.ndarray) -> None:
+        """Record one interval: ``sent`` (bool per type) and the rates of those that sent
+        (bytes/s, Algorithm 1's estimate; ignored where ``sent`` is false)."""
+        sent = np.asarray(sent, bool)
+        if sent.shape != (self.num_types,):
+            raise DSMDError(f"sent has shape {sent.shape}, expected ({self.num_types},)")
+        new = sent & ~self.known
+        old = self.known  # known before this interval: the types the update observes
+        x = sent.astype(np.float64)
+        self.lags[1:] = self.lags[:-1]
+        self.lags[0] = np.where(old | new, x, 0.0)
+        for i, a in enumerate(TSB_ALPHAS):
+            self.tsb[i] = np.where(new, 1.0, np.where(old, a * x + (1 - a) * self.tsb[i], 0.0))
+        # Croston's interval: on a send, q <- q + alpha (gap - q), the gap counted in
+        # intervals since the previous send
+        gap = self.since + 1.0
+        upd = sent & old
+        self.interval = np.where(upd, self.interval + CROSTON_ALPHA * (gap - self.interval),
+                                 np.where(new, 1.0, self.interval))
+        self.since = np.where(sent, 0.0, np.where(old, self.since + 1.0, 0.0))
+        self.age = np.where(old, self.age + 1.0, 0.0)
+        self.count += x
+        r = np.log1p(np.maximum(np.asarray(rates, np.float64), 0.0))
+        self.last_rate = np.where(sent, r, self.last_rate)
+        self.rate_level = np.where(new, r, np.where(upd, 0.5 * r + 0.5 * self.rate_level,
+                                                    self.rate_level))
+        self.known = old | new
+        known_per_vpc = np.bincount(self.vpc[self.known], minlength=self._vpcs)
+        sent_per_vpc = np.bincount(self.vpc[sent], minlength=self._vpcs)
+        self.vpc_share_prev = self.vpc_share
+        self.vpc_share = sent_per_vpc / np.maximum(known_per_vpc, 1)
+        self.vpc_types = known_per_vpc.astype(np.float64)
+
+    # ------------------------------------------------------------------ forecasts
+    def tsb_p(self, alpha: float) -> np.ndarray:
+        """TSB's probability that each type sends next interval (its occurrence level)."""
+        if alpha not in TSB_ALPHAS:
+            raise DSMDError(f"TSB alpha must be one of {TSB_ALPHAS}, got {alpha}")
+        p: np.ndarray = self.tsb[TSB_ALPHAS.index(alpha)].copy()
+        return p
+
+    def croston_p(self, sba: bool = False) -> np.ndarray:
+        """Croston's demand-occurrence probability ``1 / q`` (SBA: times
+        ``1 - alpha / 2``)."""
+        p = 1.0 / np.maximum(self.interval, 1.0)
+        return p * (1.0 - CROSTON_ALPHA / 2.0) if sba else p
+
+    def features(self) -> np.ndarray:
+        """``[num_types, len(FEATURES)]`` float32: what the learned forecaster reads, from
+        the past only (rows of unknown types are meaningless)."""
+        age = np.minimum(self.age, _CAP)
+        cols = [*self.lags,
+                np.log1p(np.minimum(self.since, _CAP)), np.log1p(age),
+                self.count / np.maximum(self.age + 1.0, 1.0),
+                *self.tsb, self.croston_p(), self.last_rate, self.rate_level,
+                np.log1p(self.destinations),
+                self.vpc_share[self.vpc], self.vpc_share_prev[self.vpc],
+                np.log1p(self.vpc_types[self.vpc])]
+        return np.stack(cols, axis=1).astype(np.float32)
+
+
+@dataclass(frozen=True)
+class DemandPanel:
+    """The forecasting problem of one trace: one row per (boundary, known type).
+
+    ``window[i]`` is the interval forecast, ``type_id[i]`` the type, ``x[i]`` its
+    features at that boundary, ``y[i]`` whether it sent, ``rate[i]`` its rate if it did
+    (bytes/s, else 0) and ``baselines`` the classical forecasts (name -> probability)."""
+
+    window: np.ndarray
+    type_id: np.ndarray
+    x: np.ndarray
+    y: np.ndarray
+    rate: np.ndarray
+    baselines: dict[str, np.ndarray]
+
+
+def demand_panel(sent: np.ndarray, rates: np.ndarray, vpc: np.ndarray,
+                 destinations: np.ndarray, start: int = 1) -> DemandPanel:
+    """Every boundary from ``start`` on of a trace's ``sent`` ``[W, M]`` (bool) and
+    ``rates`` ``[W, M]``, through one :class:`DemandState` (so exactly what a live
+    controller computes)."""
+    sent = np.asarray(sent, bool)
+    if sent.ndim != 2 or np.shape(rates) != sent.shape:
+        raise DSMDError(f"sent {sent.shape} and rates {np.shape(rates)} must be [W, M]")
+    state = DemandState(vpc, destinations)
+    parts: dict[str, list[np.ndarray]] = {k: [] for k in
+                                          ("window", "type", "x", "y", "rate", "last",
+                                           "croston", "sba", *(f"tsb_{a}" for a in TSB_ALPHAS))}
+    for w in range(sent.shape[0]):
+        if w >= start:
+            idx = np.flatnonzero(state.known)
+            parts["window"].append(np.full(idx.size, w, np.int64))
+            parts["type"].append(idx)
+            parts["x"].append(state.features()[idx])
+            parts["y"].append(sent[w, idx])
+            parts["rate"].append(np.where(sent[w, idx], rates[w, idx], 0.0))
+            parts["last"].append(state.lags[0][idx])
+            parts["croston"].append(state.croston_p()[idx])
+            parts["sba"].append(state.croston_p(sba=True)[idx])
+            for a in TSB_ALPHAS:
+                parts[f"tsb_{a}"].append(state.tsb_p(a)[idx])
+        state.update(sent[w], rates[w])
+    cat = {k: (np.concatenate(v) if v else np.zeros(0)) for k, v in parts.items()}
+    x = cat["x"].reshape(-1, len(FEATURES)).astype(np.float32)
+    names = ("last", "croston", "sba", *(f"tsb_{a}" for a in TSB_ALPHAS))
+    return DemandPanel(cat["window"].astype(np.int64), cat["type"].astype(np.int64), x,
+                       cat["y"].astype(bool), cat["rate"].astype(np.float64),
+                       {k: cat[k].astype(np.float64) for k in names})
+
+
+def trace_panel(trace: OnlineTrace, start: int = 1) -> DemandPanel:
+    """:func:`demand_panel` of a parsed trace: its per-interval message counts and
+    Algorithm 1 rates, its types' VPCs and destination counts."""
+    p = trace.parsed
+    rates = np.stack([trace.rates(w) for w in range(trace.num_windows)]).astype(np.float64)
+    vpc = np.unique(np.asarray(p.catalog.vpc, np.int64), return_inverse=True)[1]
+    dest = np.array([d.size for d in p.catalog.destinations], np.float64)
+    return demand_panel(p.messages > 0, rates, vpc, dest, start)

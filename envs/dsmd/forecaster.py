@@ -1,0 +1,137 @@
+"""The learned send forecaster at run time: gradient-boosted trees evaluated in NumPy.
+
+:class:`TreeEnsemble` holds an additive ensemble of binary regression trees (Friedman,
+"Greedy function approximation: a gradient boosting machine", Ann. Stat. 2001) as flat
+arrays, every tree's nodes side by side, and evaluates all trees on all rows together, one
+NumPy step per tree level: the environment, an online bundle and the policy server run it
+with NumPy alone (no scikit-learn, no torch). :mod:`agents.forecaster` fits it (scikit-learn's
+histogram gradient boosting) and converts it.
+
+:class:`SendForecaster` is the probability that each known type sends in the next interval
+(``sigmoid`` of the ensemble's raw score on :meth:`envs.dsmd.demand.DemandState.features`).
+It is stored as one ``.npz`` file (:meth:`SendForecaster.save` / :meth:`SendForecaster.load`)
+that records the feature names it was trained on; loading refuses a file whose features are
+not this version's :data:`envs.dsmd.demand.FEATURES`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .demand import FEATURES, DemandState
+from .errors import DSMDError
+
+__all__ = ["SendForecaster", "TreeEnsemble"]
+
+
+@dataclass(frozen=True, eq=False)
+class TreeEnsemble:
+    """``raw(x) = baseline + sum_t tree_t(x)``; tree ``t``'s nodes are
+    ``roots[t] ..`` in the flat arrays. At an inner node a row goes to ``left`` when
+    ``x[feature] <= threshold`` (a NaN goes where ``nan_left`` says), else to ``right``
+    (node indices are global); a leaf's output is ``value``."""
+
+    baseline: float
+    roots: np.ndarray  # (T,) int64
+    feature: np.ndarray  # (N,) int64
+    threshold: np.ndarray  # (N,) float64
+    nan_left: np.ndarray  # (N,) bool
+    left: np.ndarray  # (N,) int64
+    right: np.ndarray  # (N,) int64
+    leaf: np.ndarray  # (N,) bool
+    value: np.ndarray  # (N,) float64
+    depth: int
+
+    def __post_init__(self) -> None:
+        n = self.feature.size
+        for name in ("threshold", "nan_left", "left", "right", "leaf", "value"):
+            if getattr(self, name).shape != (n,):
+                raise DSMDError(f"tree ensemble: {name} has shape {getattr(self, name).shape}"
+                                f", expected ({n},)")
+        inner = ~self.leaf
+        if n and (self.roots.min(initial=0) < 0 or self.roots.max(initial=0) >= n
+                  or (inner.any() and (self.left[inner].min() < 0 or self.left[inner].max() >= n
+                                       or self.right[inner].min() < 0
+                                       or self.right[inner].max() >= n))):
+            raise DSMDError("tree ensemble: a node index is out of range")
+
+    def raw(self, x: np.ndarray) -> np.ndarray:
+        """The raw score of every row of ``x`` ``[rows, features]``."""
+        x = np.asarray(x, np.float64)
+        if x.ndim != 2:
+            raise DSMDError(f"tree ensemble: rows must be 2-D, got shape {x.shape}")
+        rows = np.arange(x.shape[0])
+        node = np.broadcast_to(self.roots[:, None], (self.roots.size, x.shape[0])).copy()
+        for _ in range(self.depth):
+            inner = ~self.leaf[node]
+            if not inner.any():
+                break
+            f = np.where(inner, self.feature[node], 0)
+            v = x[rows[None, :], f]
+            go_left = np.where(np.isnan(v), self.nan_left[node], v <= self.threshold[node])
+            node = np.where(inner, np.where(go_left, self.left[node], self.right[node]), node)
+        out: np.ndarray = self.baseline + self.value[node].sum(axis=0)
+        return out
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {"baseline": np.array(self.baseline), "roots": self.roots,
+                "feature": self.feature, "threshold": self.threshold,
+                "nan_left": self.nan_left, "left": self.left, "right": self.right,
+                "leaf": self.leaf, "value": self.value, "depth": np.array(self.depth)}
+
+    @classmethod
+    def from_arrays(cls, a: dict[str, np.ndarray]) -> TreeEnsemble:
+        return cls(float(a["baseline"]), a["roots"].astype(np.int64),
+                   a["feature"].astype(np.int64), a["threshold"].astype(np.float64),
+                   a["nan_left"].astype(bool), a["left"].astype(np.int64),
+                   a["right"].astype(np.int64), a["leaf"].astype(bool),
+                   a["value"].astype(np.float64), int(a["depth"]))
+
+
+@dataclass(frozen=True, eq=False)
+class SendForecaster:
+    """The probability that each type sends in the next interval (module docstring)."""
+
+    trees: TreeEnsemble
+
+    def probability(self, features: np.ndarray) -> np.ndarray:
+        """``P(sends next interval)`` for each row of ``features`` (``FEATURES`` columns)."""
+        f = np.asarray(features)
+        if f.ndim != 2 or f.shape[1] != len(FEATURES):
+            raise DSMDError(f"send forecaster: features have shape {f.shape}, expected "
+                            f"[rows, {len(FEATURES)}]")
+        p: np.ndarray = 1.0 / (1.0 + np.exp(-self.trees.raw(f)))
+        return p
+
+    def __call__(self, state: DemandState) -> np.ndarray:
+        """The probability of every type of ``state`` (unknown types: 0)."""
+        return np.where(state.known, self.probability(state.features()), 0.0)
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        arrays: dict[str, Any] = {"features": np.array(FEATURES), **self.trees.arrays()}
+        with open(path, "wb") as fh:  # np.savez would append .npz to a name without it
+            np.savez(fh, **arrays)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> SendForecaster:
+        path = Path(path)
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                a = {k: z[k] for k in z.files}
+        except (OSError, ValueError) as e:
+            raise DSMDError(f"send forecaster {path}: not a readable .npz file ({e})") from e
+        missing = {"features", *TreeEnsemble.__dataclass_fields__} - set(a)
+        if missing:
+            raise DSMDError(f"send forecaster {path}: missing arrays {sorted(missing)}")
+        names = tuple(str(s) for s in a.pop("features"))
+        if names != FEATURES:
+            raise DSMDError(f"send forecaster {path}: trained on features {list(names)}, "
+                            f"this version computes {list(FEATURES)}: retrain it")
+        return cls(TreeEnsemble.from_arrays(a))
