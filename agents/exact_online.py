@@ -62,6 +62,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from envs.dsmd.cost import CostState, evaluate
+from envs.dsmd.cost import subscriptions as cost_subscriptions
 from envs.dsmd.instance import DSMDInstance
 
 from .exact import (
@@ -97,13 +98,9 @@ class OracleResult:
 
 # ---------------------------------------------------------------------- the definition
 def subscriptions(inst: DSMDInstance, channel: np.ndarray) -> np.ndarray:
-    """Eq. 1's ``z`` as a bool matrix ``[N, K]`` (topic ``t`` is column ``t - 1``)."""
-    channel = np.asarray(channel, dtype=np.int64)
-    z = np.zeros((inst.num_nodes, inst.num_topics), dtype=bool)
-    row = inst.type_of_entry
-    on = channel[row] > 0
-    z[inst.dest_idx[on], channel[row[on]] - 1] = True
-    return z
+    """Eq. 1's ``z`` as a bool matrix ``[N, K]`` (topic ``t`` is column ``t - 1``): the
+    transpose of :func:`envs.dsmd.cost.subscriptions`."""
+    return cost_subscriptions(inst, channel).T
 
 
 def _initial_channels(inst: DSMDInstance, initial_channel: dict[int, int]) -> np.ndarray:

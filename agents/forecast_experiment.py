@@ -41,11 +41,10 @@ def _say(msg: str) -> None:
     print(msg, flush=True)
 
 
-def _panels(dataset: str, split: str, limit: Any, cache_dir: str
-            ) -> tuple[list[str], list[DemandPanel]]:
+def _panels(dataset: str, split: str, limit: Any, cache_dir: str) -> list[DemandPanel]:
     traces = load_online_traces(dataset, split, cache_dir=cache_dir,
                                 limit=None if limit is None else int(limit))
-    return [t.name for t in traces], [trace_panel(t) for t in traces]
+    return [trace_panel(t) for t in traces]
 
 
 def _classical(panel: DemandPanel, method: str, tsb_alpha: float,
@@ -108,12 +107,12 @@ def run_forecast(cfg: DictConfig) -> dict[str, Any]:
         splits = {}
         for split, limit in (("train", cfg.train_traces), ("validation", cfg.validation_traces),
                              ("test", cfg.test_traces)):
-            names, panels = _panels(str(cfg.dataset_name), split, limit, str(cfg.paths.data_dir))
-            splits[split] = (names, panels)
+            panels = _panels(str(cfg.dataset_name), split, limit, str(cfg.paths.data_dir))
+            splits[split] = panels
             _say(f"[forecast] {split}: {len(panels)} traces, "
                  f"{sum(p.y.size for p in panels):,} (interval, known type) rows "
                  f"({time.perf_counter() - t0:.0f} s)")
-        train, val, test = (splits[s][1] for s in ("train", "validation", "test"))
+        train, val, test = (splits[s] for s in ("train", "validation", "test"))
         m = cfg.model
         gbt = fit_send_forecaster(train, max_iter=int(m.max_iter),
                                   learning_rate=float(m.learning_rate),
@@ -147,7 +146,7 @@ def run_forecast(cfg: DictConfig) -> dict[str, Any]:
              + ", ".join(f"{k} {v:.4f}" for k, v in val_scores.items())
              + f" (TSB alpha {tsb_alpha}); chosen family: {family}")
 
-        methods = {**{f"{k}": (lambda p, k=k: _classical(p, k, tsb_alpha, last_p))
+        methods = {**{k: (lambda p, k=k: _classical(p, k, tsb_alpha, last_p))
                       for k in CLASSICAL},
                    "gbt": lambda p: learned("gbt", p),
                    "logistic": lambda p: learned("logistic", p)}
@@ -178,7 +177,7 @@ def run_forecast(cfg: DictConfig) -> dict[str, Any]:
                 "machine": machine_summary(),
                 "command": shlex.join(["python", "forecast.py", *sys.argv[1:]]),
                 "dataset": str(cfg.dataset_name),
-                "traces": {s: len(splits[s][1]) for s in splits},
+                "traces": {s: len(splits[s]) for s in splits},
                 "tsb_alpha": tsb_alpha, "family": family, "best_classical": best_classical,
                 "paired_log_loss_difference": {"mean": mean, "ci95": [lo, hi],
                                                "of": f"{family} - {best_classical}"},

@@ -54,7 +54,7 @@ def test_panel_rows_are_known_types_with_features_of_the_past():
 
 
 def test_tree_ensemble_reproduces_sklearn(tmp_path):
-    sklearn = pytest.importorskip("sklearn")  # noqa: F841
+    pytest.importorskip("sklearn")
     from sklearn.ensemble import HistGradientBoostingClassifier
 
     from agents.forecaster import fit_send_forecaster, from_sklearn

@@ -49,6 +49,7 @@ class DDPGTorchLearner(TorchLearner):
         super().build()
         self.module.foreach_module(lambda mid, module: module.make_target_networks())
         self._updates: dict[str, int] = defaultdict(int)
+        self._update_params: dict[str, UpdateParams] = {}
 
     @override(Learner)
     def configure_optimizers_for_module(self, module_id, config=None) -> None:
@@ -82,9 +83,12 @@ class DDPGTorchLearner(TorchLearner):
                       ) -> torch.Tensor:
         """One update of ``module_id`` (:func:`~agents.ddpg.update.ddpg_update`), its
         metrics logged; returns the loss it minimised (detached)."""
-        cfg = self.config.get_config_for_module(module_id)
-        hp = UpdateParams(gamma=cfg.gamma, tau=cfg.tau, target_noise=cfg.target_noise,
-                          target_noise_clip=cfg.target_noise_clip, bc_weight=cfg.bc_weight)
+        hp = self._update_params.get(module_id)
+        if hp is None:  # once per module: the config does not change during training
+            cfg = self.config.get_config_for_module(module_id)
+            hp = self._update_params[module_id] = UpdateParams(
+                gamma=cfg.gamma, tau=cfg.tau, target_noise=cfg.target_noise,
+                target_noise_clip=cfg.target_noise_clip, bc_weight=cfg.bc_weight)
         actor = self.actor_turn(module_id)
         self._updates[module_id] += 1
         stats = ddpg_update(self.module[module_id].unwrapped(), columns, hp,

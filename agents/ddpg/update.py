@@ -109,14 +109,15 @@ def ddpg_update(nets: DDPGNetworks, batch: Mapping[str, torch.Tensor], hp: Updat
     q = nets.qf(s, a)
     td = y - q
     critic_loss = (w * td.pow(2)).mean()
-    td_abs = td.detach().abs()
     if nets.twin_q:
         td_twin = y - nets.qf_twin(s, a)
         critic_loss = critic_loss + (w * td_twin.pow(2)).mean()
-        td_abs = 0.5 * (td_abs + td_twin.detach().abs())
 
-    # 4. the new priorities of the sampled rows: |delta| (the replay adds its epsilon)
-    priorities = td_abs
+    # 4. the new priorities of the sampled rows: |delta|, the mean over the twins (the replay
+    #    adds its epsilon)
+    priorities = td.detach().abs()
+    if nets.twin_q:
+        priorities = 0.5 * (priorities + td_twin.detach().abs())
 
     # 5. the actor (delayed): deterministic policy gradient through the critic, plus the
     #    Q-filtered behaviour cloning on demonstration rows

@@ -248,12 +248,7 @@ class CostState:
         self.sent_messages = self.assigned = self.rpc_types = 0
         st = self.kernel_arrays()
         _k.build_state(st)
-        sc = st[6]
-        (self.controller_bw, self.controller_cpu, self.total_traffic, self.necessary,
-         self.sent_messages, self.assigned, self.rpc_types) = (int(x) for x in sc)
-        if self.pending_node is not None:
-            self._track_pending()
-        self.version += 1
+        self.sync_scalars(st[6])
 
     def move(self, m: int, c: int) -> None:
         """Put type ``m`` on channel ``c`` (0 = RPC, 1..K = topic, -1 = unassign)."""

@@ -39,7 +39,7 @@ from . import greedy_kernels as _gk
 from .cost import CostState, subscriptions
 from .errors import DSMDError
 from .greedy import GreedyLocalSearch
-from .instance import RPC, UNASSIGNED, DSMDInstance
+from .instance import RPC, DSMDInstance
 from .online import NewType, OnlineCost, OnlineView, Placement, relabel_topics
 
 __all__ = [
@@ -214,10 +214,11 @@ def executor_class(name: str) -> type[OnlineGreedy]:
 
 
 def warm_up() -> None:
-    """Compile (or load from numba's on-disk cache) every compiled loop the executor runs
-    (:mod:`envs.dsmd.greedy_kernels`, the placement what-ifs) on a three-type instance, so
-    that the first real interval does not pay for it: the policy server calls this while
-    starting. Loading from the cache is much faster than compiling on a fresh install."""
+    """Compile (or load from numba's on-disk cache) every compiled loop of the planner
+    (:mod:`envs.dsmd.greedy_kernels`) on a three-type instance, so that the first real
+    interval does not pay for it: the policy server calls this while starting, after
+    :func:`envs.dsmd.kernels.warm_up` (the cost state and the placement what-ifs). Loading
+    from the cache is much faster than compiling on a fresh install."""
     inst = DSMDInstance(num_nodes=3, num_topics=2,
                         node_capacity_bps=np.full(3, 100, np.int64), controller_bw_bps=30,
                         controller_cpu=3, rate_bps=np.array([5, 7, 9], np.int64),
@@ -227,6 +228,3 @@ def warm_up() -> None:
     current = np.array([RPC, 1, 2], np.int64)
     OnlineGreedy._relabel(inst, fresh, current)
     OnlineGreedy(horizon=1.0)._lazy(inst, fresh, current)
-    state = CostState(inst, np.array([RPC, 1, UNASSIGNED], np.int64))
-    state.least_fitting(2, np.zeros(inst.num_topics + 1))
-    state.violations_if(2, np.array([RPC, 1], np.int64))
