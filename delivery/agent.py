@@ -342,10 +342,21 @@ class MessageAgent(pb_grpc.MessageAgentServicer):
             elif not (state in ("unsubscribed", "deleted") and at >= s.until_ns):
                 # unsubscribed while this agent was down (and not drained since; it may never
                 # have heard of the subscription: the controller created it on the broker
-                # while the agent was down): drain what was published before
+                # while the agent was down): drain what was published before. The drain is
+                # registered and recorded before the consumer attaches: its backlog may
+                # hold the fence, and the listener ends the drain (recording "deleted") as
+                # soon as it reads it.
+                with self._sub_guard:
+                    self._drain_locked(s.topic, s.until_ns)
                 self._subscribe(s.topic, s.subscription, self.cfg.pulsar_url)
-                self._draining[s.topic] = s.until_ns
-                self.record.subscription(s.topic, "draining", s.until_ns)
+
+    def _drain_locked(self, topic: str, until: int) -> None:
+        """Drain ``topic`` up to its fence ``until`` (the caller holds ``_sub_guard``):
+        registered and recorded in one step, so the listener's "unsubscribed"/"deleted"
+        (written after it takes the drain off under the same guard) always follow
+        "draining" in the record."""
+        self._draining[topic] = until
+        self.record.subscription(topic, "draining", until)
 
     def _delete_subscription(self, topic: str, at: int) -> None:
         """Delete this node's durable subscription of ``topic`` (attaching to it first)."""
@@ -535,11 +546,8 @@ class MessageAgent(pb_grpc.MessageAgentServicer):
                 self.record.subscription(topic, "subscribed", request.timestamp_ns)
         else:
             with self._sub_guard:
-                present = topic in self._consumers
-                if present:
-                    self._draining[topic] = request.timestamp_ns
-            if present:
-                self.record.subscription(topic, "draining", request.timestamp_ns)
+                if topic in self._consumers:
+                    self._drain_locked(topic, request.timestamp_ns)
         return pb.SubscribeAck(ok=True)
 
     async def Collect(self, request: Any, context: Any) -> Any:
