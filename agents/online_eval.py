@@ -107,7 +107,9 @@ def _trace(root: str, trace_id: str) -> OnlineTrace:
 #: the modules whose code decides a non-learned decider's rows (their source is in the key)
 _CACHE_SOURCES = ("agents/online.py", "agents/greedy.py", "agents/baselines.py",
                   "agents/registry.py", "envs/dsmd/online.py", "envs/dsmd/cost.py",
-                  "envs/dsmd/instance.py", "envs/dsmd/kernels.py", "envs/dsmd/parser.py")
+                  "envs/dsmd/instance.py", "envs/dsmd/kernels.py", "envs/dsmd/parser.py",
+                  "envs/dsmd/online_greedy.py", "envs/dsmd/greedy.py",
+                  "envs/dsmd/greedy_kernels.py")
 _SOURCE_HASH: list[str] = []
 
 

@@ -22,6 +22,7 @@ DDPG sets the knobs of the feasible-by-construction executor at every interval b
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -30,8 +31,10 @@ import numpy as np
 import pandas as pd
 from omegaconf import DictConfig
 
+from envs.dsmd.errors import DSMDError
 from envs.dsmd.online import OnlineSimulator
 from envs.dsmd.online_control import KnobMap, KnobPolicy
+from envs.dsmd.online_greedy import executor_class
 
 from .config import to_dict
 from .online_eval import DeciderSpec, per_trace
@@ -40,7 +43,7 @@ from .online_job import Tuning, open_online_dataset, test_online, tune_online
 if TYPE_CHECKING:
     from .training import Selected
 
-__all__ = ["OnlineTask", "make_online_env"]
+__all__ = ["SETTABLE_KNOBS", "OnlineTask", "knobs_lost_in_cloning", "make_online_env"]
 
 
 def make_online_env(env_ctx: Any):
@@ -50,6 +53,20 @@ def make_online_env(env_ctx: Any):
     kw = dict(env_ctx)
     kw.pop("num_envs", None)
     return DSMDOnlineEnv(**kw)
+
+
+#: the executor arguments a knob action sets (:class:`envs.dsmd.online_control.KnobMap`)
+SETTABLE_KNOBS = frozenset({"forecast", "alpha", "headroom", "horizon"})
+
+
+def knobs_lost_in_cloning(executor: str, knobs: dict[str, Any]) -> dict[str, Any]:
+    """The tuned ``knobs`` that a knob action cannot set and that differ from the
+    executor's defaults: the teacher's decisions are cloned as knob actions, so these would
+    be lost (the tuning grid may name any argument of the executor)."""
+    defaults = {k: p.default for k, p in
+                inspect.signature(executor_class(executor)).parameters.items()}
+    return {k: v for k, v in knobs.items()
+            if k not in SETTABLE_KNOBS and defaults.get(k, inspect.Parameter.empty) != v}
 
 
 class OnlineTask:
@@ -77,6 +94,7 @@ class OnlineTask:
                                 None if feats is None else tuple(feats))
         self.cost = self.tuning.cost
         self.teacher = self.tuning.best_knobs()
+        self._check_teacher()
         t = e.train
         # the training reward's cost (an ablation may weigh switching differently); every
         # evaluation uses env.cost
@@ -106,6 +124,13 @@ class OnlineTask:
                      "reward_cost": ",".join(f"{k}={v:g}" for k, v in train_cost.items()),
                      "action": "knobs"}
 
+    def _check_teacher(self) -> None:
+        lost = knobs_lost_in_cloning(self.knob_map.executor, self.teacher)
+        if lost:
+            raise DSMDError(f"the best tuned setting {self._teacher_name()} needs "
+                            f"{lost}, which the knob policy cannot set (it sets "
+                            f"{sorted(SETTABLE_KNOBS)}): drop them from env.tune.grid to train")
+
     def _teacher_name(self) -> str:
         tuned = self.tuning.tuned
         return next(s.name for s in tuned.values() if s.kw == self.teacher)
@@ -131,8 +156,6 @@ class OnlineTask:
         """The teacher's transitions on the first ``env.train.demo_traces`` training traces
         (``teacher``: ``tuned``, the best tuned knob setting on validation)."""
         if teacher != "tuned":
-            from envs.dsmd.errors import DSMDError
-
             raise DSMDError(f"agent.demonstrations for env=online must be 'tuned' (the best "
                             f"knob setting on validation), got {teacher!r}")
         env = make_online_env(self.env_config)

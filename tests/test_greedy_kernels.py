@@ -90,6 +90,31 @@ def test_least_fitting_equals_the_python_rule(inst, seed):
         assert got == ref.least_fitting(CostState(case, ch), m, scores)
 
 
+@settings(max_examples=100, deadline=None)
+@given(inst=instances(tight=True, max_topics=6), seed=st.integers(0, 2**16),
+       headroom=st.sampled_from([0.05, 0.2, 0.5, 0.9]))
+def test_least_fitting_with_headroom_is_the_reserved_instances(inst, seed, headroom):
+    """Placing inside the plan's reserve is placing on the instance whose capacities are
+    ``(1 - headroom)`` of these (``DSMDInstance.reserved``, the plan's own instance)."""
+    rng = np.random.default_rng(seed)
+    ch = rng.integers(0, inst.num_topics + 1, inst.num_types)
+    m = int(rng.integers(inst.num_types))
+    ch[m] = UNASSIGNED
+    scores = np.round(rng.normal(size=inst.num_topics + 1))
+    got = CostState(inst, ch).least_fitting(m, scores, headroom=headroom)
+    assert got == ref.least_fitting(CostState(inst.reserved(headroom), ch), m, scores)
+
+
+def test_reserved_capacities():
+    inst = DSMDInstance.from_sets([[0, 1]], [10], 1000, 2, 301, 7, num_nodes=2)
+    r = inst.reserved(0.2)
+    assert (r.controller_bw_bps, r.controller_cpu) == (240, 5)
+    assert r.node_capacity_bps.tolist() == [800, 800]
+    assert inst.reserved(0.0) is inst and inst.reserved(0.2) is r  # one per headroom
+    with pytest.raises(Exception, match=r"headroom must be in \[0, 1\), got 1.0"):
+        inst.reserved(1.0)
+
+
 @settings(max_examples=120, deadline=None)
 @given(inst=instances(tight=True, max_topics=6), seed=st.integers(0, 2**16),
        horizon=st.sampled_from([0.0, 0.5, 4.0, 50.0]))

@@ -396,3 +396,37 @@ def test_clone_is_independent_and_knob_oracle_takes_the_cheapest(tmp_path):
     first = [OnlineSimulator(tr, OnlineCost()).step(s.build(tr, OnlineCost()))["cost"]
              for s in grid]
     assert rows.cost.iloc[0] == min(first)
+
+
+def test_placements_can_respect_the_plans_reserve():
+    """C_p = 10, the plan sends 7 per interval over RPC; a new type for 3 nodes fits over RPC
+    (10 sends) against the full C_p but not against the reserve of headroom 0.2 (8 sends):
+    placed against the full capacities it takes RPC (no new subscriptions), inside the
+    reserve it takes a topic (one send)."""
+    from envs.dsmd.cost import CostState
+    from envs.dsmd.instance import RPC, UNASSIGNED, DSMDInstance
+    from envs.dsmd.online import NewType, Placement
+
+    inst = DSMDInstance.from_sets([[0, 1, 2], [0, 1, 2], [0], [0, 1, 2]], [5, 5, 5, 5],
+                                  10**6, 1, 10**6, 10)
+    new = NewType(3, np.array([0, 1, 2]), 1, 5, 0, 0)
+
+    def placed(reserve: bool) -> int:
+        state = CostState(inst, np.array([RPC, RPC, RPC, UNASSIGNED]))
+        return OnlineGreedy(headroom=0.2, reserve_placements=reserve).place(
+            None, new, Placement(state, 3))
+
+    assert placed(False) == RPC
+    assert placed(True) == 1
+
+
+def test_the_teacher_keeps_only_knobs_a_knob_action_sets():
+    from agents.task_online import knobs_lost_in_cloning
+
+    assert knobs_lost_in_cloning("online_greedy", {"headroom": 0.2, "horizon": 1.0,
+                                                    "forecast": "last"}) == {}
+    assert knobs_lost_in_cloning("online_greedy", {"headroom": 0.2,
+                                                    "reserve_placements": False}) == {}
+    assert knobs_lost_in_cloning("online_greedy", {"headroom": 0.2, "reserve_placements": True,
+                                                    "memory": 6}) == {
+        "reserve_placements": True, "memory": 6}

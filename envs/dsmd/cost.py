@@ -452,19 +452,27 @@ class CostState:
                             self._rate[m], c == RPC, int(self.topic_rate[c]),
                             int(self.topic_subscribers[c]))
 
-    def least_fitting(self, m: int, scores: np.ndarray, fallback: int = 4) -> int:
+    def least_fitting(self, m: int, scores: np.ndarray, fallback: int = 4,
+                      headroom: float = 0.0) -> int:
         """The channel of least ``scores`` (float64, K+1; equal scores: lower channel first)
         that unassigned ``m`` fits on (:meth:`fits`, no reserve); if none, the least
         (violation, score) among RPC and the ``fallback`` best-scoring topics. One compiled
-        pass; the state is left as it was."""
+        pass; the state is left as it was.
+
+        With ``headroom``, "fits" and "violation" are against ``(1 - headroom)`` of every
+        capacity (:meth:`DSMDInstance.reserved`): the reserve an online plan keeps."""
         if self.channel[m] != UNASSIGNED:
             raise InstanceError(f"type {m} is assigned; remove it before a what-if")
         scores = np.asarray(scores, dtype=np.float64)
         if scores.shape != (self.inst.num_topics + 1,):
             raise InstanceError(f"scores need {self.inst.num_topics + 1} entries, got "
                                 f"{scores.shape}")
-        return int(_k.least_fitting(int(m), scores, int(fallback), self.inst.inv_capacity,
-                                    self.kernel_arrays()))
+        arrays = self.kernel_arrays()
+        r = self.inst.reserved(headroom)
+        if r is not self.inst:  # the same state against the reserved capacities
+            arrays = (*arrays[:12], r.node_capacity_bps, int(r.controller_bw_bps),
+                      int(r.controller_cpu))
+        return int(_k.least_fitting(int(m), scores, int(fallback), r.inv_capacity, arrays))
 
     def first_fit(self, m: int, scores: np.ndarray, skip: int = -1) -> int:
         """The highest-scoring channel other than ``skip`` (ties: lower index first) that

@@ -233,6 +233,24 @@ class DSMDInstance:
                             self.config[types], self.catalog_index[types], self.interval_s,
                             self.name)
 
+    def reserved(self, headroom: float) -> DSMDInstance:
+        """This instance against ``(1 - headroom)`` of C_b, C_p and every s(n) (each at
+        least 1): the capacities an online plan, and the placements that respect its
+        reserve, are checked against (:class:`envs.dsmd.online_greedy.OnlineGreedy`).
+        ``headroom = 0`` is the instance itself; one instance per headroom is kept."""
+        if not 0.0 <= headroom < 1.0:
+            raise InstanceError(f"headroom must be in [0, 1), got {headroom}")
+        if headroom == 0.0:
+            return self
+        key = f"reserved:{headroom!r}"
+        if key not in self._cache:
+            h = 1.0 - headroom
+            self._cache[key] = self.with_capacities(
+                max(int(self.controller_bw_bps * h), 1), max(int(self.controller_cpu * h), 1),
+                np.maximum((self.node_capacity_bps * h).astype(np.int64), 1))
+        out: DSMDInstance = self._cache[key]
+        return out
+
     def with_capacities(self, controller_bw_bps: int | None = None,
                         controller_cpu: int | None = None,
                         node_capacity_bps: np.ndarray | int | None = None) -> DSMDInstance:

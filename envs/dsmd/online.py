@@ -391,12 +391,15 @@ class Placement:
         """Whether channel ``c`` keeps every expected load within Eq. 1's capacities."""
         return self.__state.fits(self.__row, int(c))
 
-    def choose(self, scores: Sequence[float] | np.ndarray, fallback: int = 4) -> int:
+    def choose(self, scores: Sequence[float] | np.ndarray, fallback: int = 4,
+               headroom: float = 0.0) -> int:
         """The channel of least ``scores`` (K+1 values; equal scores: lower channel first)
         that :meth:`fits`; if none does, the least (:meth:`violation_if`, score) among RPC
-        and the ``fallback`` best-scoring topics. One compiled pass."""
+        and the ``fallback`` best-scoring topics. One compiled pass. With ``headroom``,
+        fitting and violation are judged against ``(1 - headroom)`` of every capacity, the
+        reserve a plan with that headroom keeps."""
         return self.__state.least_fitting(self.__row, np.asarray(scores, np.float64),
-                                          int(fallback))
+                                          int(fallback), float(headroom))
 
     def violation_if(self, c: int) -> float:
         """The expected normalised violation (:func:`envs.dsmd.cost.violation`) with the new

@@ -19,7 +19,9 @@ the least-cost placement of the types that appear during an interval (the decide
   Fresh plans have their topics renamed to keep current subscriptions
   (:func:`envs.dsmd.online.relabel_topics`), which changes no cost of Eq. 1. New types, and
   returning ones (seen before, not in the plan), are placed on their first message by
-  :func:`place_least_cost` (``replace_returning=False`` keeps a returning type's channel).
+  :func:`place_least_cost` (``replace_returning=False`` keeps a returning type's channel;
+  ``reserve_placements=True`` checks them against the plan's reserved capacities, not the
+  full ones, so that they do not fill the headroom the plan kept).
 * :data:`EXECUTORS` -- the executors a knob policy may name (``KnobMap.executor``, an online
   bundle's metadata), by name: configurations and bundles name an executor, never a module.
 
@@ -89,19 +91,20 @@ def forecast(history: np.ndarray, method: str, alpha: float = 0.5, beta: float =
     return out
 
 
-def place_least_cost(placement: Placement, new: NewType, cost: OnlineCost) -> int:
+def place_least_cost(placement: Placement, new: NewType, cost: OnlineCost,
+                     headroom: float = 0.0) -> int:
     """A new or returning type's channel from the expected load: among the channels that
-    keep every expected load within capacity, the least ``added node traffic / necessary
-    traffic + w_subscribe * new subscriptions (+ w_move off a returning type's channel)``
-    (RPC on ties); if none fits, the least added violation, then that score, among RPC and
-    the four best topics."""
+    keep every expected load within capacity (``(1 - headroom)`` of it: the plan's
+    reserve), the least ``added node traffic / necessary traffic + w_subscribe * new
+    subscriptions (+ w_move off a returning type's channel)`` (RPC on ties); if none fits,
+    the least added violation, then that score, among RPC and the four best topics."""
     delta, fresh = placement.costs()
     nec = max(placement.necessary_bps + new.rate_bps * new.destinations.size, 1)
     score = delta / nec + cost.w_subscribe * fresh
     if new.previous_channel >= 0:  # a returning type: leaving its channel is a move
         score = score + cost.w_move
         score[new.previous_channel] -= cost.w_move
-    return placement.choose(score, fallback=4)
+    return placement.choose(score, fallback=4, headroom=headroom)
 
 
 class OnlineGreedy:
@@ -114,7 +117,7 @@ class OnlineGreedy:
                  memory: int = 4, cost: OnlineCost | None = None,
                  relabel: bool = True, local_search_passes: int = 2,
                  time_limit_s: float = 30.0, replace_returning: bool = True,
-                 name: str | None = None) -> None:
+                 reserve_placements: bool = False, name: str | None = None) -> None:
         if not 0.0 <= headroom < 1.0:
             raise DSMDError(f"headroom must be in [0, 1), got {headroom}")
         if horizon < 0:
@@ -131,6 +134,7 @@ class OnlineGreedy:
         self.cost = cost or OnlineCost()
         self.relabel = relabel
         self.replace_returning = bool(replace_returning)
+        self.reserve_placements = bool(reserve_placements)
         self.greedy = GreedyLocalSearch(local_search_passes=local_search_passes,
                                         time_limit_s=time_limit_s)
         self.name = name or "online_greedy"
@@ -156,10 +160,7 @@ class OnlineGreedy:
         return types, self._decide(view, view.instance(types, rates), view.channel(types)), rates
 
     def _decide(self, view: OnlineView, inst: DSMDInstance, current: np.ndarray) -> np.ndarray:
-        h = 1.0 - self.headroom
-        plan_inst = inst if h == 1.0 else inst.with_capacities(
-            max(int(inst.controller_bw_bps * h), 1), max(int(inst.controller_cpu * h), 1),
-            np.maximum((inst.node_capacity_bps * h).astype(np.int64), 1))
+        plan_inst = inst.reserved(self.headroom)
         fresh = self.greedy.assign(plan_inst)
         have = current >= 0
         if self.relabel and inst.num_topics and have.any():
@@ -191,7 +192,8 @@ class OnlineGreedy:
     def place(self, view: OnlineView, new: NewType, placement: Placement) -> int:
         if new.previous_channel >= 0 and not self.replace_returning:
             return new.previous_channel
-        return place_least_cost(placement, new, self.cost)
+        return place_least_cost(placement, new, self.cost,
+                                self.headroom if self.reserve_placements else 0.0)
 
 
 #: the executors a knob policy may name (``KnobMap.executor``), by name
