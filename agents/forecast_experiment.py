@@ -10,6 +10,13 @@ the last-interval forecast's two probabilities (after traffic, after silence: fi
 training traces). Every method is scored on the test traces by log loss, Brier score and
 calibration error, and the exported forecaster's log loss is compared, paired by trace, to
 the best classical forecast on validation, with a 95% t-interval over the test traces.
+
+Rates, on the rows where the type sends: the quantile forecaster (one gradient-boosted
+quantile-loss model per level of ``rates.quantiles``, fitted on the training traces) against
+the last rate and the EWMA of the log rate (its constant chosen on validation), each made a
+quantile forecast with its training residuals' quantiles; scored on the test traces by the
+pinball loss per level and averaged, and the coverage of the outer levels, with the same
+paired comparison.
 """
 
 from __future__ import annotations
@@ -26,10 +33,18 @@ import numpy as np
 import pandas as pd
 from omegaconf import DictConfig
 
-from envs.dsmd.demand import TSB_ALPHAS, DemandPanel, trace_panel
+from envs.dsmd.demand import RATE_ALPHAS, TSB_ALPHAS, DemandPanel, trace_panel
 from envs.dsmd.online_env import load_online_traces
 
-from .forecaster import calibrated_last, fit_send_forecaster, probability_scores
+from .forecaster import (
+    calibrated_last,
+    fit_rate_forecaster,
+    fit_send_forecaster,
+    pinball_scores,
+    probability_scores,
+    rate_target,
+    residual_quantiles,
+)
 from .reproduction import machine_summary
 
 __all__ = ["run_forecast"]
@@ -173,6 +188,8 @@ def run_forecast(cfg: DictConfig) -> dict[str, Any]:
         mlog.artifact(plot, "plots")
         mlog.metrics({f"{r['method']}/{c}": r[c] for r in rows
                       for c in ("log_loss", "brier", "ece")})
+        rates = _rate_study(cfg, train, val, test, out, mlog)
+        _say(f"[forecast] rates done ({time.perf_counter() - t0:.0f} s)")
         head = {"generated": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
                 "machine": machine_summary(),
                 "command": shlex.join(["python", "forecast.py", *sys.argv[1:]]),
@@ -181,7 +198,8 @@ def run_forecast(cfg: DictConfig) -> dict[str, Any]:
                 "tsb_alpha": tsb_alpha, "family": family, "best_classical": best_classical,
                 "paired_log_loss_difference": {"mean": mean, "ci95": [lo, hi],
                                                "of": f"{family} - {best_classical}"},
-                "scores": table.round(5).to_dict(orient="records")}
+                "scores": table.round(5).to_dict(orient="records"),
+                "rates": rates}
         (out / "headline.json").write_text(json.dumps(head, indent=2))
         mlog.text(json.dumps(head, indent=2), "headline.json")
         md = _summary_md(table, head)
@@ -207,4 +225,105 @@ def _summary_md(table: pd.DataFrame, head: dict[str, Any]) -> str:
               f"{head['family']}.",
               f"Paired by test trace, log loss of {d['of']}: {d['mean']:+.4f} "
               f"(95% interval {d['ci95'][0]:+.4f} to {d['ci95'][1]:+.4f}).", ""]
+    r = head["rates"]
+    levels = [f"{q:g}" for q in r["quantiles"]]
+    lines += [f"Rate quantiles of `log1p(rate)` where the type sends "
+              f"({r['rows']['test']:,} test rows), levels {', '.join(levels)}", "",
+              "| method | pinball (mean) | " + " | ".join(f"pinball {q}" for q in levels)
+              + " | coverage | validation pinball |",
+              "|---|---|" + "---|" * len(levels) + "---|---|"]
+    for x in r["scores"]:
+        lines.append(f"| {x['method']} | {x['pinball']:.4f} | "
+                     + " | ".join(f"{x[f'pinball_{q}']:.4f}" for q in levels)
+                     + f" | {x['coverage']:.3f} | {x['validation_pinball']:.4f} |")
+    pd_ = r["paired_pinball_difference"]
+    lines += ["", f"EWMA's alpha (validation): {r['ewma_alpha']}; best classical rate forecast "
+              f"on validation: {r['best_classical']}.",
+              f"Paired by test trace, pinball loss of {pd_['of']}: {pd_['mean']:+.4f} "
+              f"(95% interval {pd_['ci95'][0]:+.4f} to {pd_['ci95'][1]:+.4f}).", ""]
     return "\n".join(lines)
+
+
+RATE_CLASSICAL = ("last", "ewma")
+
+
+def _rate_study(cfg: DictConfig, train: list[DemandPanel], val: list[DemandPanel],
+                test: list[DemandPanel], out: Path, mlog: Any) -> dict[str, Any]:
+    """The rate half of the module docstring's protocol; returns its headline."""
+    qs = tuple(float(q) for q in cfg.rates.quantiles)
+    m = cfg.model
+    model = fit_rate_forecaster(train, qs, max_iter=int(m.max_iter),
+                                learning_rate=float(m.learning_rate),
+                                max_leaf_nodes=int(m.max_leaf_nodes), seed=int(cfg.seed))
+
+    def point(p: DemandPanel, method: str, alpha: float) -> np.ndarray:
+        rows, _ = rate_target(p)
+        key = "last" if method == "last" else f"ewma_{alpha}"
+        return p.rate_baselines[key][rows]
+
+    def residuals(method: str, alpha: float) -> np.ndarray:
+        return residual_quantiles(np.concatenate([point(p, method, alpha) for p in train]),
+                                  np.concatenate([rate_target(p)[1] for p in train]), qs)
+
+    def classical(method: str, alpha: float) -> Any:
+        r = residuals(method, alpha)
+        return lambda p: point(p, method, alpha)[:, None] + r[None, :]
+
+    def learned(p: DemandPanel) -> np.ndarray:
+        rows, _ = rate_target(p)
+        return model.log_rate(p.x[rows])
+
+    def loss(fn: Any, panels: list[DemandPanel]) -> float:
+        return pinball_scores(np.concatenate([fn(p) for p in panels]),
+                              np.concatenate([rate_target(p)[1] for p in panels]), qs)["pinball"]
+
+    alpha = min(RATE_ALPHAS, key=lambda a: loss(classical("ewma", a), val))
+    methods = {"last": classical("last", 0.0), "ewma": classical("ewma", alpha), "gbt": learned}
+    val_scores = {k: loss(fn, val) for k, fn in methods.items()}
+    best = min(RATE_CLASSICAL, key=val_scores.__getitem__)
+    zt = np.concatenate([rate_target(p)[1] for p in test])
+    preds = {k: [fn(p) for p in test] for k, fn in methods.items()}
+    rows = [{"method": k, **pinball_scores(np.concatenate(v), zt, qs),
+             "validation_pinball": val_scores[k]} for k, v in preds.items()]
+    table = pd.DataFrame(rows).sort_values("pinball")
+    diff = np.array([pinball_scores(preds["gbt"][i], rate_target(p)[1], qs)["pinball"]
+                     - pinball_scores(preds[best][i], rate_target(p)[1], qs)["pinball"]
+                     for i, p in enumerate(test)])
+    mean, lo, hi = _t_interval(diff)
+    path = model.save(out / "rate_forecaster.npz")
+    mlog.table(table, out / "rate_scores.csv")
+    mlog.artifact(path, "model")
+    plot = _pinball_plot(table, qs, out / "rate_pinball.png")
+    mlog.artifact(plot, "plots")
+    mlog.metrics({f"rate/{r['method']}/{c}": r[c] for r in rows
+                  for c in ("pinball", "coverage")})
+    _say("[forecast] rate pinball loss on validation: "
+         + ", ".join(f"{k} {v:.4f}" for k, v in val_scores.items()) + f" (EWMA alpha {alpha})")
+    return {"quantiles": list(qs), "ewma_alpha": alpha, "best_classical": best,
+            "rows": {"test": int(zt.size)},
+            "paired_pinball_difference": {"mean": mean, "ci95": [lo, hi],
+                                          "of": f"gbt - {best}"},
+            "scores": table.round(5).to_dict(orient="records")}
+
+
+def _pinball_plot(table: pd.DataFrame, qs: tuple[float, ...], path: Path) -> Path:
+    """Pinball loss per quantile level and method (grouped bars; coverage in the legend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    width = 0.8 / max(len(table), 1)
+    for i, (_, r) in enumerate(table.iterrows()):
+        ax.bar(np.arange(len(qs)) + i * width, [r[f"pinball_{q:g}"] for q in qs], width,
+               label=f"{r.method} (coverage {r.coverage:.3f})")
+    ax.set_xticks(np.arange(len(qs)) + width * (len(table) - 1) / 2)
+    ax.set_xticklabels([f"q = {q:g}" for q in qs])
+    ax.set_ylabel("pinball loss of log1p(rate) (lower is better)")
+    ax.set_title("Rate quantiles on the test traces")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from envs.dsmd.demand import CROSTON_ALPHA, FEATURES, DemandState, demand_panel
+from envs.dsmd.demand import CROSTON_ALPHA, FEATURES, RATE_ALPHAS, DemandState, demand_panel
 from envs.dsmd.errors import DSMDError
-from envs.dsmd.forecaster import SendForecaster
+from envs.dsmd.forecaster import RateForecaster, SendForecaster
 
 T, F = True, False
 
@@ -50,7 +50,67 @@ def test_panel_rows_are_known_types_with_features_of_the_past():
         np.testing.assert_array_equal(panel.x[rows], state.features()[known])
         assert panel.y[rows].tolist() == sent[w, known].tolist()
         np.testing.assert_array_equal(panel.baselines["tsb_0.3"][rows], state.tsb_p(0.3)[known])
+        np.testing.assert_array_equal(panel.rate_baselines["last"][rows],
+                                      state.last_rate[known])
+        np.testing.assert_array_equal(panel.rate_baselines["ewma_0.2"][rows],
+                                      state.rate_levels[0][known])
         state.update(sent[w], rates[w])
+
+
+def test_rate_levels_by_hand():
+    s = DemandState(vpc=np.array([0, 0]), destinations=np.array([1, 1]))
+    for sent, r in (([T, F], [np.e - 1, 0.0]), ([F, F], [0.0, 0.0]), ([T, T], [0.0, 5.0])):
+        s.update(np.array(sent), np.array(r))
+    # type 0: log1p rates 1 then 0 (a silent interval changes nothing): a * 0 + (1 - a) * 1
+    assert s.rate_levels[:, 0] == pytest.approx([1 - a for a in RATE_ALPHAS])
+    assert s.last_rate.tolist() == [0.0, pytest.approx(np.log1p(5.0))]
+    assert s.rate_level[0] == pytest.approx(0.5)
+
+
+def test_rate_forecaster_reproduces_sklearn_and_refuses_bad_files(tmp_path):
+    pytest.importorskip("sklearn")
+    from sklearn.ensemble import HistGradientBoostingRegressor
+
+    from agents.forecaster import from_sklearn
+
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((2000, len(FEATURES))).astype(np.float32)
+    z = 3 + x[:, 0] + rng.standard_normal(2000) * (1 + (x[:, 1] > 0))
+    models = [HistGradientBoostingRegressor(loss="quantile", quantile=q, max_iter=20,
+                                            random_state=0).fit(x, z) for q in (0.1, 0.5, 0.9)]
+    f = RateForecaster((0.1, 0.5, 0.9), tuple(from_sklearn(m) for m in models))
+    want = np.sort(np.stack([m.predict(x) for m in models], axis=1), axis=1)
+    np.testing.assert_allclose(f.log_rate(x), want, rtol=1e-9, atol=1e-9)
+    assert np.all(np.diff(f.log_rate(x), axis=1) >= 0)
+    path = f.save(tmp_path / "rate.npz")
+    np.testing.assert_array_equal(RateForecaster.load(path).log_rate(x), f.log_rate(x))
+    s = DemandState(vpc=np.array([0, 0]), destinations=np.array([1, 1]))
+    s.update(np.array([T, F]), np.array([10.0, 0.0]))
+    q = f(s)
+    assert q.shape == (2, 3) and q[1].tolist() == [0, 0, 0] and np.all(q[0] >= 0)
+    with pytest.raises(DSMDError, match="increasing in"):
+        RateForecaster((0.5, 0.1), f.trees[:2])
+    arrays = dict(np.load(path))
+    del arrays["q2_value"]
+    np.savez(tmp_path / "cut.npz", **arrays)
+    with pytest.raises(DSMDError, match=r"missing arrays \['q2_value'\]"):
+        RateForecaster.load(tmp_path / "cut.npz")
+    with pytest.raises(DSMDError, match="rate forecaster: features have shape"):
+        f.log_rate(x[:, :3])
+
+
+def test_pinball_scores_by_hand():
+    pytest.importorskip("sklearn")
+    from agents.forecaster import pinball_scores, residual_quantiles
+
+    pred = np.array([[0.0, 1.0], [0.0, 1.0]])
+    s = pinball_scores(pred, np.array([2.0, -1.0]), (0.2, 0.8))
+    # z = 2: above both: 0.2 * 2 and 0.8 * 1; z = -1: below both: 0.8 * 1 and 0.2 * 2
+    assert s["pinball_0.2"] == pytest.approx((0.4 + 0.8) / 2)
+    assert s["pinball_0.8"] == pytest.approx((0.8 + 0.4) / 2)
+    assert s["pinball"] == pytest.approx(0.6) and s["coverage"] == 0.0
+    r = residual_quantiles(np.zeros(5), np.arange(5.0), (0.5,))
+    assert r.tolist() == [2.0]
 
 
 def test_tree_ensemble_reproduces_sklearn(tmp_path):
@@ -118,10 +178,15 @@ def test_forecast_job_end_to_end(tmp_path):
     assert f.trees.roots.size == 20
     assert (tmp_path / "out" / "reliability.png").stat().st_size > 0
     assert "Paired by test trace" in (tmp_path / "out" / "summary.md").read_text()
+    assert {r["method"] for r in head["rates"]["scores"]} == {"gbt", "last", "ewma"}
+    rf = RateForecaster.load(tmp_path / "out" / "rate_forecaster.npz")
+    assert rf.quantiles == (0.1, 0.5, 0.9) and rf.trees[0].roots.size == 20
+    assert "pinball" in (tmp_path / "out" / "summary.md").read_text()
     client = MlflowClient(tracking_uri=db)
     (run,) = client.search_runs([client.get_experiment_by_name("smart-dsmd-forecast")
                                  .experiment_id])
     assert run.info.status == "FINISHED" and "gbt/log_loss" in run.data.metrics
+    assert "rate/gbt/pinball" in run.data.metrics
 
 
 def test_committed_forecaster_loads_and_is_a_probability():

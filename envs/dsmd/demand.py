@@ -17,7 +17,9 @@ types sent, and their Algorithm 1 rates) and holds, per type:
   sends): the probability forecast ``1 / q``; SBA (Syntetos and Boylan, IJF 2005) corrects
   Croston's demand rate by ``1 - alpha / 2``: ``(1 - alpha / 2) / q``;
 * the last :data:`LAGS` send indicators, the intervals since it last sent, its age, its share
-  of intervals with traffic, its last and smoothed rates;
+  of intervals with traffic, its last rate and its rate level: the exponentially weighted
+  mean of its log rate over the intervals it sent in, at several constants
+  (:data:`RATE_ALPHAS`; at ``CROSTON_ALPHA`` it is Croston's demand-size level);
 
 and, per VPC, the share of its known types that sent in the last interval and the one
 before (a VPC that wakes up wakes its types). :meth:`DemandState.features` is one row per
@@ -41,6 +43,7 @@ __all__ = [
     "CROSTON_ALPHA",
     "FEATURES",
     "LAGS",
+    "RATE_ALPHAS",
     "TSB_ALPHAS",
     "DemandPanel",
     "DemandState",
@@ -51,6 +54,7 @@ __all__ = [
 LAGS = 4
 TSB_ALPHAS = (0.1, 0.3, 0.5)
 CROSTON_ALPHA = 0.2
+RATE_ALPHAS = (0.2, 0.5, 0.8)  # the log-rate levels; 0.5's is a feature (log_rate_level)
 _CAP = 60.0  # intervals: longer gaps and ages carry no more information here
 
 FEATURES: tuple[str, ...] = (
@@ -85,7 +89,7 @@ class DemandState:
         self.tsb = np.zeros((len(TSB_ALPHAS), m))
         self.interval = np.ones(m)
         self.last_rate = np.zeros(m)
-        self.rate_level = np.zeros(m)
+        self.rate_levels = np.zeros((len(RATE_ALPHAS), m))
         self.vpc_share = np.zeros(self._vpcs)
         self.vpc_share_prev = np.zeros(self._vpcs)
         self.vpc_types = np.zeros(self._vpcs)
@@ -118,14 +122,21 @@ class DemandState:
         self.count += x
         r = np.log1p(np.maximum(np.asarray(rates, np.float64), 0.0))
         self.last_rate = np.where(sent, r, self.last_rate)
-        self.rate_level = np.where(new, r, np.where(upd, 0.5 * r + 0.5 * self.rate_level,
-                                                    self.rate_level))
+        for i, a in enumerate(RATE_ALPHAS):
+            self.rate_levels[i] = np.where(new, r, np.where(
+                upd, a * r + (1 - a) * self.rate_levels[i], self.rate_levels[i]))
         self.known = old | new
         known_per_vpc = np.bincount(self.vpc[self.known], minlength=self._vpcs)
         sent_per_vpc = np.bincount(self.vpc[sent], minlength=self._vpcs)
         self.vpc_share_prev = self.vpc_share
         self.vpc_share = sent_per_vpc / np.maximum(known_per_vpc, 1)
         self.vpc_types = known_per_vpc.astype(np.float64)
+
+    @property
+    def rate_level(self) -> np.ndarray:
+        """The log-rate level at 0.5 (the feature ``log_rate_level``)."""
+        level: np.ndarray = self.rate_levels[RATE_ALPHAS.index(0.5)]
+        return level
 
     # ------------------------------------------------------------------ forecasts
     def tsb_p(self, alpha: float) -> np.ndarray:
@@ -161,7 +172,10 @@ class DemandPanel:
 
     ``window[i]`` is the interval forecast, ``type_id[i]`` the type, ``x[i]`` its
     features at that boundary, ``y[i]`` whether it sent, ``rate[i]`` its rate if it did
-    (bytes/s, else 0) and ``baselines`` the classical forecasts (name -> probability)."""
+    (Algorithm 1's estimate, else 0), ``baselines`` the classical forecasts of sending
+    (name -> probability) and ``rate_baselines`` the classical point forecasts of
+    ``log1p(rate)`` if it sends: ``last`` (its last rate) and ``ewma_<alpha>`` (its
+    log-rate levels, :data:`RATE_ALPHAS`)."""
 
     window: np.ndarray
     type_id: np.ndarray
@@ -169,6 +183,7 @@ class DemandPanel:
     y: np.ndarray
     rate: np.ndarray
     baselines: dict[str, np.ndarray]
+    rate_baselines: dict[str, np.ndarray]
 
 
 def demand_panel(sent: np.ndarray, rates: np.ndarray, vpc: np.ndarray,
@@ -182,7 +197,8 @@ def demand_panel(sent: np.ndarray, rates: np.ndarray, vpc: np.ndarray,
     state = DemandState(vpc, destinations)
     parts: dict[str, list[np.ndarray]] = {k: [] for k in
                                           ("window", "type", "x", "y", "rate", "last",
-                                           "croston", "sba", *(f"tsb_{a}" for a in TSB_ALPHAS))}
+                                           "croston", "sba", *(f"tsb_{a}" for a in TSB_ALPHAS),
+                                           "rate_last", *(f"ewma_{a}" for a in RATE_ALPHAS))}
     for w in range(sent.shape[0]):
         if w >= start:
             idx = np.flatnonzero(state.known)
@@ -196,13 +212,19 @@ def demand_panel(sent: np.ndarray, rates: np.ndarray, vpc: np.ndarray,
             parts["sba"].append(state.croston_p(sba=True)[idx])
             for a in TSB_ALPHAS:
                 parts[f"tsb_{a}"].append(state.tsb_p(a)[idx])
+            parts["rate_last"].append(state.last_rate[idx])
+            for i, a in enumerate(RATE_ALPHAS):
+                parts[f"ewma_{a}"].append(state.rate_levels[i][idx])
         state.update(sent[w], rates[w])
     cat = {k: (np.concatenate(v) if v else np.zeros(0)) for k, v in parts.items()}
     x = cat["x"].reshape(-1, len(FEATURES)).astype(np.float32)
     names = ("last", "croston", "sba", *(f"tsb_{a}" for a in TSB_ALPHAS))
     return DemandPanel(cat["window"].astype(np.int64), cat["type"].astype(np.int64), x,
                        cat["y"].astype(bool), cat["rate"].astype(np.float64),
-                       {k: cat[k].astype(np.float64) for k in names})
+                       {k: cat[k].astype(np.float64) for k in names},
+                       {"last": cat["rate_last"].astype(np.float64),
+                        **{f"ewma_{a}": cat[f"ewma_{a}"].astype(np.float64)
+                           for a in RATE_ALPHAS}})
 
 
 def trace_panel(trace: OnlineTrace, start: int = 1) -> DemandPanel:

@@ -9,9 +9,13 @@ histogram gradient boosting) and converts it.
 
 :class:`SendForecaster` is the probability that each known type sends in the next interval
 (``sigmoid`` of the ensemble's raw score on :meth:`envs.dsmd.demand.DemandState.features`).
-It is stored as one ``.npz`` file (:meth:`SendForecaster.save` / :meth:`SendForecaster.load`)
-that records the feature names it was trained on; loading refuses a file whose features are
-not this version's :data:`envs.dsmd.demand.FEATURES`.
+:class:`RateForecaster` is the conditional quantiles of its rate if it sends: one ensemble
+per quantile level of ``log1p(rate)``, each fitted by the pinball (quantile) loss (Koenker
+and Bassett, Econometrica 1978), sorted across levels so that they never cross
+(Chernozhukov, Fernandez-Val and Galichon, Econometrica 2010).
+Each is stored as one ``.npz`` file (``save`` / ``load``) that records the feature names it
+was trained on; loading refuses a file whose features are not this version's
+:data:`envs.dsmd.demand.FEATURES`.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import numpy as np
 from .demand import FEATURES, DemandState
 from .errors import DSMDError
 
-__all__ = ["SendForecaster", "TreeEnsemble"]
+__all__ = ["RateForecaster", "SendForecaster", "TreeEnsemble"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -100,10 +104,7 @@ class SendForecaster:
 
     def probability(self, features: np.ndarray) -> np.ndarray:
         """``P(sends next interval)`` for each row of ``features`` (``FEATURES`` columns)."""
-        f = np.asarray(features)
-        if f.ndim != 2 or f.shape[1] != len(FEATURES):
-            raise DSMDError(f"send forecaster: features have shape {f.shape}, expected "
-                            f"[rows, {len(FEATURES)}]")
+        f = _rows(features, "send forecaster")
         p: np.ndarray = 1.0 / (1.0 + np.exp(-self.trees.raw(f)))
         return p
 
@@ -112,26 +113,93 @@ class SendForecaster:
         return np.where(state.known, self.probability(state.features()), 0.0)
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        arrays: dict[str, Any] = {"features": np.array(FEATURES), **self.trees.arrays()}
-        with open(path, "wb") as fh:  # np.savez would append .npz to a name without it
-            np.savez(fh, **arrays)
-        return path
+        return _save(path, self.trees.arrays())
 
     @classmethod
     def load(cls, path: str | Path) -> SendForecaster:
-        path = Path(path)
-        try:
-            with np.load(path, allow_pickle=False) as z:
-                a = {k: z[k] for k in z.files}
-        except (OSError, ValueError) as e:
-            raise DSMDError(f"send forecaster {path}: not a readable .npz file ({e})") from e
-        missing = {"features", *TreeEnsemble.__dataclass_fields__} - set(a)
-        if missing:
-            raise DSMDError(f"send forecaster {path}: missing arrays {sorted(missing)}")
-        names = tuple(str(s) for s in a.pop("features"))
-        if names != FEATURES:
-            raise DSMDError(f"send forecaster {path}: trained on features {list(names)}, "
-                            f"this version computes {list(FEATURES)}: retrain it")
+        a = _load(path, "send forecaster", TreeEnsemble.__dataclass_fields__)
         return cls(TreeEnsemble.from_arrays(a))
+
+
+@dataclass(frozen=True, eq=False)
+class RateForecaster:
+    """Quantiles of ``log1p(rate)`` in the next interval of a type that sends then (module
+    docstring): ``trees[j]`` is level ``quantiles[j]`` (increasing)."""
+
+    quantiles: tuple[float, ...]
+    trees: tuple[TreeEnsemble, ...]
+
+    def __post_init__(self) -> None:
+        q = np.asarray(self.quantiles, np.float64)
+        if (q.size == 0 or len(self.trees) != q.size or np.any(np.diff(q) <= 0)
+                or q[0] <= 0 or q[-1] >= 1):
+            raise DSMDError(f"rate forecaster: quantile levels {list(self.quantiles)} must be "
+                            f"increasing in (0, 1), one ensemble each ({len(self.trees)} given)")
+
+    def log_rate(self, features: np.ndarray) -> np.ndarray:
+        """``[rows, len(quantiles)]``: the quantiles of ``log1p(rate)`` for each row of
+        ``features`` (``FEATURES`` columns), non-decreasing along each row."""
+        f = _rows(features, "rate forecaster")
+        return np.sort(np.stack([t.raw(f) for t in self.trees], axis=1), axis=1)
+
+    def rate(self, features: np.ndarray) -> np.ndarray:
+        """:meth:`log_rate` in the rate's own unit, at least 0."""
+        out: np.ndarray = np.maximum(np.expm1(self.log_rate(features)), 0.0)
+        return out
+
+    def __call__(self, state: DemandState) -> np.ndarray:
+        """The rate quantiles of every type of ``state`` (unknown types: 0)."""
+        return np.where(state.known[:, None], self.rate(state.features()), 0.0)
+
+    def save(self, path: str | Path) -> Path:
+        arrays: dict[str, Any] = {"quantiles": np.asarray(self.quantiles, np.float64)}
+        for j, t in enumerate(self.trees):
+            arrays |= {f"q{j}_{k}": v for k, v in t.arrays().items()}
+        return _save(path, arrays)
+
+    @classmethod
+    def load(cls, path: str | Path) -> RateForecaster:
+        a = _load(path, "rate forecaster", ("quantiles",))
+        q = tuple(float(x) for x in np.ravel(a["quantiles"]))
+        trees = []
+        for j in range(len(q)):
+            part = {k: a.get(f"q{j}_{k}") for k in TreeEnsemble.__dataclass_fields__}
+            missing = sorted(f"q{j}_{k}" for k, v in part.items() if v is None)
+            if missing:
+                raise DSMDError(f"rate forecaster {path}: missing arrays {missing}")
+            trees.append(TreeEnsemble.from_arrays(part))  # type: ignore[arg-type]
+        return cls(q, tuple(trees))
+
+
+def _rows(features: np.ndarray, who: str) -> np.ndarray:
+    f = np.asarray(features)
+    if f.ndim != 2 or f.shape[1] != len(FEATURES):
+        raise DSMDError(f"{who}: features have shape {f.shape}, expected "
+                        f"[rows, {len(FEATURES)}]")
+    return f
+
+
+def _save(path: str | Path, arrays: dict[str, Any]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as fh:  # np.savez would append .npz to a name without it
+        np.savez(fh, features=np.array(FEATURES), **arrays)
+    return path
+
+
+def _load(path: str | Path, who: str, required: Any) -> dict[str, np.ndarray]:
+    """The arrays of a forecaster file, its feature names checked against this version's."""
+    path = Path(path)
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            a = {k: z[k] for k in z.files}
+    except (OSError, ValueError) as e:
+        raise DSMDError(f"{who} {path}: not a readable .npz file ({e})") from e
+    missing = {"features", *required} - set(a)
+    if missing:
+        raise DSMDError(f"{who} {path}: missing arrays {sorted(missing)}")
+    names = tuple(str(s) for s in a.pop("features"))
+    if names != FEATURES:
+        raise DSMDError(f"{who} {path}: trained on features {list(names)}, "
+                        f"this version computes {list(FEATURES)}: retrain it")
+    return a
