@@ -269,6 +269,46 @@ def tune(df: pd.DataFrame, families: Iterable[str]) -> dict[str, str]:
     return best
 
 
+def paired(pt: pd.DataFrame, policy: str, reference: str) -> tuple[float, float, int]:
+    """(mean, 95% half-width, traces) of ``policy``'s cost minus ``reference``'s, paired
+    trace by trace over the traces both ran (``pt``: :func:`per_trace` rows)."""
+    c = pt.set_index(["policy", "trace"])["cost"]
+    a, b = c.loc[policy], c.loc[reference]
+    d = (a - b.reindex(a.index)).dropna().to_numpy()
+    return (float(d.mean()) if d.size else float("nan")), ci95(d), int(d.size)
+
+
+def tuning_margins(pt: pd.DataFrame, best: dict[str, str]) -> pd.DataFrame:
+    """For every setting of every tuned family: its validation cost minus the family's
+    chosen setting's, paired by trace, with the 95% interval; ``distinct`` when the
+    interval excludes 0 (the chosen setting is then distinguishable from it)."""
+    rows = []
+    for fam, name in best.items():
+        for pol in pt.policy[pt.policy.str.startswith(fam + "[")].unique():
+            if pol == name:
+                continue
+            m, h, n = paired(pt, pol, name)
+            rows.append({"family": fam, "chosen": name, "setting": pol, "margin": m,
+                         "margin_ci95": h, "traces": n,
+                         "distinct": bool(np.isfinite(h) and m - h > 0)})
+    cols = ["family", "chosen", "setting", "margin", "margin_ci95", "traces", "distinct"]
+    return pd.DataFrame(rows, columns=cols).sort_values(["family", "margin"]).reset_index(
+        drop=True)
+
+
+def margins_text(margins: pd.DataFrame) -> str:
+    """One line per family: its runner-up's paired margin and how many settings the chosen
+    one is distinguishable from."""
+    lines = []
+    for fam, g in margins.groupby("family", sort=False):
+        top = g.iloc[0]
+        lines.append(f"{fam}: {top.chosen} beats the runner-up {top.setting} by "
+                     f"{top.margin:+.4f} ± {top.margin_ci95:.4f} (paired, {top.traces} "
+                     f"validation traces); distinguishable from {int(g.distinct.sum())} of "
+                     f"{len(g)} other settings at 95%")
+    return "\n".join(lines)
+
+
 def pareto_front(points: pd.DataFrame, x: str, y: str) -> pd.DataFrame:
     """The points not dominated in (x, y), both minimised, sorted by x."""
     p = points.sort_values([x, y]).reset_index(drop=True)
@@ -302,10 +342,12 @@ def ci95(x: np.ndarray) -> float:
     return float(t.ppf(0.975, x.size - 1) * x.std(ddof=1) / math.sqrt(x.size))
 
 
-def summarize_online(df: pd.DataFrame, oracle: str = "oracle") -> pd.DataFrame:
+def summarize_online(df: pd.DataFrame, oracle: str = "oracle",
+                     reference: str | None = None) -> pd.DataFrame:
     """Per policy: means over test traces with 95% intervals, violated intervals per
-    constraint, switching per interval, and regret against ``oracle`` (a policy name in
-    ``df``) computed trace by trace."""
+    constraint, switching per interval, regret against ``oracle`` (a policy name in
+    ``df``) computed trace by trace, and (with ``reference``, e.g. the best tuned heuristic)
+    the cost difference to it paired by trace, with its 95% interval."""
     pt = per_trace(df)
     ref = pt[pt.policy == oracle].set_index("trace")["cost"] if oracle in set(pt.policy) else None
     rows = []
@@ -321,6 +363,8 @@ def summarize_online(df: pd.DataFrame, oracle: str = "oracle") -> pd.DataFrame:
         if ref is not None:
             reg = 100 * (g.set_index("trace").cost / ref.loc[g.trace].values - 1.0)
             row["regret_pct"], row["regret_ci95"] = float(reg.mean()), ci95(reg.values)
+        if reference is not None and reference in set(pt.policy):
+            row["vs_reference"], row["vs_reference_ci95"], _ = paired(pt, str(pol), reference)
         rows.append(row)
     return pd.DataFrame(rows).sort_values("cost").reset_index(drop=True)
 
@@ -331,7 +375,8 @@ def format_online_table(summary: pd.DataFrame) -> str:
             ("bw_violated_pct", "C_b viol%", "{:.1f}"), ("cpu_violated_pct", "C_p viol%", "{:.1f}"),
             ("node_violated_pct", "s(n) viol%", "{:.1f}"), ("subscribe_infos", "SI/int", "{:.0f}"),
             ("moved_types", "moves/int", "{:.1f}"), ("regret_pct", "regret%", "{:+.1f}"),
-            ("regret_ci95", "±95%", "{:.1f}")]
+            ("regret_ci95", "±95%", "{:.1f}"), ("vs_reference", "vs best", "{:+.4f}"),
+            ("vs_reference_ci95", "±95%", "{:.4f}")]
     cols = [c for c in cols if c[0] in summary]
     head = [c[1] for c in cols]
     body = [[("nan" if isinstance(r[c[0]], float) and math.isnan(r[c[0]]) else c[2].format(r[c[0]]))

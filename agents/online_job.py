@@ -38,11 +38,13 @@ from .online_eval import (
     format_online_table,
     knob_grid,
     knob_oracle,
+    margins_text,
     oracle_specs,
     pareto_front,
     per_trace,
     summarize_online,
     tune,
+    tuning_margins,
 )
 from .plots import online_timeline_plot, pareto_plot
 from .seeding import seed_everything
@@ -84,6 +86,7 @@ class Tuning:
     best: dict[str, str]  # family -> its best setting's name
     best_online: str      # the best online method on validation (a family or a static name)
     knob_ceiling: pd.DataFrame | None = None  # per trace: the knob oracle on validation
+    margins: pd.DataFrame | None = None  # every setting against its family's chosen one
 
     @property
     def tuned(self) -> dict[str, DeciderSpec]:
@@ -141,6 +144,10 @@ def tune_online(cfg: DictConfig, ds: TraceDataset) -> Tuning:
     fam_of = {name: fam for fam, name in best.items()}
     for _fam, name in best.items():
         print(f"[online] tuned on validation: {name} (cost {means[name]:.4f})", flush=True)
+    margins = tuning_margins(vpt, best)
+    if len(margins):
+        print("\n".join(f"[online] {line}" for line in margins_text(margins).splitlines()),
+              flush=True)
     ceiling = None
     settings = [s for v in families.values() for s in v]
     if e.tune.get("knob_oracle", True) and settings:
@@ -151,7 +158,7 @@ def tune_online(cfg: DictConfig, ds: TraceDataset) -> Tuning:
               f"{100 * (ceiling.cost.mean() / top - 1):+.2f}% against the best fixed setting",
               flush=True)
     return Tuning(ds, cost, workers, val_ids, test_ids, statics, families, points, vpt, best,
-                  fam_of.get(best_online, best_online), ceiling)
+                  fam_of.get(best_online, best_online), ceiling, margins)
 
 
 def test_online(cfg: DictConfig, tuning: Tuning, log: Any, out: Path,
@@ -169,8 +176,8 @@ def test_online(cfg: DictConfig, tuning: Tuning, log: Any, out: Path,
     df = evaluate_online(ds, test_ids, test_specs, cost, e.eval_windows, workers, progress,
                          "evaluate (test)", _cache_dir(cfg))
     df = compose_oracle(df)
-    summary = summarize_online(df, "oracle")
     best_test = tuning.best_online
+    summary = summarize_online(df, "oracle", reference=best_test)
     pt = per_trace(df).set_index(["policy", "trace"])["cost"]
     head = 100 * (pt.loc[best_test] / pt.loc["oracle"] - 1.0)
     headroom = {"best_online": best_test, "headroom_pct": float(head.mean()),
@@ -189,12 +196,15 @@ def test_online(cfg: DictConfig, tuning: Tuning, log: Any, out: Path,
     table = format_online_table(summary)
     text = (f"Online yardstick: dataset {name}, {len(test_ids)} test traces "
             f"(mean over traces, 95% interval over traces; regret against the hindsight "
-            f"oracle)\n\n{table}\n\nheadroom (best online heuristic on validation: "
+            f"oracle; 'vs best': cost minus {best_test}'s, paired by trace)\n\n{table}\n\n"
+            f"headroom (best online heuristic on validation: "
             f"{best_test}) = {headroom['headroom_pct']:+.2f}% ± "
             f"{headroom['headroom_ci95']:.2f}% over the oracle\n"
             + "".join(f"{k} closes {v['closed_pct']:+.1f}% of it (of the summed gaps)\n"
                       for k, v in closed.items())
             + _bound_text(bounds, pt, best_test, int(ex.horizon)))
+    if tuning.margins is not None and len(tuning.margins):
+        text += "tuning on validation:\n" + margins_text(tuning.margins) + "\n"
     print("\n" + text, flush=True)
     (out / "summary.txt").write_text(text)
     log.text(text, "summary.txt")
@@ -202,6 +212,8 @@ def test_online(cfg: DictConfig, tuning: Tuning, log: Any, out: Path,
     log.table(df, out / "per_interval.csv")
     points = tuning.points
     log.table(points, out / "tuning.csv")
+    if tuning.margins is not None and len(tuning.margins):
+        log.table(tuning.margins, out / "tuning_margins.csv")
     if tuning.knob_ceiling is not None:
         log.table(tuning.knob_ceiling, out / "knob_ceiling.csv")
         log.metrics({"val/knob_oracle_cost": float(tuning.knob_ceiling.cost.mean())})

@@ -43,7 +43,12 @@ def test_online_yardstick_end_to_end(tmp_path, capsys):
     assert tuned and res["best"]["online_greedy"].startswith("online_greedy[")
     out = capsys.readouterr().out
     assert "Online yardstick" in out and "headroom" in out
-    for f in ("summary.csv", "summary.txt", "per_interval.csv", "tuning.csv", "pareto.csv"):
+    # every method against the best tuned heuristic, paired by trace; the tuning's margins
+    best = s.loc[res["headroom"]["best_online"]]
+    assert best.vs_reference == 0.0 and "vs best" in out
+    assert "beats the runner-up" in out and "distinguishable from" in out
+    for f in ("summary.csv", "summary.txt", "per_interval.csv", "tuning.csv", "pareto.csv",
+              "tuning_margins.csv"):
         assert (tmp_path / "out" / f).is_file()
     for f in ("pareto.png", "timeline.png"):
         assert (tmp_path / "out" / f).stat().st_size > 1000
@@ -171,3 +176,19 @@ def test_online_study_and_ablation_configs_compose(tmp_path):
     assert _cfg(tmp_path, ["+ablation=no_per", "agent=ddpg"]
                 ).agent.training.prioritized_replay is False
     assert _cfg(tmp_path, ["+ablation=no_demos", "agent=ddpg"]).agent.demonstrations is None
+
+
+def test_paired_margins_by_hand():
+    import pandas as pd
+
+    from agents.online_eval import paired, tuning_margins
+
+    pt = pd.DataFrame({"policy": ["f[a]"] * 3 + ["f[b]"] * 3 + ["f[c]"] * 3,
+                       "trace": ["t0", "t1", "t2"] * 3,
+                       "cost": [1.0, 2.0, 3.0, 1.1, 2.11, 3.12, 1.0, 2.5, 2.6]})
+    m, h, n = paired(pt, "f[b]", "f[a]")  # differences 0.10, 0.11, 0.12
+    assert (m, n) == (pytest.approx(0.11), 3)
+    assert h == pytest.approx(4.302653 * 0.01 / 3 ** 0.5, rel=1e-4)  # t(0.975, 2) sd / sqrt 3
+    g = tuning_margins(pt, {"f": "f[a]"}).set_index("setting")
+    assert g.loc["f[b]", "distinct"] and not g.loc["f[c]", "distinct"]  # c: 0, +0.5, -0.4
+    assert list(g.index) == ["f[c]", "f[b]"]  # by margin: c (+0.033) before b (+0.11)
