@@ -109,7 +109,8 @@ _CACHE_SOURCES = ("agents/online.py", "agents/greedy.py", "agents/baselines.py",
                   "agents/registry.py", "envs/dsmd/online.py", "envs/dsmd/cost.py",
                   "envs/dsmd/instance.py", "envs/dsmd/kernels.py", "envs/dsmd/parser.py",
                   "envs/dsmd/online_greedy.py", "envs/dsmd/greedy.py",
-                  "envs/dsmd/greedy_kernels.py")
+                  "envs/dsmd/greedy_kernels.py", "envs/dsmd/demand.py",
+                  "envs/dsmd/forecaster.py")
 _SOURCE_HASH: list[str] = []
 
 
@@ -129,8 +130,10 @@ def _cache_path(cache: str, digest: Any, trace_id: str, spec: DeciderSpec, cost:
     key is the trace files' sha256, the decider, the cost, the intervals and the code."""
     if not cache or spec.kind == "learned":
         return None
+    files = [hashlib.sha256(Path(str(v)).read_bytes()).hexdigest()  # a forecaster's content
+             for k, v in spec.params if k == "send_forecaster" and v]
     key = json.dumps([digest, trace_id, spec.name, spec.kind, repr(spec.params),
-                      repr(cost), windows, _source_hash()], sort_keys=True)
+                      repr(cost), windows, _source_hash(), files], sort_keys=True)
     return Path(cache) / f"{trace_id}-{hashlib.sha256(key.encode()).hexdigest()[:24]}.pkl"
 
 

@@ -198,3 +198,15 @@ def test_committed_forecaster_loads_and_is_a_probability():
     s.update(np.array([T, F, T]), np.array([100.0, 0.0, 10.0]))
     p = f(s)
     assert p.shape == (3,) and p[1] == 0.0 and np.all((p[[0, 2]] > 0) & (p[[0, 2]] < 1))
+
+
+def test_demand_state_grows():
+    s = DemandState(vpc=np.array([0]), destinations=np.array([2]))
+    s.update(np.array([T]), np.array([10.0]))
+    s.grow(np.array([3, 0]), np.array([1, 4]))
+    assert s.num_types == 3 and s.known.tolist() == [T, F, F] and s.lags.shape == (4, 3)
+    s.update(np.array([T, T, F]), np.array([10.0, 5.0, 0.0]))
+    f = dict(zip(FEATURES, s.features()[1]))
+    assert f["vpc_sent_share"] == 1.0 and f["log_destinations"] == pytest.approx(np.log1p(1))
+    with pytest.raises(DSMDError, match="one value per type"):
+        s.grow(np.array([1, 2]), np.array([1]))

@@ -430,3 +430,44 @@ def test_the_teacher_keeps_only_knobs_a_knob_action_sets():
     assert knobs_lost_in_cloning("online_greedy", {"headroom": 0.2, "reserve_placements": True,
                                                     "memory": 6}) == {
         "reserve_placements": True, "memory": 6}
+
+
+def test_demand_tracker_sees_what_the_panel_sees(tiny_trace):
+    """Fed from the online view alone, boundary by boundary (and catching up several
+    intervals at once), the tracker's features equal the offline panel's rows: the
+    forecaster reads in the simulator what it was trained on."""
+    from envs.dsmd.demand import DemandTracker, trace_panel
+    from envs.dsmd.online import OnlineView
+
+    panel = trace_panel(tiny_trace)
+    channel = np.full(tiny_trace.num_types, -1, np.int64)
+    for step in (1, 3):
+        tracker = DemandTracker()
+        for w in range(1, tiny_trace.num_windows, step):
+            state = tracker.at(OnlineView(tiny_trace, w, channel))
+            rows = panel.window == w
+            np.testing.assert_array_equal(np.flatnonzero(state.known), panel.type_id[rows])
+            np.testing.assert_array_equal(state.features()[state.known], panel.x[rows])
+    assert tracker.at(OnlineView(tiny_trace, 1, channel)).num_types <= tiny_trace.num_types
+
+
+def test_online_greedy_drops_unlikely_senders(tiny_trace, tmp_path):
+    """drop = 0 plans as the plain executor; a drop above every probability plans nothing
+    (every type is placed on arrival); a drop without a forecaster, or a file that is not
+    one, is refused."""
+    from pathlib import Path
+
+    path = str(Path(__file__).parents[1] / "results/forecaster/send_forecaster.npz")
+    plain = run_online(tiny_trace, OnlineGreedy(headroom=0.2, horizon=1.0), OnlineCost())
+    same = run_online(tiny_trace, OnlineGreedy(headroom=0.2, horizon=1.0, send_forecaster=path),
+                      OnlineCost())
+    assert [r["cost"] for r in same] == [r["cost"] for r in plain]
+    none = run_online(tiny_trace, OnlineGreedy(send_forecaster=path, drop=0.999,
+                                               reserve_placements=True), OnlineCost())
+    assert sum(r["planned_types"] for r in none) == 0
+    assert sum(r["new_types"] + r["returning_types"] for r in none) > 0
+    with pytest.raises(DSMDError, match="drop needs a send_forecaster"):
+        OnlineGreedy(drop=0.2)
+    (tmp_path / "x.npz").write_bytes(b"junk")
+    with pytest.raises(DSMDError, match="not a readable"):
+        OnlineGreedy(send_forecaster=str(tmp_path / "x.npz"), drop=0.2)

@@ -37,7 +37,7 @@ import numpy as np
 from .errors import DSMDError
 
 if TYPE_CHECKING:
-    from .online import OnlineTrace
+    from .online import OnlineTrace, OnlineView
 
 __all__ = [
     "CROSTON_ALPHA",
@@ -47,6 +47,7 @@ __all__ = [
     "TSB_ALPHAS",
     "DemandPanel",
     "DemandState",
+    "DemandTracker",
     "demand_panel",
     "trace_panel",
 ]
@@ -97,6 +98,34 @@ class DemandState:
     @property
     def num_types(self) -> int:
         return int(self.vpc.size)
+
+    def grow(self, vpc: np.ndarray, destinations: np.ndarray) -> None:
+        """Append types (a live catalogue grows): their VPC indices and destination counts;
+        they enter unknown, as every type does until its first interval with traffic."""
+        vpc = np.asarray(vpc, np.int64)
+        dest = np.asarray(destinations, np.float64)
+        if vpc.ndim != 1 or vpc.shape != dest.shape:
+            raise DSMDError(f"vpc {vpc.shape} and destinations {dest.shape} must be one "
+                            f"value per type")
+        k = vpc.size
+        if k == 0:
+            return
+        self.vpc = np.concatenate([self.vpc, vpc])
+        self.destinations = np.concatenate([self.destinations, dest])
+        self.known = np.concatenate([self.known, np.zeros(k, bool)])
+        for name in ("since", "age", "count", "last_rate"):
+            setattr(self, name, np.concatenate([getattr(self, name), np.zeros(k)]))
+        self.interval = np.concatenate([self.interval, np.ones(k)])
+        for name in ("lags", "tsb", "rate_levels"):
+            a = getattr(self, name)
+            setattr(self, name, np.concatenate([a, np.zeros((a.shape[0], k))], axis=1))
+        vpcs = int(self.vpc.max()) + 1
+        if vpcs > self._vpcs:
+            grow = vpcs - self._vpcs
+            self.vpc_share = np.concatenate([self.vpc_share, np.zeros(grow)])
+            self.vpc_share_prev = np.concatenate([self.vpc_share_prev, np.zeros(grow)])
+            self.vpc_types = np.concatenate([self.vpc_types, np.zeros(grow)])
+            self._vpcs = vpcs
 
     def update(self, sent: np.ndarray, rates: np.ndarray) -> None:
         """Record one interval: ``sent`` (bool per type) and the rates of those that sent
@@ -235,3 +264,47 @@ def trace_panel(trace: OnlineTrace, start: int = 1) -> DemandPanel:
     vpc = np.unique(np.asarray(p.catalog.vpc, np.int64), return_inverse=True)[1]
     dest = np.array([d.size for d in p.catalog.destinations], np.float64)
     return demand_panel(p.messages > 0, rates, vpc, dest, start)
+
+
+class DemandTracker:
+    """A :class:`DemandState` kept in step with an online decider's boundaries: at each
+    boundary, :meth:`at` takes in the types that became known and the intervals since the
+    last call, from the :class:`envs.dsmd.online.OnlineView` alone (a type sent in an
+    interval when its rate estimate there is positive, as ``trace_panel`` counts it), and
+    returns the state. A boundary earlier than the last one starts over (a new episode).
+    VPC ids are mapped to dense indices in order of appearance (the features depend only on
+    which types share a VPC)."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.state = DemandState(np.zeros(0, np.int64), np.zeros(0))
+        self.window = 0
+        self._vpc: dict[int, int] = {}
+
+    def at(self, view: OnlineView) -> DemandState:
+        if view.window < self.window:
+            self.reset()
+        known = view.known_types()
+        m = self.state.num_types
+        if known.size != (int(known[-1]) + 1 if known.size else 0):
+            raise DSMDError("demand tracker: the known types must be 0..k-1 (types are "
+                            "numbered in order of their first message)")
+        if known.size > m:
+            new = known[m:]
+            raw = view.vpcs(new)
+            dense = np.array([self._vpc.setdefault(int(v), len(self._vpc)) for v in raw],
+                             np.int64)
+            dest = np.array([view.destinations(int(t)).size for t in new], np.float64)
+            self.state.grow(dense, dest)
+        depth = view.window - self.window
+        if depth > 0 and known.size:
+            hist = view.history(known, depth)
+            for row in hist:
+                self.state.update(row > 0, row.astype(np.float64))
+        elif depth > 0:
+            for _ in range(depth):
+                self.state.update(np.zeros(0, bool), np.zeros(0))
+        self.window = view.window
+        return self.state

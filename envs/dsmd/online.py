@@ -335,6 +335,13 @@ class OnlineView:
         self._require_seen(np.array([t], np.int64), "asked for the destinations of")
         return self._trace.parsed.catalog.destinations[int(t)]
 
+    def vpcs(self, types: np.ndarray) -> np.ndarray:
+        """The VPC of each of known ``types`` (the catalogue's VPC ids)."""
+        types = np.asarray(types, np.int64)
+        self._require_seen(types, "asked for the VPC of")
+        out: np.ndarray = np.asarray(self._trace.parsed.catalog.vpc, np.int64)[types]
+        return out
+
     def instance(self, types: np.ndarray, rates: np.ndarray, name: str = "") -> DSMDInstance:
         """A DSMD instance over known ``types`` with the given (expected) rates."""
         types = np.asarray(types, np.int64)

@@ -22,6 +22,12 @@ the least-cost placement of the types that appear during an interval (the decide
   :func:`place_least_cost` (``replace_returning=False`` keeps a returning type's channel;
   ``reserve_placements=True`` checks them against the plan's reserved capacities, not the
   full ones, so that they do not fill the headroom the plan kept).
+* With ``send_forecaster`` (a :class:`envs.dsmd.forecaster.SendForecaster` file) and
+  ``drop``, the boundary plan leaves out the types whose probability of sending next
+  interval is below ``drop``; those that do send are placed on their first message. The
+  forecaster reads a :class:`envs.dsmd.demand.DemandTracker` fed from the view alone.
+  Dropping pays with ``reserve_placements``: the dropped types that send are then placed
+  inside the reserve (the measurements are in ``docs/online.md``).
 * :data:`EXECUTORS` -- the executors a knob policy may name (``KnobMap.executor``, an online
   bundle's metadata), by name: configurations and bundles name an executor, never a module.
 
@@ -39,7 +45,9 @@ import numpy as np
 
 from . import greedy_kernels as _gk
 from .cost import CostState, subscriptions
+from .demand import DemandTracker
 from .errors import DSMDError
+from .forecaster import SendForecaster
 from .greedy import GreedyLocalSearch
 from .instance import RPC, DSMDInstance
 from .online import NewType, OnlineCost, OnlineView, Placement, relabel_topics
@@ -117,7 +125,8 @@ class OnlineGreedy:
                  memory: int = 4, cost: OnlineCost | None = None,
                  relabel: bool = True, local_search_passes: int = 2,
                  time_limit_s: float = 30.0, replace_returning: bool = True,
-                 reserve_placements: bool = False, name: str | None = None) -> None:
+                 reserve_placements: bool = False, send_forecaster: str | None = None,
+                 drop: float = 0.0, name: str | None = None) -> None:
         if not 0.0 <= headroom < 1.0:
             raise DSMDError(f"headroom must be in [0, 1), got {headroom}")
         if horizon < 0:
@@ -135,6 +144,14 @@ class OnlineGreedy:
         self.relabel = relabel
         self.replace_returning = bool(replace_returning)
         self.reserve_placements = bool(reserve_placements)
+        if not 0.0 <= drop < 1.0:
+            raise DSMDError(f"drop must be in [0, 1), got {drop}")
+        if drop > 0 and send_forecaster is None:
+            raise DSMDError("drop needs a send_forecaster (the probabilities it thresholds)")
+        self.send_forecaster, self.drop = send_forecaster, float(drop)
+        self._forecaster = None if send_forecaster is None else \
+            SendForecaster.load(send_forecaster)
+        self._demand = DemandTracker()
         self.greedy = GreedyLocalSearch(local_search_passes=local_search_passes,
                                         time_limit_s=time_limit_s)
         self.name = name or "online_greedy"
@@ -143,7 +160,7 @@ class OnlineGreedy:
         return {k: getattr(self, k) for k in self.KNOBS}
 
     def reset(self, seed: int | None = None) -> None:
-        pass
+        self._demand.reset()
 
     # ------------------------------------------------------------------ boundary
     def _expected(self, view: OnlineView) -> tuple[np.ndarray, np.ndarray]:
@@ -151,6 +168,9 @@ class OnlineGreedy:
         hist = view.history(known, self.memory)
         f = forecast(hist, self.forecast, self.alpha, self.beta)
         keep = (f >= 0.5) | (hist[-1] > 0)
+        if self._forecaster is not None:  # the types unlikely to send are left to placement
+            p = self._forecaster(self._demand.at(view))
+            keep &= p[known] >= self.drop
         return known[keep], np.maximum(np.rint(f[keep]), 1).astype(np.int64)
 
     def plan(self, view: OnlineView) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
