@@ -45,6 +45,8 @@ from .forecaster import (
     rate_target,
     residual_quantiles,
 )
+from .online_eval import ci95
+from .plots import pinball_plot, reliability_plot
 from .reproduction import machine_summary
 
 __all__ = ["run_forecast"]
@@ -72,38 +74,9 @@ def _classical(panel: DemandPanel, method: str, tsb_alpha: float,
 
 
 def _t_interval(d: np.ndarray) -> tuple[float, float, float]:
-    from scipy import stats
-
-    m = float(d.mean())
-    if d.size < 2:
-        return m, float("nan"), float("nan")
-    h = float(stats.t.ppf(0.975, d.size - 1) * d.std(ddof=1) / np.sqrt(d.size))
+    """(mean, lower, upper) of the 95% t-interval of ``d`` (nan bounds for one value)."""
+    m, h = float(d.mean()), ci95(d)
     return m, m - h, m + h
-
-
-def _reliability_plot(preds: dict[str, np.ndarray], y: np.ndarray, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 5))
-    ax.plot([0, 1], [0, 1], color="grey", lw=0.8, ls="--")
-    edges = np.linspace(0, 1, 11)
-    for name, p in preds.items():
-        b = np.clip(np.digitize(p, edges) - 1, 0, 9)
-        n = np.bincount(b, minlength=10)
-        keep = n > 0
-        ax.plot((np.bincount(b, p, 10)[keep] / n[keep]), (np.bincount(b, y, 10)[keep] / n[keep]),
-                marker="o", ms=3, label=name)
-    ax.set_xlabel("forecast probability of sending")
-    ax.set_ylabel("observed frequency")
-    ax.set_title("Reliability on the test traces")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
 
 
 def run_forecast(cfg: DictConfig) -> dict[str, Any]:
@@ -182,7 +155,7 @@ def run_forecast(cfg: DictConfig) -> dict[str, Any]:
         path = gbt.save(out / "send_forecaster.npz")
         mlog.table(table, out / "scores.csv")
         mlog.artifact(path, "model")
-        plot = _reliability_plot({k: np.concatenate(v) for k, v in preds.items()
+        plot = reliability_plot({k: np.concatenate(v) for k, v in preds.items()
                                   if k in ("gbt", "logistic", best_classical, "last")},
                                  yt, out / "reliability.png")
         mlog.artifact(plot, "plots")
@@ -293,7 +266,7 @@ def _rate_study(cfg: DictConfig, train: list[DemandPanel], val: list[DemandPanel
     path = model.save(out / "rate_forecaster.npz")
     mlog.table(table, out / "rate_scores.csv")
     mlog.artifact(path, "model")
-    plot = _pinball_plot(table, qs, out / "rate_pinball.png")
+    plot = pinball_plot(table, qs, out / "rate_pinball.png")
     mlog.artifact(plot, "plots")
     mlog.metrics({f"rate/{r['method']}/{c}": r[c] for r in rows
                   for c in ("pinball", "coverage")})
@@ -304,26 +277,3 @@ def _rate_study(cfg: DictConfig, train: list[DemandPanel], val: list[DemandPanel
             "paired_pinball_difference": {"mean": mean, "ci95": [lo, hi],
                                           "of": f"gbt - {best}"},
             "scores": table.round(5).to_dict(orient="records")}
-
-
-def _pinball_plot(table: pd.DataFrame, qs: tuple[float, ...], path: Path) -> Path:
-    """Pinball loss per quantile level and method (grouped bars; coverage in the legend)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    width = 0.8 / max(len(table), 1)
-    for i, (_, r) in enumerate(table.iterrows()):
-        ax.bar(np.arange(len(qs)) + i * width, [r[f"pinball_{q:g}"] for q in qs], width,
-               label=f"{r.method} (coverage {r.coverage:.3f})")
-    ax.set_xticks(np.arange(len(qs)) + width * (len(table) - 1) / 2)
-    ax.set_xticklabels([f"q = {q:g}" for q in qs])
-    ax.set_ylabel("pinball loss of log1p(rate) (lower is better)")
-    ax.set_title("Rate quantiles on the test traces")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path

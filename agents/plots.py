@@ -8,6 +8,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+import numpy as np
 import pandas as pd
 
 __all__ = [
@@ -17,6 +18,8 @@ __all__ = [
     "learning_curve_plot",
     "online_timeline_plot",
     "pareto_plot",
+    "pinball_plot",
+    "reliability_plot",
     "sweep_plots",
 ]
 
@@ -177,3 +180,34 @@ def pareto_plot(points: pd.DataFrame, front: pd.DataFrame, path: Path, title: st
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     return _save(fig, path, title)
+
+
+def reliability_plot(preds: dict[str, np.ndarray], y: np.ndarray, path: Path) -> Path:
+    """Forecast probability against observed frequency (ten equal bins), per method."""
+    fig, ax = plt.subplots(figsize=(5, 5))
+    ax.plot([0, 1], [0, 1], color="grey", lw=0.8, ls="--")
+    edges = np.linspace(0, 1, 11)
+    for name, p in preds.items():
+        b = np.clip(np.digitize(p, edges) - 1, 0, 9)
+        n = np.bincount(b, minlength=10)
+        keep = n > 0
+        ax.plot((np.bincount(b, p, 10)[keep] / n[keep]), (np.bincount(b, y, 10)[keep] / n[keep]),
+                marker="o", ms=3, label=name)
+    ax.set_xlabel("forecast probability of sending")
+    ax.set_ylabel("observed frequency")
+    ax.legend(fontsize=8)
+    return _save(fig, path, "Reliability on the test traces")
+
+
+def pinball_plot(table: pd.DataFrame, qs: tuple[float, ...], path: Path) -> Path:
+    """Pinball loss per quantile level and method (grouped bars; coverage in the legend)."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    width = 0.8 / max(len(table), 1)
+    for i, (_, r) in enumerate(table.iterrows()):
+        ax.bar(np.arange(len(qs)) + i * width, [r[f"pinball_{q:g}"] for q in qs], width,
+               label=f"{r.method} (coverage {r.coverage:.3f})")
+    ax.set_xticks(np.arange(len(qs)) + width * (len(table) - 1) / 2)
+    ax.set_xticklabels([f"q = {q:g}" for q in qs])
+    ax.set_ylabel("pinball loss of log1p(rate) (lower is better)")
+    ax.legend(fontsize=8)
+    return _save(fig, path, "Rate quantiles on the test traces")

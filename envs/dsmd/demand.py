@@ -299,12 +299,8 @@ class DemandTracker:
             dest = np.array([view.destinations(int(t)).size for t in new], np.float64)
             self.state.grow(dense, dest)
         depth = view.window - self.window
-        if depth > 0 and known.size:
-            hist = view.history(known, depth)
-            for row in hist:
+        if depth > 0 and known.size:  # no known type: nothing to update
+            for row in view.history(known, depth):
                 self.state.update(row > 0, row.astype(np.float64))
-        elif depth > 0:
-            for _ in range(depth):
-                self.state.update(np.zeros(0, bool), np.zeros(0))
         self.window = view.window
         return self.state

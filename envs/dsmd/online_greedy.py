@@ -168,9 +168,10 @@ class OnlineGreedy:
         hist = view.history(known, self.memory)
         f = forecast(hist, self.forecast, self.alpha, self.beta)
         keep = (f >= 0.5) | (hist[-1] > 0)
-        if self._forecaster is not None:  # the types unlikely to send are left to placement
-            p = self._forecaster(self._demand.at(view))
-            keep &= p[known] >= self.drop
+        if self._forecaster is not None and self.drop > 0:  # unlikely senders: placed later
+            rows = known[keep]  # only the candidates are scored (the trees are the cost)
+            p = self._forecaster.probability(self._demand.at(view).features()[rows])
+            keep[keep] = p >= self.drop
         return known[keep], np.maximum(np.rint(f[keep]), 1).astype(np.int64)
 
     def plan(self, view: OnlineView) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
