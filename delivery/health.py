@@ -496,10 +496,12 @@ class MqHealth:
             why = f"probe publish not acknowledged within {timeout:g} s"
         elif probe.result != pulsar.Result.Ok:
             why = f"probe publish failed: {probe.result}"
-        if not why and self._inflight_age is not None:
+        if self._inflight_age is not None:
+            # judged on every probe, also a failed one: the reason names every cause seen
             age = float(self._inflight_age())
             if age > self.cfg.publish_timeout_s:
-                why = f"oldest unacknowledged data publish is {age:.1f} s old"
+                stuck = f"oldest unacknowledged data publish is {age:.1f} s old"
+                why = f"{why}; {stuck}" if why else stuck
         self.probes += 1
         self.failures += bool(why)
         self._count(not why, why)

@@ -475,6 +475,29 @@ def test_health_broker_unreachable_from_the_start():
         client.close()
 
 
+def test_health_reason_names_every_cause():
+    """A probe that fails and a stuck data publish at once: the verdict names both, so an
+    operator sees the stuck publish even while the broker also answers probes badly."""
+    pulsar = pytest.importorskip("pulsar")
+    from delivery.health import _Probe
+
+    now = [10.0]
+    rec = Recorder()
+    h = MqHealth(object(), "persistent://public/default/unused", FAST, rec,
+                 inflight_age=lambda: 5.0, clock=lambda: now[0])
+    for _ in range(FAST.fail_after):
+        h._judge(_Probe(deadline=11.0, sent=True, result=pulsar.Result.Timeout,
+                        answered=10.2))
+    assert h.state == MqHealth.DOWN and h.failures == FAST.fail_after
+    reason = rec.changes[-1][2]
+    assert f"probe publish failed: {pulsar.Result.Timeout}" in reason
+    assert "oldest unacknowledged data publish is 5.0 s old" in reason
+    ok = MqHealth(object(), "t", FAST, Recorder(), inflight_age=lambda: 0.0,
+                  clock=lambda: now[0])
+    ok._judge(_Probe(deadline=11.0, sent=True, result=pulsar.Result.Ok, answered=10.2))
+    assert ok.failures == 0 and ok.probes == 1
+
+
 @pytest.mark.xdist_group("pulsar")
 def test_health_on_a_live_broker_and_a_stuck_publish(pulsar_broker):
     """On the shared broker the probes succeed and the channel stays up, also with a data
