@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import shutil
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from envs.dsmd.online import OnlineCost
 from envs.dsmd.online_control import FEATURES, OBS_SIZE, KnobMap
 from envs.fsutil import atomic_directory
 from serving.bundle import BUNDLE_FORMAT, BUNDLE_VERSION, DECODING, sha256_file
-from serving.online_bundle import ONLINE_BUNDLE_FORMAT, ONLINE_BUNDLE_VERSION
+from serving.online_bundle import FILE_ARGS, ONLINE_BUNDLE_FORMAT, ONLINE_BUNDLE_VERSION
 from serving.signing import sign_bundle
 
 __all__ = ["export_bundle", "export_online_bundle", "export_onnx"]
@@ -125,7 +126,9 @@ def export_online_bundle(actor: Any, knob_map: KnobMap, cost: OnlineCost, direct
                          overwrite: bool = False,
                          signing_key: str | Path | None = None) -> Path:
     """Export a torch actor (``nn.Module``: obs [B, 12] -> action [B, 3] in [-1, 1]) as an
-    online policy bundle of version :data:`serving.online_bundle.ONLINE_BUNDLE_VERSION`,
+    online policy bundle of version :data:`serving.online_bundle.ONLINE_BUNDLE_VERSION`
+    (the files the knob map's fixed arguments name copied in, :data:`~serving.
+    online_bundle.FILE_ARGS`),
     signed with ``signing_key`` (an Ed25519 PKCS#8 PEM file; None: the PKI's
     ``bundle-signing.key``)."""
     with atomic_directory(directory, overwrite) as tmp:
@@ -133,10 +136,16 @@ def export_online_bundle(actor: Any, knob_map: KnobMap, cost: OnlineCost, direct
                     output_name="action")
         import onnxruntime
 
+        km = asdict(knob_map)
+        files: dict[str, str] = {}
+        for arg, name in FILE_ARGS.items():  # a fixed argument's file travels in the bundle
+            if km["fixed"].get(arg) is not None:
+                shutil.copyfile(km["fixed"][arg], tmp / name)
+                km["fixed"][arg], files[name] = name, sha256_file(tmp / name)
         meta = {"format": ONLINE_BUNDLE_FORMAT, "version": ONLINE_BUNDLE_VERSION,
-                "features": list(FEATURES), "knob_map": asdict(knob_map),
+                "features": list(FEATURES), "knob_map": km,
                 "cost": asdict(cost), "dataset": dataset or {},
-                "actor_sha256": sha256_file(tmp / "actor.onnx"),
+                "actor_sha256": sha256_file(tmp / "actor.onnx"), "files": files,
                 "onnxruntime": onnxruntime.__version__, **(extra or {})}
         (tmp / "metadata.json").write_text(json.dumps(meta, indent=2, default=str))
         sign_bundle(tmp, signing_key)

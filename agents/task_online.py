@@ -23,6 +23,7 @@ DDPG sets the knobs of the feasible-by-construction executor at every interval b
 from __future__ import annotations
 
 import inspect
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -33,7 +34,7 @@ from omegaconf import DictConfig
 
 from envs.dsmd.errors import DSMDError
 from envs.dsmd.online import OnlineSimulator
-from envs.dsmd.online_control import KnobMap, KnobPolicy
+from envs.dsmd.online_control import SET_BY_ACTION, KnobMap, KnobPolicy
 from envs.dsmd.online_greedy import executor_class
 
 from .config import to_dict
@@ -43,7 +44,7 @@ from .online_job import Tuning, open_online_dataset, test_online, tune_online
 if TYPE_CHECKING:
     from .training import Selected
 
-__all__ = ["SETTABLE_KNOBS", "OnlineTask", "knobs_lost_in_cloning", "make_online_env"]
+__all__ = ["OnlineTask", "make_online_env", "teacher_fixed_args"]
 
 
 def make_online_env(env_ctx: Any):
@@ -55,18 +56,24 @@ def make_online_env(env_ctx: Any):
     return DSMDOnlineEnv(**kw)
 
 
-#: the executor arguments a knob action sets (:class:`envs.dsmd.online_control.KnobMap`)
-SETTABLE_KNOBS = frozenset({"forecast", "alpha", "headroom", "horizon"})
-
-
-def knobs_lost_in_cloning(executor: str, knobs: dict[str, Any]) -> dict[str, Any]:
-    """The tuned ``knobs`` that a knob action cannot set and that differ from the
-    executor's defaults: the teacher's decisions are cloned as knob actions, so these would
-    be lost (the tuning grid may name any argument of the executor)."""
+def teacher_fixed_args(executor: str, knobs: dict[str, Any]) -> dict[str, Any]:
+    """The tuned teacher's ``knobs`` that a knob action does not set and that differ from
+    the executor's defaults: the learned policy's executor keeps them fixed
+    (``KnobMap.fixed``), so that its cloned start is the teacher (the tuning grid may name
+    any argument of the executor). A ``send_forecaster`` path is made absolute (the
+    bundle exporter copies the file). A forecast the action cannot choose (it chooses
+    ``last`` or ``ewma`` through ``alpha``) is refused."""
+    if knobs.get("forecast", "last") not in ("last", "ewma"):
+        raise DSMDError(f"the best tuned setting uses forecast={knobs['forecast']!r}, which "
+                        "the knob action cannot choose (last or ewma): drop it from "
+                        "env.tune.grid to train")
     defaults = {k: p.default for k, p in
                 inspect.signature(executor_class(executor)).parameters.items()}
-    return {k: v for k, v in knobs.items()
-            if k not in SETTABLE_KNOBS and defaults.get(k, inspect.Parameter.empty) != v}
+    fixed = {k: v for k, v in knobs.items()
+             if k not in SET_BY_ACTION and defaults.get(k, inspect.Parameter.empty) != v}
+    if fixed.get("send_forecaster"):
+        fixed["send_forecaster"] = str(Path(str(fixed["send_forecaster"])).resolve())
+    return fixed
 
 
 class OnlineTask:
@@ -90,11 +97,11 @@ class OnlineTask:
         self.tuning: Tuning = tune_online(cfg, self.ds)
         c = e.control
         feats = c.get("features")
-        self.knob_map = KnobMap(float(c.max_headroom), float(c.max_horizon), str(c.executor),
-                                None if feats is None else tuple(feats))
         self.cost = self.tuning.cost
         self.teacher = self.tuning.best_knobs()
-        self._check_teacher()
+        fixed = teacher_fixed_args(str(c.executor), self.teacher)
+        self.knob_map = KnobMap(float(c.max_headroom), float(c.max_horizon), str(c.executor),
+                                None if feats is None else tuple(feats), fixed)
         t = e.train
         # the training reward's cost (an ablation may weigh switching differently); every
         # evaluation uses env.cost
@@ -105,6 +112,7 @@ class OnlineTask:
                            "max_headroom": float(c.max_headroom),
                            "max_horizon": float(c.max_horizon),
                            "features": None if feats is None else list(feats),
+                           "executor_args": fixed,
                            "cache_dir": str(cfg.paths.data_dir)}
         from envs.dsmd.online_env import load_online_traces
 
@@ -122,14 +130,12 @@ class OnlineTask:
                      "task": "train_online",
                      "features": "all" if feats is None else ",".join(feats),
                      "reward_cost": ",".join(f"{k}={v:g}" for k, v in train_cost.items()),
-                     "action": "knobs"}
+                     "action": "knobs",
+                     "executor_args": self._fixed_text() or "none"}
 
-    def _check_teacher(self) -> None:
-        lost = knobs_lost_in_cloning(self.knob_map.executor, self.teacher)
-        if lost:
-            raise DSMDError(f"the best tuned setting {self._teacher_name()} needs "
-                            f"{lost}, which the knob policy cannot set (it sets "
-                            f"{sorted(SETTABLE_KNOBS)}): drop them from env.tune.grid to train")
+    def _fixed_text(self) -> str:
+        return ", ".join(f"{k}={Path(v).name if k == 'send_forecaster' else v}"
+                         for k, v in sorted(self.knob_map.fixed.items()))
 
     def _teacher_name(self) -> str:
         tuned = self.tuning.tuned
@@ -141,7 +147,9 @@ class OnlineTask:
     def header(self, agent: str, total: int) -> str:
         return (f"[train] {agent.upper()} on {self.ds.spec.name}: "
                 f"{len(self.ds.traces('train'))} training traces, one step per interval, "
-                f"action = the knobs of {self.knob_map.executor}, {total:,} env steps; "
+                f"action = the knobs of {self.knob_map.executor}"
+                + (f" (fixed: {self._fixed_text()})" if self.knob_map.fixed else "")
+                + f", {total:,} env steps; "
                 f"teacher {self._teacher_name()} (validation cost "
                 f"{self.reference['teacher']:.4f}"
                 + (f"; knob oracle {self.reference['knob oracle']:.4f}"
@@ -215,7 +223,8 @@ class OnlineTask:
                best: Selected | None, updates: int | None) -> dict[str, Any]:
         import ray
 
-        from serving.online_bundle import ONLINE_BUNDLE_FILES
+        from serving.bundle import SIGNATURE_FILE
+        from serving.online_bundle import online_bundle_files
 
         from .bundle_export import export_online_bundle
 
@@ -231,8 +240,10 @@ class OnlineTask:
                    "selected_at_steps": None if best is None else best.steps,
                    "gradient_updates": updates, "seed": int(cfg.seed),
                    "teacher": {k: str(v) for k, v in self.teacher.items()}})
-        for f in ONLINE_BUNDLE_FILES:
-            log.artifact(bundle_dir / f, "policy_bundle")
+        meta = json.loads((bundle_dir / "metadata.json").read_text())
+        for f in (*online_bundle_files(meta), SIGNATURE_FILE):
+            if (bundle_dir / f).is_file():
+                log.artifact(bundle_dir / f, "policy_bundle")
         print(f"[train] exported the online policy bundle to {bundle_dir}", flush=True)
         val = self._run(policy)  # the selected weights' validation point, for the Pareto plot
         vpt = per_trace(val).mean(numeric_only=True).to_frame().T.assign(policy=self.name)

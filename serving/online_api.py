@@ -270,14 +270,14 @@ def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Cal
     @app.get("/v1/online/policy/bundle", tags=["online"], dependencies=[Depends(controller)],
              response_class=Response,
              responses={200: {"content": {"application/zip": {}},
-                              "description": "actor.onnx and metadata.json (zip)"},
+                              "description": "the bundle's files (zip)"},
                         404: {"model": ErrorOut, "description": "No online policy loaded"},
                         401: _E[401]})
     async def get_online_bundle() -> Response:
         p = store.current()
         if p is None:
             raise HTTPException(404, "no online policy is loaded")
-        raw = await asyncio.to_thread(bundle_zip, p.path)
+        raw = await asyncio.to_thread(bundle_zip, p.bundle)
         return Response(raw, media_type="application/zip",
                         headers={"X-Policy-Version": str(p.version), "X-Policy-Hash": p.hash})
 

@@ -9,17 +9,24 @@ A directory::
     metadata.json   format and version; the observation's feature names (the history
                     features the policy needs, computed by
                     envs.dsmd.online_control.online_features); the knob map (ranges,
-                    executor); the online cost it was trained for; the dataset and
-                    scenario; training facts; the SHA-256 of actor.onnx
-    SIGNATURE.json  the Ed25519 signature over the two files above, by the key that
-                    exported the bundle (:mod:`serving.signing`)
+                    executor, the executor's fixed arguments); the online cost it was
+                    trained for; the dataset and scenario; training facts; the SHA-256 of
+                    actor.onnx and of every optional file ("files")
+    send_forecaster.npz
+                    optional (version 2): the send forecaster the executor's plan reads
+                    (envs.dsmd.forecaster.SendForecaster, NumPy only), named by the knob
+                    map's fixed argument ``send_forecaster``
+    SIGNATURE.json  the Ed25519 signature over the files above, by the key that exported
+                    the bundle (:mod:`serving.signing`)
 
 :func:`load_online_bundle` refuses (:class:`serving.bundle.BundleError`, naming what differs)
 a bundle whose files are missing or unreadable, whose format or version this runtime does
 not read, whose signature is missing or does not verify against the trusted keys
 (:class:`serving.signing.SignatureError`, checked before the actor is opened), whose actor
-does not match its recorded hash, or whose features differ from this version's
-:data:`~envs.dsmd.online_control.FEATURES`.
+does not match its recorded hash, whose optional files are unknown, missing, unsigned or
+changed, or whose features differ from this version's
+:data:`~envs.dsmd.online_control.FEATURES`. A version-1 bundle (no optional files, no
+fixed arguments) is read as before.
 """
 
 from __future__ import annotations
@@ -38,16 +45,39 @@ from .bundle import SIGNATURE_FILE, BundleError, read_metadata, sha256_file
 if TYPE_CHECKING:
     from .signing import BundleTrust
 
-__all__ = ["ONLINE_BUNDLE_CONTENT", "ONLINE_BUNDLE_FILES", "ONLINE_BUNDLE_FORMAT",
-           "ONLINE_BUNDLE_VERSION", "OnlineBundle", "load_online_bundle"]
+__all__ = ["FILE_ARGS", "ONLINE_BUNDLE_CONTENT", "ONLINE_BUNDLE_FILES", "ONLINE_BUNDLE_FORMAT",
+           "ONLINE_BUNDLE_OPTIONAL", "ONLINE_BUNDLE_VERSION", "OnlineBundle",
+           "load_online_bundle", "online_bundle_files"]
 
 ONLINE_BUNDLE_FORMAT = "smart-dsmd-online-policy"
-#: the version :func:`agents.bundle_export.export_online_bundle` writes and this runtime reads
-ONLINE_BUNDLE_VERSION = 1
-#: the files the loader reads (every one covered by the signature)
+#: the version :func:`agents.bundle_export.export_online_bundle` writes
+ONLINE_BUNDLE_VERSION = 2
+#: the versions this runtime reads
+ONLINE_BUNDLE_VERSIONS = (1, 2)
+#: the files the loader always reads (every one covered by the signature)
 ONLINE_BUNDLE_CONTENT = ("metadata.json", "actor.onnx")
-#: every file an online bundle holds (no SIGNATURE.json if unsigned)
+#: every file an online bundle always holds (no SIGNATURE.json if unsigned)
 ONLINE_BUNDLE_FILES = (*ONLINE_BUNDLE_CONTENT, SIGNATURE_FILE)
+#: the executor's fixed arguments that name a file, and the file's name in the bundle
+FILE_ARGS = {"send_forecaster": "send_forecaster.npz"}
+#: the optional files a bundle may hold (read, hashed and signed when its metadata's
+#: ``files`` names them)
+ONLINE_BUNDLE_OPTIONAL = tuple(FILE_ARGS.values())
+
+
+def online_bundle_files(meta: dict[str, Any], where: str = "online policy bundle"
+                        ) -> tuple[str, ...]:
+    """The files the loader reads for ``meta`` (its ``metadata.json``): the content and the
+    optional files its ``files`` names (an unknown name is a :class:`BundleError`)."""
+    files = meta.get("files") or {}
+    if not isinstance(files, dict):
+        raise BundleError(f"{where}: metadata.json: 'files' must be an object of file name "
+                          "-> SHA-256")
+    unknown = sorted(set(files) - set(ONLINE_BUNDLE_OPTIONAL))
+    if unknown:
+        raise BundleError(f"{where}: metadata.json names unknown files {unknown[:5]}; this "
+                          f"version reads {list(ONLINE_BUNDLE_OPTIONAL)}")
+    return (*ONLINE_BUNDLE_CONTENT, *sorted(files))
 
 
 @dataclass
@@ -66,7 +96,8 @@ class OnlineBundle:
     @property
     def files(self) -> tuple[str, ...]:
         """The bundle's files (no signature file if unsigned)."""
-        return ONLINE_BUNDLE_FILES if self.signed_by is not None else ONLINE_BUNDLE_CONTENT
+        read = online_bundle_files(self.metadata)
+        return (*read, SIGNATURE_FILE) if self.signed_by is not None else read
 
     def __post_init__(self) -> None:
         self._input = self.ort_session.get_inputs()[0].name
@@ -88,11 +119,12 @@ def load_online_bundle(directory: str | Path,
     secure default, the PKI's ``bundle-signing.pub``."""
     d = Path(directory)
     what = "online policy bundle"
-    meta = read_metadata(d, ONLINE_BUNDLE_FORMAT, (ONLINE_BUNDLE_VERSION,), ("actor.onnx",),
+    meta = read_metadata(d, ONLINE_BUNDLE_FORMAT, ONLINE_BUNDLE_VERSIONS, ("actor.onnx",),
                          what)
+    read = online_bundle_files(meta, f"{what} {str(d)[:200]}")
     from .signing import verify_bundle
 
-    signed_by = verify_bundle(d, trust, required=ONLINE_BUNDLE_CONTENT)
+    signed_by = verify_bundle(d, trust, required=read)
     onnx_path = d / "actor.onnx"
     if list(meta.get("features") or []) != list(FEATURES):
         raise BundleError(f"{what} {d}: observation features "
@@ -104,8 +136,18 @@ def load_online_bundle(directory: str | Path,
                           f"({e.strerror or e})") from None
     if digest != meta.get("actor_sha256"):
         raise BundleError(f"{what} {d}: actor.onnx does not match its recorded SHA-256")
+    for name, want in (meta.get("files") or {}).items():
+        try:
+            got = sha256_file(d / name)
+        except OSError as e:
+            raise BundleError(f"{what} {str(d)[:200]}: {name} cannot be read "
+                              f"({e.strerror or e})") from None
+        if got != want:
+            raise BundleError(f"{what} {d}: {name} does not match its recorded SHA-256")
     try:
-        knob_map = KnobMap(**meta["knob_map"])
+        km = dict(meta["knob_map"])
+        km["fixed"] = _bundle_paths(d, dict(km.get("fixed") or {}), meta.get("files") or {})
+        knob_map = KnobMap(**km)
         cost = OnlineCost(**meta["cost"])
     except (KeyError, TypeError, ValueError) as e:
         raise BundleError(f"{what} {d}: metadata.json: {e}") from None
@@ -119,3 +161,16 @@ def load_online_bundle(directory: str | Path,
     except Exception as e:  # onnxruntime raises its own exception types
         raise BundleError(f"{what} {d}: actor.onnx cannot be loaded ({e})") from None
     return OnlineBundle(d, meta, knob_map, cost, ort_session, signed_by)
+
+
+def _bundle_paths(d: Path, fixed: dict[str, Any], files: dict[str, str]) -> dict[str, Any]:
+    """The knob map's fixed arguments with each file argument (:data:`FILE_ARGS`) resolved
+    to its file in the bundle, which the metadata's ``files`` must name (hashed, signed)."""
+    for arg, name in FILE_ARGS.items():
+        if fixed.get(arg) is None:
+            continue
+        if fixed[arg] != name or name not in files:
+            raise ValueError(f"knob_map.fixed.{arg} must be {name!r}, a file the bundle "
+                             f"holds and 'files' names, got {str(fixed[arg])[:200]!r}")
+        fixed[arg] = str(d / name)
+    return fixed

@@ -21,8 +21,13 @@ from pathlib import Path
 
 from envs.dsmd.online_control import KnobPolicy
 
-from .bundle import SIGNATURE_FILE, BundleError
-from .online_bundle import ONLINE_BUNDLE_FILES, OnlineBundle, load_online_bundle
+from .bundle import BundleError
+from .online_bundle import (
+    ONLINE_BUNDLE_FILES,
+    ONLINE_BUNDLE_OPTIONAL,
+    OnlineBundle,
+    load_online_bundle,
+)
 from .signing import BundleTrust
 
 __all__ = [
@@ -64,14 +69,13 @@ class LoadedOnlinePolicy:
         return self.bundle.decider(f"online-v{self.version}")
 
 
-def bundle_zip(directory: str | Path) -> bytes:
-    """The bundle's files as a zip (what ``GET /v1/online/policy/bundle`` returns; its
-    signature too where it has one)."""
+def bundle_zip(bundle: OnlineBundle) -> bytes:
+    """The bundle's files as a zip (what ``GET /v1/online/policy/bundle`` returns: the files
+    its loader read, and its signature where it has one)."""
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
-        for name in ONLINE_BUNDLE_FILES:
-            if name != SIGNATURE_FILE or (Path(directory) / name).is_file():
-                z.write(Path(directory) / name, name)
+        for name in bundle.files:
+            z.write(bundle.directory / name, name)
     return buf.getvalue()
 
 
@@ -107,7 +111,7 @@ def unzip_bundle(raw: bytes, directory: str | Path) -> Path:
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     with zipfile.ZipFile(io.BytesIO(raw)) as z:
-        for name in set(z.namelist()) & set(ONLINE_BUNDLE_FILES):
+        for name in set(z.namelist()) & {*ONLINE_BUNDLE_FILES, *ONLINE_BUNDLE_OPTIONAL}:
             (d / name).write_bytes(z.read(name))
     return d
 

@@ -96,13 +96,16 @@ class SignatureInfo:
     signed: dict[str, Any] = field(hash=False)
 
 
-def bundle_files(fmt: object) -> tuple[str, ...]:
-    """The files the loader of bundle format ``fmt`` reads (all signed)."""
-    from .online_bundle import ONLINE_BUNDLE_CONTENT, ONLINE_BUNDLE_FORMAT
+def bundle_files(fmt: object, meta: dict | None = None) -> tuple[str, ...]:
+    """The files the loader of bundle format ``fmt`` reads (all signed); with the bundle's
+    ``meta`` (its metadata), the optional files it names too."""
+    from .online_bundle import ONLINE_BUNDLE_CONTENT, ONLINE_BUNDLE_FORMAT, online_bundle_files
 
     table = {BUNDLE_FORMAT: BUNDLE_CONTENT, ONLINE_BUNDLE_FORMAT: ONLINE_BUNDLE_CONTENT}
     if fmt not in table:
         raise BundleError(f"unknown bundle format {fmt!r} (expected one of {sorted(table)})")
+    if fmt == ONLINE_BUNDLE_FORMAT and meta is not None:
+        return online_bundle_files(meta)
     return table[str(fmt)]
 
 
@@ -331,7 +334,7 @@ def sign_bundle(directory: str | Path, key_path: str | Path | None = None) -> Si
     d = Path(directory)
     key = load_signing_key(key_path if key_path is not None else Security().pki.signing_key)
     meta = _metadata(d)
-    names = bundle_files(meta.get("format"))
+    names = bundle_files(meta.get("format"), meta)
     files: dict[str, str] = {}
     for name in names:
         try:

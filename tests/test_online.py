@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from agents.baselines import IDCS
 from agents.online import HindsightGreedy, OnlineGreedy, StaticReplan, forecast, make_static
 from envs.dsmd.errors import DSMDError
 from envs.dsmd.online import OnlineCost, OnlineSimulator, OnlineTrace, relabel_topics, run_online
+from envs.dsmd.online_control import KnobMap, KnobPolicy
 from envs.dsmd.scenarios import load_scenario
 from envs.dsmd.topology import Topology
 from envs.dsmd.traces import Dataset, Trace
@@ -420,16 +422,44 @@ def test_placements_can_respect_the_plans_reserve():
     assert placed(True) == 1
 
 
-def test_the_teacher_keeps_only_knobs_a_knob_action_sets():
-    from agents.task_online import knobs_lost_in_cloning
+def test_the_teachers_other_settings_are_fixed_in_the_knob_map(tmp_path):
+    from agents.task_online import teacher_fixed_args
 
-    assert knobs_lost_in_cloning("online_greedy", {"headroom": 0.2, "horizon": 1.0,
-                                                    "forecast": "last"}) == {}
-    assert knobs_lost_in_cloning("online_greedy", {"headroom": 0.2,
-                                                    "reserve_placements": False}) == {}
-    assert knobs_lost_in_cloning("online_greedy", {"headroom": 0.2, "reserve_placements": True,
-                                                    "memory": 6}) == {
+    assert teacher_fixed_args("online_greedy", {"headroom": 0.2, "horizon": 1.0,
+                                                "forecast": "last"}) == {}
+    assert teacher_fixed_args("online_greedy", {"headroom": 0.2,
+                                                "reserve_placements": False}) == {}
+    assert teacher_fixed_args("online_greedy", {"headroom": 0.2, "reserve_placements": True,
+                                                "memory": 6}) == {
         "reserve_placements": True, "memory": 6}
+    got = teacher_fixed_args("online_greedy", {"send_forecaster": "f.npz", "drop": 0.2})
+    assert got == {"send_forecaster": str(Path("f.npz").resolve()), "drop": 0.2}
+    with pytest.raises(DSMDError, match="forecast='holt'"):
+        teacher_fixed_args("online_greedy", {"forecast": "holt"})
+    with pytest.raises(DSMDError, match=r"\['headroom'\].*set by the action"):
+        KnobMap(fixed={"headroom": 0.1})
+    with pytest.raises(DSMDError, match=r"\['bogus'\].*not arguments it takes"):
+        KnobMap(fixed={"bogus": 1})
+
+
+def test_knob_policy_with_fixed_arguments_is_its_teacher(tiny_trace):
+    """A knob policy whose actor always asks for the teacher's knobs, over a knob map that
+    fixes the teacher's other settings (forecaster and drop included), decides exactly as
+    the teacher, interval by interval: one executor serves the episode, so the demand state
+    the forecaster reads carries across boundaries."""
+    path = str(Path(__file__).parents[1] / "results/forecaster/send_forecaster.npz")
+    fixed = {"reserve_placements": True, "send_forecaster": path, "drop": 0.2}
+    teacher = OnlineGreedy(headroom=0.2, horizon=1.0, **fixed)
+    km = KnobMap(fixed=fixed)
+    a = 2.0 * km.action(0.2, 1.0) - 1.0
+    pol = KnobPolicy(lambda _obs: a, km)
+    want = OnlineSimulator(tiny_trace, OnlineCost()).run(teacher)
+    got = OnlineSimulator(tiny_trace, OnlineCost()).run(pol)
+    assert pol.knobs_used[0] == {"headroom": 0.2, "horizon": 1.0, "alpha": 1.0}
+    assert [r.as_dict() for r in got] == [r.as_dict() for r in want]
+    assert [r.channel.tolist() for r in got] == [r.channel.tolist() for r in want]
+    plain = run_online(tiny_trace, OnlineGreedy(headroom=0.2, horizon=1.0), OnlineCost())
+    assert plain != [r.as_dict() for r in want]  # the drop acts
 
 
 def test_demand_tracker_sees_what_the_panel_sees(tiny_trace):

@@ -8,7 +8,9 @@ dataset trace that replays the same; bad requests get 4xx answers that say what 
 from __future__ import annotations
 
 import math
+import shutil
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -28,6 +30,7 @@ from serving.online_schemas import MessageIn
 from serving.online_session import OnlineSession, fallback_decider
 
 KEY, ADMIN = "online-key", "online-admin"
+FORECASTER = Path(__file__).parents[1] / "results/forecaster/send_forecaster.npz"
 H, HA = {"X-API-Key": KEY}, {"X-API-Key": ADMIN}
 
 
@@ -45,8 +48,12 @@ def online(tmp_path_factory):
     torch.manual_seed(0)
     actor = torch.nn.Sequential(torch.nn.Linear(OBS_SIZE, 3), torch.nn.Tanh())
     reads = tuple(f for f in FEATURES if f != "rpc_sends_load_q")  # the bundle's mask
-    path = export_online_bundle(actor, KnobMap(features=reads), cost, root / "bundle")
+    # the executor's fixed arguments: the forecaster's drop rule inside the reserve
+    fixed = {"reserve_placements": True, "send_forecaster": str(FORECASTER), "drop": 0.2}
+    path = export_online_bundle(actor, KnobMap(features=reads, fixed=fixed), cost,
+                                root / "bundle")
     bundle = load_online_bundle(path)
+    assert bundle.knob_map.fixed == {**fixed, "send_forecaster": str(path / FORECASTER.name)}
     traces = {}
     for rec in ds.traces("all"):
         data = ds.load(rec.id)
@@ -114,6 +121,38 @@ def test_engine_equals_the_simulator_on_every_trace(online):
                 if part.size:
                     s.submit([t.messages[r] for r in part])
             assert_interval(s.close(), res, t, w)
+
+
+def test_the_bundle_carries_its_forecaster(online, tmp_path):
+    """The forecaster travels in the bundle (hashed and signed); one changed, missing, or
+    named otherwise is refused, naming it; the bundle's decider is the teacher-shaped
+    executor with the bundle's copy."""
+    from serving.bundle import BundleError
+    from serving.online_bundle import load_online_bundle
+    from serving.signing import SignatureError
+
+    b = online.bundle
+    assert b.metadata["version"] == 2 and "send_forecaster.npz" in b.metadata["files"]
+    assert "send_forecaster.npz" in b.files
+    assert b.metadata["knob_map"]["fixed"]["send_forecaster"] == "send_forecaster.npz"
+    ex = b.knob_map.build(online.cost)
+    assert ex.drop == 0.2 and ex.reserve_placements and ex._forecaster is not None
+
+    def copy(name: str) -> Path:
+        d = tmp_path / name
+        shutil.copytree(online.bundle_dir, d)
+        return d
+
+    d = copy("changed")
+    raw = bytearray((d / "send_forecaster.npz").read_bytes())
+    raw[-1] ^= 1
+    (d / "send_forecaster.npz").write_bytes(bytes(raw))
+    with pytest.raises(SignatureError, match="send_forecaster.npz"):
+        load_online_bundle(d)
+    d = copy("missing")
+    (d / "send_forecaster.npz").unlink()
+    with pytest.raises((BundleError, SignatureError), match="send_forecaster.npz"):
+        load_online_bundle(d)
 
 
 def test_server_serves_the_simulators_plans_and_costs(server, online):

@@ -296,7 +296,7 @@ def test_online_bundles_are_signed_and_verified(tmp_path, other_key):
     store = OnlinePolicyStore(trust=trust)
     v1 = store.load(d)
     assert v1.signed_by == kid
-    copy = unzip_bundle(bundle_zip(d), tmp_path / "cache")
+    copy = unzip_bundle(bundle_zip(v1.bundle), tmp_path / "cache")
     assert (copy / SIGNATURE_FILE).is_file()
     assert load_online_bundle(copy, trust).signed_by == kid
     _flip(copy / "actor.onnx")

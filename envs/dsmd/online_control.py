@@ -14,29 +14,35 @@ EXECUTORS`) decides every channel, the action only sets how. Three pieces:
 * :class:`KnobMap` -- the action ``[0, 1]^3`` to the executor's knobs: ``headroom`` in
   ``[0, max_headroom]``, ``horizon`` in ``[0, max_horizon]`` intervals (an action of
   :data:`TOP` or more: re-plan every type) and the forecast's level weight ``alpha`` in
-  ``[0.05, 1]`` (:data:`TOP` or more: the last estimate), and the executor built with them.
+  ``[0.05, 1]`` (:data:`TOP` or more: the last estimate), and the executor built with them
+  and with the map's ``fixed`` arguments (those the action does not set, such as
+  ``reserve_placements`` or a ``send_forecaster`` and its ``drop``).
 * :class:`KnobPolicy` -- an :class:`envs.dsmd.online.OnlineDecider` that asks an actor
   (observation -> action in ``[-1, 1]^3``, a DDPG actor's tanh output, unsquashed as
-  RLlib's module-to-env connector does) for the knobs at every boundary.
+  RLlib's module-to-env connector does) for the knobs at every boundary. One executor
+  serves the whole episode (its knobs set at every boundary), so that what it keeps
+  between boundaries (the forecaster's demand state) is the executor's own.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from .errors import DSMDError
 from .online import NewType, OnlineCost, OnlineDecider, OnlineView, Placement
-from .online_greedy import DEFAULT_EXECUTOR, executor_class
+from .online_greedy import DEFAULT_EXECUTOR, OnlineGreedy, executor_class
 
 __all__ = [
     "DEFAULT_EXECUTOR",
     "FEATURES",
     "OBS_SIZE",
+    "SET_BY_ACTION",
     "KnobMap",
     "KnobPolicy",
     "online_features",
@@ -61,6 +67,10 @@ OBS_SIZE = len(FEATURES)
 TOP = 0.95
 #: the knobs' grid: headroom, horizon (intervals), alpha
 STEPS = (0.005, 0.25, 0.05)
+#: the executor arguments the action sets (``forecast`` follows ``alpha``)
+SET_BY_ACTION = frozenset({"headroom", "horizon", "forecast", "alpha"})
+#: executor arguments that are never fixed by a knob map (given by the caller)
+_NOT_FIXED = frozenset({"cost", "name"})
 
 
 def _snap(x: float, step: float) -> float:
@@ -102,6 +112,10 @@ class KnobMap:
     #: the observation values the policy reads (:data:`FEATURES` names; the others are 0);
     #: ``None``: all of them
     features: tuple[str, ...] | None = None
+    #: the executor's keyword arguments fixed for every interval (not in
+    #: :data:`SET_BY_ACTION`): the tuned teacher's other settings, e.g.
+    #: ``{"reserve_placements": True, "send_forecaster": "f.npz", "drop": 0.2}``
+    fixed: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not (0 <= self.max_headroom < 1 and self.max_horizon > 0):
@@ -113,7 +127,16 @@ class KnobMap:
                 raise DSMDError(f"unknown observation features {unknown}; known: "
                                 f"{list(FEATURES)}")
             object.__setattr__(self, "features", tuple(self.features))
-        executor_class(self.executor)  # an unknown executor is refused here, naming it
+        cls = executor_class(self.executor)  # an unknown executor is refused here, naming it
+        fixed = dict(self.fixed or {})
+        params = set(inspect.signature(cls).parameters) - SET_BY_ACTION - _NOT_FIXED
+        bad = sorted(set(fixed) - params)
+        if bad:
+            why = ("set by the action" if set(bad) <= SET_BY_ACTION else
+                   "not arguments it takes")
+            raise DSMDError(f"knob map: fixed arguments {bad} of executor {self.executor!r} "
+                            f"are {why}; it may fix {sorted(params)}")
+        object.__setattr__(self, "fixed", fixed)
 
     def observe(self, view: OnlineView) -> np.ndarray:
         """:func:`online_features` with the features this policy does not read set to 0."""
@@ -148,10 +171,22 @@ class KnobMap:
         return np.array([min(headroom / self.max_headroom, 1.0), h, f],
                         np.float32).clip(0.0, 1.0)
 
-    def decider(self, knobs: dict[str, float], cost: OnlineCost) -> OnlineDecider:
+    def build(self, cost: OnlineCost) -> OnlineGreedy:
+        """A fresh executor with the ``fixed`` arguments, its knobs at their defaults until
+        :meth:`set` sets them."""
+        return executor_class(self.executor)(cost=cost, **self.fixed)
+
+    @staticmethod
+    def set(executor: OnlineGreedy, knobs: dict[str, float]) -> None:
+        """Set the knobs of :meth:`knobs` on ``executor`` (``alpha`` 1: the last estimate,
+        else the EWMA)."""
         fc = "last" if knobs["alpha"] >= 1.0 else "ewma"
-        make: Any = executor_class(self.executor)  # the knobs are its keyword arguments
-        executor: OnlineDecider = make(cost=cost, forecast=fc, **knobs)
+        executor.set_knobs(forecast=fc, **knobs)
+
+    def decider(self, knobs: dict[str, float], cost: OnlineCost) -> OnlineDecider:
+        """A fresh executor with these knobs (and the ``fixed`` arguments)."""
+        executor = self.build(cost)
+        self.set(executor, knobs)
         return executor
 
 
@@ -164,7 +199,7 @@ class KnobPolicy:
     def __init__(self, act: Callable[[np.ndarray], np.ndarray], knob_map: KnobMap,
                  cost: OnlineCost | None = None, name: str = "learned") -> None:
         self.act, self.map, self.cost, self.name = act, knob_map, cost or OnlineCost(), name
-        self._exec: OnlineDecider | None = None
+        self._exec: OnlineGreedy | None = None
         self.knobs_used: list[dict[str, float]] = []
 
     def reset(self, seed: int | None = None) -> None:
@@ -178,8 +213,10 @@ class KnobPolicy:
     def plan(self, view: OnlineView) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         k = self.knobs(view)
         self.knobs_used.append(k)
-        ex = self._exec = self.map.decider(k, self.cost)
-        return ex.plan(view)
+        if self._exec is None:
+            self._exec = self.map.build(self.cost)
+        self.map.set(self._exec, k)
+        return self._exec.plan(view)
 
     def place(self, view: OnlineView, new: NewType, placement: Placement) -> int:
         if self._exec is None:

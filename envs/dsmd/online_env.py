@@ -49,7 +49,9 @@ the trace id.
 ``cost`` (dict of :class:`OnlineCost`), ``max_intervals``, ``warmup``, ``executor``
 (``"module:Class"``, constructed with ``cost=`` and the knobs), ``max_headroom``,
 ``max_horizon``, ``features`` (the observation values read; the others are 0), ``cache_dir``,
-``traces`` (prebuilt :class:`OnlineTrace` list).
+``traces`` (prebuilt :class:`OnlineTrace` list), ``executor_args`` (the executor's arguments
+fixed for every interval, ``KnobMap.fixed``: e.g. ``reserve_placements``, ``send_forecaster``
+and ``drop``). One executor serves an episode; the action sets its knobs at every step.
 
 ## Version history
 * v0: initial version.
@@ -103,7 +105,8 @@ class DSMDOnlineEnv(gym.Env):
                  max_headroom: float = 0.3, max_horizon: float = 16.0,
                  features: Sequence[str] | None = None,
                  cache_dir: str | Path | None = DATASETS_DIR,
-                 traces: Sequence[OnlineTrace] | None = None) -> None:
+                 traces: Sequence[OnlineTrace] | None = None,
+                 executor_args: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.cost = cost if isinstance(cost, OnlineCost) else OnlineCost.from_dict(cost)
         self.traces = list(traces) if traces is not None else load_online_traces(
@@ -120,7 +123,8 @@ class DSMDOnlineEnv(gym.Env):
         self.max_intervals = None if max_intervals is None else int(max_intervals)
         self.warmup = int(warmup)
         self.knob_map = KnobMap(float(max_headroom), float(max_horizon), executor,
-                                None if features is None else tuple(features))
+                                None if features is None else tuple(features),
+                                dict(executor_args or {}))
         self.observation_space = spaces.Box(-1.0, 1.0, (OBS_SIZE,), dtype=np.float32)
         self.action_space = spaces.Box(0.0, 1.0, (3,), dtype=np.float32)
         self.sim: OnlineSimulator | None = None
@@ -140,10 +144,11 @@ class DSMDOnlineEnv(gym.Env):
             raise DSMDError(f"trace {i} out of range 0..{len(self.traces) - 1}")
         self.trace = self.traces[int(i)]
         self.sim = OnlineSimulator(self.trace, self.cost)
+        self.executor = self.knob_map.build(self.cost)  # one per episode: its state carries
         if self.warmup:
-            default = self.knob_map.decider(self.knobs(np.array([0.0, 1.0, 1.0])), self.cost)
+            self.knob_map.set(self.executor, self.knobs(np.array([0.0, 1.0, 1.0])))
             for _ in range(self.warmup):
-                self.sim.step(default)
+                self.sim.step(self.executor)
         self._steps = 0
         return self._observe(), {"trace": self.trace.name, "window": self.sim.window}
 
@@ -154,7 +159,8 @@ class DSMDOnlineEnv(gym.Env):
         if self.sim.done:
             raise DSMDError("episode is over; call reset()")
         knobs = self.knobs(action)
-        res = self.sim.step(self.knob_map.decider(knobs, self.cost)).as_dict()
+        self.knob_map.set(self.executor, knobs)
+        res = self.sim.step(self.executor).as_dict()
         self._steps += 1
         terminated = self.sim.done
         truncated = (not terminated and self.max_intervals is not None

@@ -127,19 +127,11 @@ class OnlineGreedy:
                  time_limit_s: float = 30.0, replace_returning: bool = True,
                  reserve_placements: bool = False, send_forecaster: str | None = None,
                  drop: float = 0.0, name: str | None = None) -> None:
-        if not 0.0 <= headroom < 1.0:
-            raise DSMDError(f"headroom must be in [0, 1), got {headroom}")
-        if horizon < 0:
-            raise DSMDError(f"horizon must be >= 0, got {horizon}")
-        if forecast not in FORECASTS:
-            raise DSMDError(f"forecast must be one of {FORECASTS}, got {forecast!r}")
-        if not (0 < alpha <= 1 and 0 <= beta <= 1):
-            raise DSMDError(f"alpha must be in (0, 1] and beta in [0, 1], got {alpha}, {beta}")
-        self.headroom, self.horizon = float(headroom), float(horizon)
-        self.forecast, self.alpha, self.beta = forecast, float(alpha), float(beta)
         if int(memory) < 1:
             raise DSMDError(f"memory must be >= 1 interval, got {memory}")
-        self.memory = 1 if forecast == "last" else max(int(memory), 2)
+        self._memory = int(memory)
+        self.set_knobs(headroom=headroom, horizon=horizon, forecast=forecast, alpha=alpha,
+                       beta=beta)
         self.cost = cost or OnlineCost()
         self.relabel = relabel
         self.replace_returning = bool(replace_returning)
@@ -158,6 +150,23 @@ class OnlineGreedy:
 
     def knobs(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.KNOBS}
+
+    def set_knobs(self, headroom: float = 0.0, horizon: float = math.inf,
+                  forecast: str = "last", alpha: float = 0.5, beta: float = 0.2) -> None:
+        """Set the knobs (:attr:`KNOBS`; the others are left as they are): a knob policy
+        sets them at every boundary of one executor, whose demand tracker and forecaster
+        live for the episode."""
+        if not 0.0 <= headroom < 1.0:
+            raise DSMDError(f"headroom must be in [0, 1), got {headroom}")
+        if horizon < 0:
+            raise DSMDError(f"horizon must be >= 0, got {horizon}")
+        if forecast not in FORECASTS:
+            raise DSMDError(f"forecast must be one of {FORECASTS}, got {forecast!r}")
+        if not (0 < alpha <= 1 and 0 <= beta <= 1):
+            raise DSMDError(f"alpha must be in (0, 1] and beta in [0, 1], got {alpha}, {beta}")
+        self.headroom, self.horizon = float(headroom), float(horizon)
+        self.forecast, self.alpha, self.beta = forecast, float(alpha), float(beta)
+        self.memory = 1 if forecast == "last" else max(self._memory, 2)
 
     def reset(self, seed: int | None = None) -> None:
         self._demand.reset()
