@@ -25,11 +25,37 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from numba import njit
 
 from .demand import FEATURES, DemandState
 from .errors import DSMDError
 
 __all__ = ["RateForecaster", "SendForecaster", "TreeEnsemble"]
+
+
+@njit(cache=True, nogil=True)
+def _ensemble_raw(baseline: float, roots: np.ndarray, feature: np.ndarray,
+                  threshold: np.ndarray, nan_left: np.ndarray, left: np.ndarray,
+                  right: np.ndarray, leaf: np.ndarray, value: np.ndarray, depth: int,
+                  x: np.ndarray) -> np.ndarray:  # pragma: no cover (compiled)
+    out = np.empty(x.shape[0])
+    for r in range(x.shape[0]):
+        acc = 0.0
+        for t in range(roots.size):
+            n = roots[t]
+            for _ in range(depth):  # bounded: a malformed file cannot loop
+                if leaf[n]:
+                    break
+                v = x[r, feature[n]]
+                if np.isnan(v):
+                    n = left[n] if nan_left[n] else right[n]
+                elif v <= threshold[n]:
+                    n = left[n]
+                else:
+                    n = right[n]
+            acc += value[n]
+        out[r] = baseline + acc
+    return out
 
 
 @dataclass(frozen=True, eq=False)
@@ -64,21 +90,18 @@ class TreeEnsemble:
             raise DSMDError("tree ensemble: a node index is out of range")
 
     def raw(self, x: np.ndarray) -> np.ndarray:
-        """The raw score of every row of ``x`` ``[rows, features]``."""
-        x = np.asarray(x, np.float64)
+        """The raw score of every row of ``x`` ``[rows, features]`` (a compiled loop: each
+        row walks each tree, at most ``depth`` levels, the leaves summed in tree order)."""
+        x = np.ascontiguousarray(x, np.float64)
         if x.ndim != 2:
             raise DSMDError(f"tree ensemble: rows must be 2-D, got shape {x.shape}")
-        rows = np.arange(x.shape[0])
-        node = np.broadcast_to(self.roots[:, None], (self.roots.size, x.shape[0])).copy()
-        for _ in range(self.depth):
-            inner = ~self.leaf[node]
-            if not inner.any():
-                break
-            f = np.where(inner, self.feature[node], 0)
-            v = x[rows[None, :], f]
-            go_left = np.where(np.isnan(v), self.nan_left[node], v <= self.threshold[node])
-            node = np.where(inner, np.where(go_left, self.left[node], self.right[node]), node)
-        out: np.ndarray = self.baseline + self.value[node].sum(axis=0)
+        if x.shape[0] and self.feature.size and int(self.feature[~self.leaf].max(
+                initial=-1)) >= x.shape[1]:
+            raise DSMDError(f"tree ensemble: a tree reads feature "
+                            f"{int(self.feature[~self.leaf].max())}, rows have {x.shape[1]}")
+        out: np.ndarray = _ensemble_raw(self.baseline, self.roots, self.feature,
+                                        self.threshold, self.nan_left, self.left, self.right,
+                                        self.leaf, self.value, self.depth, x)
         return out
 
     def arrays(self) -> dict[str, np.ndarray]:

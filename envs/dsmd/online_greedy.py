@@ -47,7 +47,7 @@ from . import greedy_kernels as _gk
 from .cost import CostState, subscriptions
 from .demand import DemandTracker
 from .errors import DSMDError
-from .forecaster import SendForecaster
+from .forecaster import SendForecaster, TreeEnsemble
 from .greedy import GreedyLocalSearch
 from .instance import RPC, DSMDInstance
 from .online import NewType, OnlineCost, OnlineView, Placement, relabel_topics
@@ -247,7 +247,8 @@ def executor_class(name: str) -> type[OnlineGreedy]:
 
 def warm_up() -> None:
     """Compile (or load from numba's on-disk cache) every compiled loop of the planner
-    (:mod:`envs.dsmd.greedy_kernels`) on a three-type instance, so that the first real
+    (:mod:`envs.dsmd.greedy_kernels`, and the send forecaster's trees) on a three-type
+    instance, so that the first real
     interval does not pay for it: the policy server calls this while starting, after
     :func:`envs.dsmd.kernels.warm_up` (the cost state and the placement what-ifs). Loading
     from the cache is much faster than compiling on a fresh install."""
@@ -260,3 +261,6 @@ def warm_up() -> None:
     current = np.array([RPC, 1, 2], np.int64)
     OnlineGreedy._relabel(inst, fresh, current)
     OnlineGreedy(horizon=1.0)._lazy(inst, fresh, current)
+    z = np.zeros(1, np.int64)  # the send forecaster's trees: one leaf
+    TreeEnsemble(0.0, z, z, np.zeros(1), np.zeros(1, bool), z, z, np.ones(1, bool),
+                 np.zeros(1), 1).raw(np.zeros((1, 1)))
