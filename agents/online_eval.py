@@ -240,9 +240,14 @@ def knob_grid(family: str, grid: Mapping[str, Sequence[Any]]) -> list[DeciderSpe
     out = []
     for combo in itertools.product(*(list(grid[k]) for k in keys)):
         kw = {k: (as_horizon(v) if k == "horizon" else v) for k, v in zip(keys, combo)}
-        label = ",".join(f"{k}={_fmt(v)}" for k, v in kw.items())
+        label = ",".join(f"{k}={Path(str(v)).name if k in _FILE_KNOBS and v else _fmt(v)}"
+                         for k, v in kw.items())
         out.append(DeciderSpec.make(f"{family}[{label}]", "online_greedy", **kw))
     return out
+
+
+#: knobs whose value is a file: a setting's name shows the file's name, not its path
+_FILE_KNOBS = frozenset({"send_forecaster"})
 
 
 def _fmt(v: Any) -> str:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -102,6 +103,12 @@ class OnlineTask:
         fixed = teacher_fixed_args(str(c.executor), self.teacher)
         self.knob_map = KnobMap(float(c.max_headroom), float(c.max_horizon), str(c.executor),
                                 None if feats is None else tuple(feats), fixed)
+        h, z = float(self.teacher.get("headroom", 0.0)), float(self.teacher.get("horizon", 0.0))
+        if h > self.knob_map.max_headroom or (math.isfinite(z) and z > self.knob_map.max_horizon):
+            raise DSMDError(f"the best tuned setting {self._teacher_name()} has headroom {h:g} "
+                            f"and horizon {z:g}, outside the knob action's range "
+                            f"(env.control.max_headroom={self.knob_map.max_headroom:g}, "
+                            f"max_horizon={self.knob_map.max_horizon:g}): raise them to train")
         t = e.train
         # the training reward's cost (an ablation may weigh switching differently); every
         # evaluation uses env.cost

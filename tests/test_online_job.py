@@ -35,7 +35,7 @@ def test_online_yardstick_end_to_end(tmp_path, capsys):
     res = run_online_main(_cfg(tmp_path, [*GRID, "run_name=test-online"]))
     s = res["summary"].set_index("policy")
     assert {"rpc", "vita", "idcs", "alcor", "greedy", "online_greedy", "forecast_greedy",
-            "oracle"} <= set(s.index)
+            "forecast_drop", "oracle"} <= set(s.index)  # the default grid's forecaster family
     assert s.loc["oracle", "regret_pct"] == 0.0
     # knobs were chosen on validation traces only: tuning rows name validation traces
     tuned = res["dataset"].traces("validation")
@@ -88,13 +88,18 @@ def _train(tmp_path: Path, overrides: list[str]) -> dict:
 @pytest.mark.slow  # DDPG on tiny_online with validation and export: about a minute
 def test_train_online_end_to_end(tmp_path, capsys):
     """The main job's path on tiny_online: tuning on validation, the tuned teacher's
-    demonstrations, DDPG on the training traces with validation from the cloned start, the
-    exported online bundle, and the yardstick on the test traces with the learned policy."""
+    demonstrations (the forecaster's family, its other settings fixed), DDPG on the training
+    traces with validation from the cloned start, the exported online bundle with the
+    forecaster, and the yardstick on the test traces with the learned policy."""
     from envs.dsmd.online import OnlineSimulator
     from envs.dsmd.online_env import DSMDOnlineEnv, load_online_traces
     from serving.online_bundle import load_online_bundle
 
-    res = _train(tmp_path, ["run_name=test-online-train"])
+    # the plain families planning against 10% of every capacity: the forecaster's family
+    # is the teacher, so DDPG trains on top of its fixed arguments
+    res = _train(tmp_path, ["run_name=test-online-train",
+                            "env.tune.grid.online_greedy.headroom=[0.9]",
+                            "env.tune.grid.forecast_greedy.headroom=[0.9]"])
     s = res["summary"].set_index("policy")
     assert {"ddpg", "online_greedy", "oracle", "idcs"} <= set(s.index)
     hist = res["history"]
@@ -111,8 +116,11 @@ def test_train_online_end_to_end(tmp_path, capsys):
     for k in ("ddpg/cost", "ddpg/regret_pct", "ddpg/closed_pct", "val/start/cost",
               "val/best_cost", "val/final/cost", "online_greedy/cost", "oracle/cost"):
         assert k in m, k
-    # the bundle decides as the environment, interval by interval, on every test trace
+    # the bundle decides as the environment, interval by interval, on every test trace,
+    # with the teacher's fixed executor arguments (and its forecaster file) where it has any
     b = load_online_bundle(res["bundle_dir"])
+    assert "drop=" in run.data.tags["executor_args"]
+    assert "send_forecaster.npz" in b.files and b.knob_map.fixed["reserve_placements"]
     traces = load_online_traces(res["dataset"], "test", tmp_path / "data")
     pi = res["per_interval"]
     for i, tr in enumerate(traces):
@@ -120,7 +128,8 @@ def test_train_online_end_to_end(tmp_path, capsys):
         sim = [r.as_dict() for r in OnlineSimulator(tr, b.cost).run(b.decider("ddpg"))]
         env = DSMDOnlineEnv(traces=traces, cost=b.cost, features=b.knob_map.features,
                             max_headroom=b.knob_map.max_headroom,
-                            max_horizon=b.knob_map.max_horizon)
+                            max_horizon=b.knob_map.max_horizon,
+                            executor_args=b.knob_map.fixed)
         obs, _ = env.reset(options={"trace": i})
         costs, done = [], False
         while not done:

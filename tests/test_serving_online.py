@@ -147,11 +147,11 @@ def test_the_bundle_carries_its_forecaster(online, tmp_path):
     raw = bytearray((d / "send_forecaster.npz").read_bytes())
     raw[-1] ^= 1
     (d / "send_forecaster.npz").write_bytes(bytes(raw))
-    with pytest.raises(SignatureError, match="send_forecaster.npz"):
+    with pytest.raises(SignatureError, match=r"send_forecaster\.npz"):
         load_online_bundle(d)
     d = copy("missing")
     (d / "send_forecaster.npz").unlink()
-    with pytest.raises((BundleError, SignatureError), match="send_forecaster.npz"):
+    with pytest.raises((BundleError, SignatureError), match=r"send_forecaster\.npz"):
         load_online_bundle(d)
 
 
