@@ -38,7 +38,7 @@ sweep: setup                    ## Figs. 5-8 reproduction at CERN scale
 	$(VPY) sweep.py $(ARGS)
 
 STUDY    ?= online_ablation
-VARIANTS ?= base,no_per,no_td3,no_demos,last_outcome_only,load_only,switching_x10
+VARIANTS ?= base,no_forecaster,no_per,no_td3,no_demos,last_outcome_only,load_only,switching_x10
 SEEDS    ?= 0,1,2,3,4
 ablation: setup                 ## online policy ablation: a Hydra multirun in MLflow, then its table
 	$(VPY) train.py -m +ablation=$(VARIANTS) seed=$(SEEDS) +tags.study=$(STUDY) progress=false $(ARGS)

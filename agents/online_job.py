@@ -126,7 +126,8 @@ def tune_online(cfg: DictConfig, ds: TraceDataset) -> Tuning:
                         f"(has {len(val_ids)} and {len(test_ids)})")
     statics = [DeciderSpec.make(n, "static", **(to_dict(e.static_params).get(n) or {}))
                for n in e.baselines]
-    families = {fam: knob_grid(fam, to_dict(grid)) for fam, grid in to_dict(e.tune.grid).items()}
+    families = {fam: knob_grid(fam, to_dict(grid)) for fam, grid in to_dict(e.tune.grid).items()
+                if grid is not None}  # a family set to null is left out
     sc = ds.scenario
     print(f"[online] dataset {ds.spec.name}: {len(ds.traces('all'))} traces of "
           f"{ds.spec.duration_s:g}s ({len(val_ids)} validation, {len(test_ids)} test used), "

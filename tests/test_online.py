@@ -240,7 +240,7 @@ def test_online_env_episode_info_and_knobs(tiny_trace):
         steps += 1
         total += r
         assert r == -info["cost"] and info["knob_horizon"] == math.inf
-        assert info["knob_headroom"] == pytest.approx(0.15)
+        assert info["knob_headroom"] == pytest.approx(0.5 * env.knob_map.max_headroom)
         if term or trunc:
             break
     assert term and steps == tiny_trace.num_windows - 2
