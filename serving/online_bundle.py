@@ -151,6 +151,10 @@ def load_online_bundle(directory: str | Path,
         cost = OnlineCost(**meta["cost"])
     except (KeyError, TypeError, ValueError) as e:
         raise BundleError(f"{what} {d}: metadata.json: {e}") from None
+    try:  # the executor once, so that a file it reads is checked now, not at a boundary
+        knob_map.build(cost)
+    except (OSError, ValueError) as e:
+        raise BundleError(f"{what} {d}: its executor cannot be built ({e})") from None
     import onnxruntime as ort
 
     opts = ort.SessionOptions()

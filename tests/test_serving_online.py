@@ -7,6 +7,7 @@ dataset trace that replays the same; bad requests get 4xx answers that say what 
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import time
@@ -127,9 +128,9 @@ def test_the_bundle_carries_its_forecaster(online, tmp_path):
     """The forecaster travels in the bundle (hashed and signed); one changed, missing, or
     named otherwise is refused, naming it; the bundle's decider is the teacher-shaped
     executor with the bundle's copy."""
-    from serving.bundle import BundleError
+    from serving.bundle import BundleError, sha256_file
     from serving.online_bundle import load_online_bundle
-    from serving.signing import SignatureError
+    from serving.signing import SignatureError, sign_bundle
 
     b = online.bundle
     assert b.metadata["version"] == 2 and "send_forecaster.npz" in b.metadata["files"]
@@ -152,6 +153,15 @@ def test_the_bundle_carries_its_forecaster(online, tmp_path):
     d = copy("missing")
     (d / "send_forecaster.npz").unlink()
     with pytest.raises((BundleError, SignatureError), match=r"send_forecaster\.npz"):
+        load_online_bundle(d)
+    # signed as it is, but not a forecaster: refused on load, not at the first boundary
+    d = copy("garbage")
+    (d / "send_forecaster.npz").write_bytes(b"not an npz")
+    meta = json.loads((d / "metadata.json").read_text())
+    meta["files"]["send_forecaster.npz"] = sha256_file(d / "send_forecaster.npz")
+    (d / "metadata.json").write_text(json.dumps(meta))
+    sign_bundle(d)
+    with pytest.raises(BundleError, match=r"executor cannot be built.*not a readable \.npz"):
         load_online_bundle(d)
 
 
