@@ -7,7 +7,8 @@ What is measured, on the first test trace of a dataset (``godaddy_online`` by de
 trace is generated and cached before timing):
 
 * each online decider over ``--windows`` intervals of :class:`envs.dsmd.online.OnlineSimulator`
-  (boundary plan + placement of the types the plan does not cover + realised scoring);
+  (boundary plan + placement of the types the plan does not cover + realised scoring),
+  ``forecast_drop`` with the committed send forecaster (``results/forecaster``);
 * ``simulator only``: a decider that plans nothing and places every type on RPC at once,
   i.e. the work of an interval that does not depend on the policy (the interval's arrivals,
   the expected state of the placements, the realised scoring);
@@ -86,6 +87,14 @@ def measure(dataset: str, windows: int, repeats: int, cern: bool) -> dict[str, A
                                 for n in ("rpc", "idcs", "greedy")}
     deciders["online_greedy (headroom 0.1, horizon 4)"] = lambda: OnlineGreedy(
         headroom=0.1, horizon=4.0, cost=cost)
+    forecaster = ROOT / "results/forecaster/send_forecaster.npz"
+    try:  # a commit before the drop rule has no such executor: no row
+        OnlineGreedy(send_forecaster=str(forecaster), drop=0.35, reserve_placements=True)
+        deciders["forecast_drop (drop 0.35, headroom 0.3, horizon 1)"] = lambda: OnlineGreedy(
+            headroom=0.3, horizon=1.0, cost=cost, reserve_placements=True,
+            send_forecaster=str(forecaster), drop=0.35)
+    except (TypeError, ValueError):
+        pass
     deciders["oracle_greedy (hindsight)"] = lambda: HindsightGreedy(cost=cost)
     deciders["simulator only"] = SimulatorOnly
     for name, make in deciders.items():
