@@ -625,6 +625,8 @@ def test_packed_replies_reported_by_agents(pulsar_broker, tmp_path):
                    lambda: f"{total} APPLIED results reported, got {outcomes(r)}")
         wait_until(lambda: all(a.pending_results() == 0 for a in r.host.agents.values()), 5,
                    "reported results to be acknowledged")
+        wait_until(lambda: all(c["replies_reported"] > 0 for c in r.host.counters().values()),
+                   5, "every agent to count its acknowledged report")
         counters = r.host.counters()
         assert all(c["replies_reported"] > 0 and c["replies_collected"] == 0
                    for c in counters.values()), counters

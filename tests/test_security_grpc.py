@@ -378,9 +378,12 @@ def _deliver(broker, tmp: Path, security: Security) -> None:
         total = r.ledger.total()
         wait_until(lambda: r.ctl.stats.outcomes.get("APPLIED", 0) >= total, 15,
                    "every result reported")
+        # an agent counts its report once the controller has answered it, after the
+        # controller counted the results: wait for the counters, not only the outcomes
+        wait_until(lambda: all(c["replies_reported"] > 0 for c in r.host.counters().values()),
+                   5, lambda: f"every agent to count a report, got {r.host.counters()}")
         assert r.ctl.stats.refused_calls == 0
         assert all(c["refused_calls"] == 0 for c in r.host.counters().values())
-        assert all(c["replies_reported"] > 0 for c in r.host.counters().values())
 
 
 @pytest.mark.xdist_group("pulsar")
