@@ -22,9 +22,10 @@ from envs.dsmd.decoding import check_decoding
 from envs.dsmd.observation import ObservationLayout
 from envs.dsmd.online import OnlineCost
 from envs.dsmd.online_control import FEATURES, OBS_SIZE, KnobMap
+from envs.dsmd.online_greedy import FILE_ARGS
 from envs.fsutil import atomic_directory
 from serving.bundle import BUNDLE_FORMAT, BUNDLE_VERSION, DECODING, sha256_file
-from serving.online_bundle import FILE_ARGS, ONLINE_BUNDLE_FORMAT, ONLINE_BUNDLE_VERSION
+from serving.online_bundle import ONLINE_BUNDLE_FORMAT, ONLINE_BUNDLE_VERSION
 from serving.signing import sign_bundle
 
 __all__ = ["export_bundle", "export_online_bundle", "export_onnx"]
@@ -127,8 +128,8 @@ def export_online_bundle(actor: Any, knob_map: KnobMap, cost: OnlineCost, direct
                          signing_key: str | Path | None = None) -> Path:
     """Export a torch actor (``nn.Module``: obs [B, 12] -> action [B, 3] in [-1, 1]) as an
     online policy bundle of version :data:`serving.online_bundle.ONLINE_BUNDLE_VERSION`
-    (the files the knob map's fixed arguments name copied in, :data:`~serving.
-    online_bundle.FILE_ARGS`),
+    (the files the knob map's fixed arguments name copied in, :data:`~envs.dsmd.
+    online_greedy.FILE_ARGS`),
     signed with ``signing_key`` (an Ed25519 PKCS#8 PEM file; None: the PKI's
     ``bundle-signing.key``)."""
     with atomic_directory(directory, overwrite) as tmp:

@@ -27,6 +27,7 @@ import pandas as pd
 from envs.dsmd.dataset import TraceDataset, open_dataset
 from envs.dsmd.errors import DSMDError
 from envs.dsmd.online import OnlineCost, OnlineSimulator, OnlineTrace
+from envs.dsmd.online_greedy import FILE_ARGS
 from envs.progress import Progress
 
 from .online import HindsightGreedy, OnlineGreedy, make_static
@@ -131,7 +132,7 @@ def _cache_path(cache: str, digest: Any, trace_id: str, spec: DeciderSpec, cost:
     if not cache or spec.kind == "learned":
         return None
     files = [hashlib.sha256(Path(str(v)).read_bytes()).hexdigest()  # a forecaster's content
-             for k, v in spec.params if k == "send_forecaster" and v]
+             for k, v in spec.params if k in FILE_ARGS and v]
     key = json.dumps([digest, trace_id, spec.name, spec.kind, repr(spec.params),
                       repr(cost), windows, _source_hash(), files], sort_keys=True)
     return Path(cache) / f"{trace_id}-{hashlib.sha256(key.encode()).hexdigest()[:24]}.pkl"
@@ -240,14 +241,15 @@ def knob_grid(family: str, grid: Mapping[str, Sequence[Any]]) -> list[DeciderSpe
     out = []
     for combo in itertools.product(*(list(grid[k]) for k in keys)):
         kw = {k: (as_horizon(v) if k == "horizon" else v) for k, v in zip(keys, combo)}
-        label = ",".join(f"{k}={Path(str(v)).name if k in _FILE_KNOBS and v else _fmt(v)}"
-                         for k, v in kw.items())
+        label = ",".join(knob_text(k, v) for k, v in kw.items())
         out.append(DeciderSpec.make(f"{family}[{label}]", "online_greedy", **kw))
     return out
 
 
-#: knobs whose value is a file: a setting's name shows the file's name, not its path
-_FILE_KNOBS = frozenset({"send_forecaster"})
+def knob_text(k: str, v: Any) -> str:
+    """``k=v`` as a setting's name shows it (a file argument: the file's name, not its
+    path)."""
+    return f"{k}={Path(str(v)).name if k in FILE_ARGS and v else _fmt(v)}"
 
 
 def _fmt(v: Any) -> str:

@@ -36,10 +36,10 @@ from omegaconf import DictConfig
 from envs.dsmd.errors import DSMDError
 from envs.dsmd.online import OnlineSimulator
 from envs.dsmd.online_control import SET_BY_ACTION, KnobMap, KnobPolicy
-from envs.dsmd.online_greedy import executor_class
+from envs.dsmd.online_greedy import FILE_ARGS, executor_class
 
 from .config import to_dict
-from .online_eval import DeciderSpec, per_trace
+from .online_eval import DeciderSpec, knob_text, per_trace
 from .online_job import Tuning, open_online_dataset, test_online, tune_online
 
 if TYPE_CHECKING:
@@ -61,9 +61,10 @@ def teacher_fixed_args(executor: str, knobs: dict[str, Any]) -> dict[str, Any]:
     """The tuned teacher's ``knobs`` that a knob action does not set and that differ from
     the executor's defaults: the learned policy's executor keeps them fixed
     (``KnobMap.fixed``), so that its cloned start is the teacher (the tuning grid may name
-    any argument of the executor). A ``send_forecaster`` path is made absolute (the
-    bundle exporter copies the file). A forecast the action cannot choose (it chooses
-    ``last`` or ``ewma`` through ``alpha``) is refused."""
+    any argument of the executor). A file argument's path is made absolute
+    (:data:`envs.dsmd.online_greedy.FILE_ARGS`; the bundle exporter copies the file). A
+    forecast the action cannot choose (it chooses ``last`` or ``ewma`` through ``alpha``)
+    is refused."""
     if knobs.get("forecast", "last") not in ("last", "ewma"):
         raise DSMDError(f"the best tuned setting uses forecast={knobs['forecast']!r}, which "
                         "the knob action cannot choose (last or ewma): drop it from "
@@ -72,9 +73,8 @@ def teacher_fixed_args(executor: str, knobs: dict[str, Any]) -> dict[str, Any]:
                 inspect.signature(executor_class(executor)).parameters.items()}
     fixed = {k: v for k, v in knobs.items()
              if k not in SET_BY_ACTION and defaults.get(k, inspect.Parameter.empty) != v}
-    if fixed.get("send_forecaster"):
-        fixed["send_forecaster"] = str(Path(str(fixed["send_forecaster"])).resolve())
-    return fixed
+    return {k: str(Path(str(v)).resolve()) if k in FILE_ARGS and v else v
+            for k, v in fixed.items()}
 
 
 class OnlineTask:
@@ -141,8 +141,7 @@ class OnlineTask:
                      "executor_args": self._fixed_text() or "none"}
 
     def _fixed_text(self) -> str:
-        return ", ".join(f"{k}={Path(v).name if k == 'send_forecaster' else v}"
-                         for k, v in sorted(self.knob_map.fixed.items()))
+        return ", ".join(knob_text(k, v) for k, v in sorted(self.knob_map.fixed.items()))
 
     def _teacher_name(self) -> str:
         tuned = self.tuning.tuned

@@ -39,6 +39,7 @@ import numpy as np
 
 from envs.dsmd.online import OnlineCost
 from envs.dsmd.online_control import FEATURES, OBS_SIZE, KnobMap, KnobPolicy
+from envs.dsmd.online_greedy import FILE_ARGS
 
 from .bundle import SIGNATURE_FILE, BundleError, read_metadata, sha256_file
 
@@ -59,7 +60,7 @@ ONLINE_BUNDLE_CONTENT = ("metadata.json", "actor.onnx")
 #: every file an online bundle always holds (no SIGNATURE.json if unsigned)
 ONLINE_BUNDLE_FILES = (*ONLINE_BUNDLE_CONTENT, SIGNATURE_FILE)
 #: the executor's fixed arguments that name a file, and the file's name in the bundle
-FILE_ARGS = {"send_forecaster": "send_forecaster.npz"}
+#: (:data:`envs.dsmd.online_greedy.FILE_ARGS`)
 #: the optional files a bundle may hold (read, hashed and signed when its metadata's
 #: ``files`` names them)
 ONLINE_BUNDLE_OPTIONAL = tuple(FILE_ARGS.values())

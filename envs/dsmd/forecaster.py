@@ -20,6 +20,7 @@ was trained on; loading refuses a file whose features are not this version's
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -89,16 +90,20 @@ class TreeEnsemble:
                                        or self.right[inner].max() >= n))):
             raise DSMDError("tree ensemble: a node index is out of range")
 
+    @functools.cached_property
+    def _width(self) -> int:
+        """The number of columns a row needs (found once, checked at every call)."""
+        return int(self.feature[~self.leaf].max(initial=-1)) + 1
+
     def raw(self, x: np.ndarray) -> np.ndarray:
         """The raw score of every row of ``x`` ``[rows, features]`` (a compiled loop: each
         row walks each tree, at most ``depth`` levels, the leaves summed in tree order)."""
         x = np.ascontiguousarray(x, np.float64)
         if x.ndim != 2:
             raise DSMDError(f"tree ensemble: rows must be 2-D, got shape {x.shape}")
-        if x.shape[0] and self.feature.size and int(self.feature[~self.leaf].max(
-                initial=-1)) >= x.shape[1]:
-            raise DSMDError(f"tree ensemble: a tree reads feature "
-                            f"{int(self.feature[~self.leaf].max())}, rows have {x.shape[1]}")
+        if x.shape[0] and self._width > x.shape[1]:
+            raise DSMDError(f"tree ensemble: a tree reads feature {self._width - 1}, rows "
+                            f"have {x.shape[1]}")
         out: np.ndarray = _ensemble_raw(self.baseline, self.roots, self.feature,
                                         self.threshold, self.nan_left, self.left, self.right,
                                         self.leaf, self.value, self.depth, x)

@@ -55,6 +55,7 @@ from .online import NewType, OnlineCost, OnlineView, Placement, relabel_topics
 __all__ = [
     "DEFAULT_EXECUTOR",
     "EXECUTORS",
+    "FILE_ARGS",
     "FORECASTS",
     "OnlineGreedy",
     "executor_class",
@@ -226,6 +227,10 @@ class OnlineGreedy:
                                 self.headroom if self.reserve_placements else 0.0)
 
 
+#: the executor arguments whose value is a file, and the file's name where it is copied (an
+#: online bundle): a setting's name shows the file's name, the evaluation cache keys on its
+#: content, training makes its path absolute and the bundle exporter copies it
+FILE_ARGS = {"send_forecaster": "send_forecaster.npz"}
 #: the executors a knob policy may name (``KnobMap.executor``), by name
 EXECUTORS: dict[str, type[OnlineGreedy]] = {"online_greedy": OnlineGreedy}
 #: the executor of a knob policy that names none
