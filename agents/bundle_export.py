@@ -145,7 +145,7 @@ def export_online_bundle(actor: Any, knob_map: KnobMap, cost: OnlineCost, direct
                 km["fixed"][arg], files[name] = name, sha256_file(tmp / name)
         meta = {"format": ONLINE_BUNDLE_FORMAT, "version": ONLINE_BUNDLE_VERSION,
                 "features": list(FEATURES), "knob_map": km,
-                "cost": asdict(cost), "dataset": dataset or {},
+                "cost": cost.as_dict(), "dataset": dataset or {},
                 "actor_sha256": sha256_file(tmp / "actor.onnx"), "files": files,
                 "onnxruntime": onnxruntime.__version__, **(extra or {})}
         (tmp / "metadata.json").write_text(json.dumps(meta, indent=2, default=str))

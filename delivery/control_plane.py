@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from envs.dsmd.cost import CostState
+from envs.dsmd.delay import DelayLoad, DelayModel, load_delay_model
 from envs.dsmd.instance import DSMDInstance
 from envs.dsmd.message import Message
 from envs.dsmd.online import relabel_topics as relabel_topics_matrix
@@ -96,6 +97,8 @@ class ControlPlane:
         self._ids = itertools.count(1)
         self.decide_s: list[float] = []
         self.predictions: list[dict[str, float]] = []  # per decision: Eq. 1's violations
+        self.delay_loads: list[dict] = []  # per decision: the delay model's input (DelayLoad)
+        self.delay_model: DelayModel = load_delay_model()
 
     def request(self, *, vpc_id: int, configuration_type: str, operation_type: str,
                 resource_id: int, size_bytes: int, hosts: Sequence[int],
@@ -149,7 +152,9 @@ class ControlPlane:
 
     def predict(self, est: IntervalEstimate, chans: Mapping[int, int]) -> dict[str, float]:
         """What the simulator's cost model (Eq. 1, :class:`envs.dsmd.cost.CostState`) says of
-        the channels just applied for the interval's rates: each constraint's violation."""
+        the channels just applied for the interval's rates: each constraint's violation, each
+        resource's utilisation and the delay model's p50 and p95
+        (:class:`envs.dsmd.delay.DelayModel`, whose input is kept in :attr:`delay_loads`)."""
         spec = self.adapter.local.spec
         inst = DSMDInstance.from_estimate(self.adapter.parser.catalog, est, spec.num_topics,
                                           spec.controller_bw_bps, spec.controller_cpu)
@@ -158,8 +163,16 @@ class ControlPlane:
         m = state.metrics()
         node_util = float(np.max(state.node_traffic / np.maximum(inst.node_capacity_bps, 1))) \
             if inst.node_capacity_bps.size else 0.0
-        return {"utilisation": max(m.controller_traffic_bps / inst.controller_bw_bps,
-                                   m.controller_sends / inst.controller_cpu, node_util),
+        load = DelayLoad.from_state(state)
+        self.delay_loads.append(load.to_dict())
+        delay = self.delay_model.quantiles(load)
+        bw_util = m.controller_traffic_bps / inst.controller_bw_bps
+        cpu_util = m.controller_sends / inst.controller_cpu
+        return {"utilisation": max(bw_util, cpu_util, node_util),
+                "bw_utilisation": bw_util, "cpu_utilisation": cpu_util,
+                "node_utilisation": node_util,
+                "delay_p50_ms": 1e3 * delay["delay_p50_s"],
+                "delay_p95_ms": 1e3 * delay["delay_p95_s"],
                 "controller_bw_violation": m.controller_bw_violation,
                 "controller_cpu_violation": m.controller_cpu_violation,
                 "node_violation": m.node_violation, "nodes_over_capacity": m.nodes_over_capacity,

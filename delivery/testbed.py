@@ -269,7 +269,8 @@ def _replay(spec: RunSpec, ctl: Controller, adapter, policy: ChannelPolicy,
     wall = time.perf_counter() - wall0
     return {"messages": sent, "wall_s": wall, "cpu_s": cpu_seconds() - cpu0,
             "decide_s": plane.decide_s, "timeline": timeline, "epoch0": epoch0,
-            "predictions": plane.predictions, "lag_max_ms": lag_max * 1e3,
+            "predictions": plane.predictions, "delay_loads": plane.delay_loads,
+            "lag_max_ms": lag_max * 1e3,
             "sources": dict(getattr(policy, "sources", {})),
             "gen_trace": np.array(gen_trace, dtype=np.int64).reshape(-1, 2)}
 
@@ -423,6 +424,8 @@ def _measure(spec: RunSpec, out: dict[str, Any], rec_dir: Path, nodes: Sequence[
     summary["node_bytes_total_trace"] = summary["node_bytes_total"] / spec.payload_scale
     summary["node_bytes_max_trace"] = summary["node_bytes_max"] / spec.payload_scale
     buckets = _bucketise(spec, out, np.asarray(gens, np.int64), d_ms, rx_seconds)
+    if out.get("delay_loads"):  # the delay model's inputs, to calibrate it (bench_delay.py)
+        (rec_dir.parent / "delay_loads.json").write_text(json.dumps(out["delay_loads"]))
     return RunResult(spec.label, spec.policy, summary, buckets)
 
 
@@ -445,12 +448,17 @@ def _arrival_delays_ms(spec: RunSpec, out: dict[str, Any], gens: np.ndarray,
 
 
 def _predicted(preds: list[dict[str, float]]) -> dict[str, Any]:
-    """The simulator's verdict (Eq. 1) on the decisions the run applied: whether any
-    interval violated C_b, C_p or some node's s(n), and by how much at most."""
+    """The simulator's verdict on the decisions the run applied: whether any interval
+    violated C_b, C_p or some node's s(n) (Eq. 1), by how much at most, each resource's
+    utilisation at most, and the delay model's p50 and p95 of the worst interval."""
     if not preds:
         return {}
     worst = {k: max(p[k] for p in preds) for k in preds[0]}
-    return {"sim_bw_violation": worst["controller_bw_violation"],
+    return {"sim_delay_p50_ms": worst["delay_p50_ms"], "sim_delay_p95_ms": worst["delay_p95_ms"],
+            "sim_bw_utilisation": worst["bw_utilisation"],
+            "sim_cpu_utilisation": worst["cpu_utilisation"],
+            "sim_node_utilisation": worst["node_utilisation"],
+            "sim_bw_violation": worst["controller_bw_violation"],
             "sim_cpu_violation": worst["controller_cpu_violation"],
             "sim_node_violation": worst["node_violation"],
             "sim_nodes_over": int(worst["nodes_over_capacity"]),
@@ -490,6 +498,7 @@ def _bucketise(spec: RunSpec, out: dict[str, Any], gens: np.ndarray, d_ms: np.nd
         for i, b in enumerate(res):
             d = d_ms[idx == i]
             b["applied"] = int(d.size)
+            b["delay_p50_ms"] = float(np.percentile(d, 50)) if d.size else float("nan")
             b["delay_p95_ms"] = float(np.percentile(d, 95)) if d.size else float("nan")
             b["delay_max_ms"] = float(d.max()) if d.size else float("nan")
     return res

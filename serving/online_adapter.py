@@ -47,7 +47,6 @@ import logging
 import math
 import threading
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +93,7 @@ def online_session_body(topology: Topology, scenario: ScenarioSpec, *,
                         cost: OnlineCost | None = None, name: str = "live") -> dict[str, Any]:
     """``POST /v1/online/sessions`` body (:class:`~serving.online_schemas.OnlineSessionCreate`)
     for a controller with this topology and scenario."""
-    fields: dict[str, Any] = {} if cost is None else {"cost": asdict(cost)}
+    fields: dict[str, Any] = {} if cost is None else {"cost": cost.weights()}
     return request_body(OnlineSessionCreate(
         nodes=[NodeIn(id=int(i), capacity_bps=int(c))
                for i, c in zip(topology.node_ids.tolist(), topology.bandwidth_bps.tolist())],

@@ -35,7 +35,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Annotated, TypeVar
 
 import numpy as np
@@ -326,8 +326,8 @@ def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Cal
             if spec.num_topics > lim.max_topics:  # a dataset's scenario
                 raise MessageRejected(f"the scenario's K = {spec.num_topics} is over "
                                       f"limits.max_topics {lim.max_topics}")
-            cost = (OnlineCost.from_dict(body.cost) if body.cost is not None
-                    else p.bundle.cost if p is not None else OnlineCost())
+            base = p.bundle.cost if p is not None else OnlineCost()
+            cost = base.with_weights(body.cost) if body.cost is not None else base
         except MessageRejected:
             raise
         except DSMDError as e:
@@ -344,7 +344,7 @@ def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Cal
         sid = uuid.uuid4().hex
         sessions[sid] = OnlineEntry(s, threading.Lock(), owner=caller.owner, lease=lease)
         return OnlineSessionCreated(session_id=sid, window=s.window, start_ns=s.live.t0,
-                                    scenario=spec.to_dict(), cost=asdict(cost),
+                                    scenario=spec.to_dict(), cost=cost.as_dict(),
                                     policy_version=0 if p is None else p.version)
 
     @app.get("/v1/online/sessions/{session_id}", response_model=OnlineSessionOut,
@@ -355,7 +355,7 @@ def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Cal
         cur = store.current()
         return OnlineSessionOut(session_id=session_id, window=s.window, planned=s.planned,
                                 start_ns=s.live.t0, num_types=len(s.live.catalog),
-                                last=s.last, scenario=s.spec.to_dict(), cost=asdict(s.cost),
+                                last=s.last, scenario=s.spec.to_dict(), cost=s.cost.as_dict(),
                                 batch_key=s.live.catalog.batch_key,
                                 policy_version=e.policy_version if s.planned
                                 else (cur.version if cur is not None else 0))

@@ -149,7 +149,7 @@ def load_online_bundle(directory: str | Path,
         km = dict(meta["knob_map"])
         km["fixed"] = _bundle_paths(d, dict(km.get("fixed") or {}), meta.get("files") or {})
         knob_map = KnobMap(**km)
-        cost = OnlineCost(**meta["cost"])
+        cost = OnlineCost.from_dict(meta["cost"])
     except (KeyError, TypeError, ValueError) as e:
         raise BundleError(f"{what} {d}: metadata.json: {e}") from None
     try:  # the executor once, so that a file it reads is checked now, not at a boundary

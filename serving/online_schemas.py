@@ -167,9 +167,11 @@ class OnlineSessionCreate(BaseModel):
     name: str = Field(default="live", min_length=1, max_length=100,
                       pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     cost: dict[Annotated[str, Field(max_length=64)], JsonFloat] | None = Field(
-        default=None, max_length=64, description="OnlineCost weights "
-                                          "the intervals are scored with (default: the "
-                                          "loaded online policy's).")
+        default=None, max_length=64, description="OnlineCost weights (w_delay, "
+                                          "w_violation, w_subscribe, w_move) the intervals "
+                                          "are scored with (default: the loaded online "
+                                          "policy's); the delay model is always the loaded "
+                                          "policy's (or the server's default).")
 
 
 class OnlineSessionCreated(BaseModel):

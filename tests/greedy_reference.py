@@ -145,7 +145,7 @@ def lazy_switch(inst: DSMDInstance, fresh: np.ndarray, start: np.ndarray, horizo
             v0, t0 = st.violation(), st.total_traffic
             st.move(m, b)
             v1 = st.violation()
-            gain = (t0 - st.total_traffic) / nec + cost.w_violation * (v0 - v1)
+            gain = (t0 - st.total_traffic) / nec + cost.plan_violation_price * (v0 - v1)
             price = cost.w_move + cost.w_subscribe * infos
             if v1 < v0 - 1e-12 or (not math.isnan(gain * horizon) and gain * horizon > price):
                 changed = True

@@ -75,7 +75,7 @@ def test_switching_cost_accounting_by_hand():
     tr = _hand_trace()
     assert tr.num_windows == 3 and tr.num_types == 3
     assert tr.new_types(0).tolist() == [0, 1] and tr.new_types(1).tolist() == [2]
-    cost = OnlineCost(w_violation=10.0, w_subscribe=0.01, w_move=0.1)
+    cost = OnlineCost(w_violation=10.0, w_subscribe=0.01, w_move=0.1, w_delay=0.0)
     dec = Scripted({1: {0: 1, 1: 2}, 2: {1: 1, 2: 1}}, {0: 1, 1: 1, 2: 0})
     r = run_online(tr, dec, cost)
     # w0: A (800 bit/s) and B (400) on topic 1, subscribers {1,2,3}: 3 x 1,200 = 3,600
@@ -163,7 +163,7 @@ def tiny_trace() -> OnlineTrace:
 
 
 def test_deciders_run_and_oracle_is_ahead(tiny_trace):
-    cost = OnlineCost()
+    cost = OnlineCost(w_violation=10.0, w_delay=0.0)  # Eq. 1's verdict
     topo = tiny_trace.parsed.catalog.topology
     res = {}
     for d in [make_static(n, tiny_trace.spec, topo, cost)
@@ -298,6 +298,8 @@ def test_simulator_cost_is_the_oracle_definition(tiny_online_trace):
     busy = [w for w in range(tr.num_windows) if tr.realised(w).num_types]
     total = online_cost([tr.realised(w) for w in busy], [res[w].channel for w in busy],
                         cost.w_violation, cost.w_subscribe, cost.w_move)
+    # plus the delay term, which the MILP's objective does not have
+    total += cost.w_delay * sum(res[w]["delay_p95_s"] for w in busy)
     assert sum(r["cost"] for r in res) == pytest.approx(total, rel=1e-9)
 
 

@@ -173,7 +173,7 @@ def test_server_serves_the_simulators_plans_and_costs(server, online):
                                        start_ns=t.data.meta["start_ns"], name=t.id)
             r = c.post("/v1/online/sessions", json=body)
             assert r.status_code == 201, r.text
-            assert r.json()["policy_version"] == 1 and r.json()["cost"] == vars(online.cost)
+            assert r.json()["policy_version"] == 1 and r.json()["cost"] == online.cost.as_dict()
             sid = r.json()["session_id"]
             base = f"/v1/online/sessions/{sid}/intervals"
             for w in range(t.trace.num_windows):

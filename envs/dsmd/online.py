@@ -38,11 +38,15 @@ One interval ``i`` of a trace runs as follows, in three phases of one
 
    The interval's cost (lower is better) is
 
-       cost_i = sum_n b(n) / sum_m f(m)|D(m)|  +  w_violation V_i
+       cost_i = sum_n b(n) / sum_m f(m)|D(m)|  +  w_delay p95_i  +  w_violation V_i
                 + w_subscribe subscribe_infos_i  +  w_move moved_types_i
 
-   with ``V_i`` the normalised violation of C_b, C_p and every s(n)
-   (:func:`envs.dsmd.cost.violation`). The weights are :class:`OnlineCost`.
+   with ``p95_i`` the 95th percentile of the interval's delivery delay in seconds, from the
+   queueing model of C_b, C_p and every s(n) calibrated on the emulated network
+   (:mod:`envs.dsmd.delay`), and ``V_i`` the normalised violation of the same constraints
+   (Eq. 1's verdict, :func:`envs.dsmd.cost.violation`). The weights are :class:`OnlineCost`;
+   every term is reported whatever its weight (``delay_p50_s``, ``delay_p95_s``, each
+   resource's utilisation, each constraint's violation).
 
 The first interval of a run without an initial state pays no switching terms. An interval
 in which nothing is sent costs nothing and changes nothing (its subscriptions are those of
@@ -55,13 +59,14 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
 from .cost import CostState
+from .delay import DelayLoad, DelayModel, load_delay_model
 from .errors import DSMDError
 from .instance import UNASSIGNED, DSMDInstance, rates_bps
 from .parser import BatchKey, ParsedTrace, parse_trace
@@ -92,27 +97,34 @@ SWITCHING_COSTS = Path(__file__).with_name("switching_costs.json")
 
 @dataclass(frozen=True)
 class OnlineCost:
-    """Weights of the online interval cost (module docstring).
+    """Weights of the online interval cost (module docstring) and the delay model it uses.
 
-    The node-traffic term is the redundancy ratio (1.0 = no redundant traffic). Defaults:
-    a violation of 1% of a capacity costs as much as 10% more node traffic
-    (``w_violation = 10``). The switching weights are measured (:meth:`measured`,
-    ``envs/dsmd/switching_costs.json``, written by ``bench/bench_switch_cost.py`` on the
-    emulated network): a switch holds the controller's sending path for about
-    ``seconds_per_subscribe_info`` per SubscribeInfo and ``seconds_per_moved_type`` per
-    moved type, and a hold of tau seconds is priced as tau / T more node traffic (that much
-    of the interval T lost to delivery). At the GoDaddy T = 30 s that is
-    ``w_subscribe = 9.4e-5`` and ``w_move = 2.8e-5`` (the defaults, and
-    ``configs/env/online.yaml``'s).
+    The node-traffic term is the redundancy ratio (1.0 = no redundant traffic).
+    ``w_delay`` prices a second of the interval's p95 delivery delay (``delay``: the
+    calibrated :class:`envs.dsmd.delay.DelayModel`, ``envs/dsmd/delay_model.json`` by
+    default; ``w_delay = 1``: a p95 of 100 ms costs as much as 10% more node traffic).
+    ``w_violation`` prices Eq. 1's normalised violation (a violation of 1% of a capacity
+    costs ``w_violation / 100``; 0 by default, 10 with ``w_delay = 0`` scores by Eq. 1).
+    The switching weights are measured (:meth:`measured`, ``envs/dsmd/switching_costs.json``,
+    written by ``bench/bench_switch_cost.py`` on the emulated network): a switch holds the
+    controller's sending path for about ``seconds_per_subscribe_info`` per SubscribeInfo and
+    ``seconds_per_moved_type`` per moved type, and a hold of tau seconds is priced as tau / T
+    more node traffic (that much of the interval T lost to delivery). At the GoDaddy T = 30 s
+    that is ``w_subscribe = 9.4e-5`` and ``w_move = 2.8e-5`` (the defaults).
     """
 
-    w_violation: float = 10.0
+    w_violation: float = 0.0
     w_subscribe: float = 9.4e-5
     w_move: float = 2.8e-5
+    w_delay: float = 1.0
+    delay: DelayModel = field(default_factory=load_delay_model)
+
+    #: the weights (what a client may set: :meth:`with_weights`)
+    WEIGHTS = ("w_violation", "w_subscribe", "w_move", "w_delay")
 
     @classmethod
     def measured(cls, interval_s: float, path: str | Path | None = None,
-                 w_violation: float = 10.0) -> OnlineCost:
+                 w_violation: float = 0.0, w_delay: float = 1.0) -> OnlineCost:
         """The switching weights from the measured costs (``path``: default
         :data:`SWITCHING_COSTS`): seconds per SubscribeInfo and per moved type over the
         interval ``interval_s``."""
@@ -133,22 +145,61 @@ class OnlineCost:
                 raise DSMDError(f"switching costs {f}: {k} must be seconds >= 0, got {v!r}")
             vals[k] = float(v)
         return cls(w_violation, vals["seconds_per_subscribe_info"] / interval_s,
-                   max(vals["seconds_per_moved_type"], 0.0) / interval_s)
+                   max(vals["seconds_per_moved_type"], 0.0) / interval_s, w_delay)
 
     def __post_init__(self) -> None:
-        for k in ("w_violation", "w_subscribe", "w_move"):
+        for k in ("w_violation", "w_subscribe", "w_move", "w_delay"):
             v = getattr(self, k)
             if not (isinstance(v, (int, float)) and np.isfinite(v) and v >= 0):
                 raise DSMDError(f"online cost weight {k} must be a finite number >= 0, got {v!r}")
+        if not isinstance(self.delay, DelayModel):
+            raise DSMDError(f"online cost: delay must be a DelayModel, got {self.delay!r}")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> OnlineCost:
+        """From a config or a bundle's metadata: the weights, and ``delay_model`` (a path to
+        the constants; null: the calibrated default) or ``delay`` (the constants)."""
         d = dict(d or {})
-        unknown = sorted(set(d) - set(cls.__dataclass_fields__))
+        path = d.pop("delay_model", None)
+        delay = d.pop("delay", None)
+        keys = set(cls.__dataclass_fields__) - {"delay"}
+        unknown = sorted(set(d) - keys)
         if unknown:
             raise DSMDError(f"unknown online cost keys {unknown}; expected some of "
-                            f"{sorted(cls.__dataclass_fields__)}")
-        return cls(**{k: float(v) for k, v in d.items()})
+                            f"{sorted(keys | {'delay', 'delay_model'})}")
+        if delay is not None and path is not None:
+            raise DSMDError("online cost: give delay_model (a file) or delay (its constants), "
+                            "not both")
+        model = (DelayModel.from_dict(dict(delay), where="online cost delay")
+                 if delay is not None else load_delay_model(path))
+        return cls(**{k: float(v) for k, v in d.items()}, delay=model)
+
+    def weights(self) -> dict[str, float]:
+        return {k: float(getattr(self, k)) for k in self.WEIGHTS}
+
+    def with_weights(self, d: dict[str, Any]) -> OnlineCost:
+        """These weights over this cost (the delay model kept): a remote session's cost,
+        whose client sets weights but not the server's delay model."""
+        unknown = sorted(set(d) - set(self.WEIGHTS))
+        if unknown:
+            raise DSMDError(f"unknown online cost weights {unknown}; expected some of "
+                            f"{list(self.WEIGHTS)}")
+        w = self.weights() | {k: float(v) for k, v in d.items()}
+        return replace(self, w_violation=w["w_violation"], w_subscribe=w["w_subscribe"],
+                       w_move=w["w_move"], w_delay=w["w_delay"])
+
+    @property
+    def plan_violation_price(self) -> float:
+        """The price a planner's hysteresis puts on a unit of expected Eq. 1 violation:
+        ``w_violation``, or 10 when the score prices delay instead (``w_violation = 0``): a
+        plan's expected loads say where it overloads a resource, not how long messages
+        would wait."""
+        return self.w_violation if self.w_violation > 0 or self.w_delay == 0 else 10.0
+
+    def as_dict(self) -> dict[str, Any]:
+        """What :meth:`from_dict` reads back (a bundle's ``cost``)."""
+        return {"w_violation": self.w_violation, "w_subscribe": self.w_subscribe,
+                "w_move": self.w_move, "w_delay": self.w_delay, "delay": self.delay.to_dict()}
 
 
 def relabel_topics(need: np.ndarray, have: np.ndarray) -> np.ndarray:
@@ -435,7 +486,8 @@ INTERVAL_FIELDS = ("window", "cost", "redundancy_ratio", "violation", "subscribe
                    "controller_traffic_bps", "controller_sends", "max_node_ratio",
                    "controller_bw_violation", "controller_cpu_violation", "node_violation",
                    "nodes_over_capacity", "bw_violated", "cpu_violated", "node_violated",
-                   "feasible", "mq_types", "topics_used", "subscriptions")
+                   "feasible", "mq_types", "topics_used", "subscriptions",
+                   "delay_p50_s", "delay_p95_s", "bw_util", "cpu_util", "node_util_max")
 
 
 @dataclass(frozen=True, eq=False)
@@ -698,7 +750,9 @@ class OnlineSimulator:
         self.last_used[ids] = chan
         v = state.violation()
         ratio = met.redundancy_ratio
-        cost = ratio + cfg.w_violation * v + cfg.w_subscribe * infos + cfg.w_move * moved
+        delay = cfg.delay.quantiles(DelayLoad.from_state(state))
+        cost = (ratio + cfg.w_delay * delay["delay_p95_s"] + cfg.w_violation * v
+                + cfg.w_subscribe * infos + cfg.w_move * moved)
         vals = {"window": w, "cost": cost, "redundancy_ratio": ratio, "violation": v,
                 "subscribe_infos": infos, "moved_types": moved, "new_types": placed,
                 "returning_types": returning,
@@ -716,7 +770,7 @@ class OnlineSimulator:
                 "cpu_violated": int(met.controller_cpu_violation > 0),
                 "node_violated": int(met.node_violation > 0),
                 "feasible": int(met.feasible), "mq_types": met.mq_types,
-                "topics_used": met.topics_used, "subscriptions": int(subs.sum())}
+                "topics_used": met.topics_used, "subscriptions": int(subs.sum()), **delay}
         return IntervalResult(vals, chan)
 
     def run(self, decider: OnlineDecider, windows: int | None = None) -> list[IntervalResult]:

@@ -214,7 +214,7 @@ class OnlineGreedy:
         order = np.argsort(-(inst.rate_bps * inst.fanout), kind="stable")
         arrays = st.kernel_arrays()
         _gk.lazy_switch(np.asarray(fresh, np.int64), order, max(int(inst.necessary_bps), 1),
-                        float(self.horizon), float(cfg.w_violation), float(cfg.w_move),
+                        float(self.horizon), float(cfg.plan_violation_price), float(cfg.w_move),
                         float(cfg.w_subscribe), 2, arrays)
         st.sync_scalars(arrays[6])
         return st.channel.copy()

@@ -1,0 +1,200 @@
+"""Calibrate the delay model (:mod:`envs.dsmd.delay`) on the emulated network.
+
+For each constrained resource, the same workload is replayed on the testbed
+(``testbed.py``: the real broker, agents, controller and shaped links) at several capacities,
+so that the resource's utilisation sweeps from light to overloaded while the rest stays
+light:
+
+* ``bw`` (``C_b``): RPC only (every destination's copy crosses the controller's link), Fig. 9's
+  128 VPCs, the controller's link shaped to each of ``BW_POINTS`` (wire bit/s);
+* ``node`` (``s(n)``): VITA (MQ only: every node receives all of its topics), the same
+  workload, every node's link shaped to each of ``NODE_POINTS``.
+
+Each run records the measured delivery delay (p50, p95), the wire bytes and queues of the
+links, the idle control traffic of the controller's link (``network.settle_s``) and, for
+every decision, the delay model's input (``delay_loads.json``: the loads the simulator
+computes from the same channels and rates). The fit (:func:`envs.dsmd.delay.fit_delay_model`)
+chooses the model's constants to match the measured p50 and p95 in log space, with the
+control traffic taken as measured, and reports each run's prediction beside its measurement.
+
+Usage::
+
+    python bench/bench_delay.py            # run the sweeps (about 2 min per run), then fit
+    python bench/bench_delay.py --fit-only # refit the runs already under --out
+    python bench/bench_delay.py --write    # and write envs/dsmd/delay_model.json
+
+Needs root (network namespaces). C_p is not swept: no testbed run has ever waited for it
+(the controller's in-flight limit), so its constants stay the documented defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import ROOT, finish, log, md_table
+
+BW_POINTS = [16e6, 8e6, 5.5e6, 4.5e6, 3.6e6, 3.0e6]
+NODE_POINTS = [2e6, 4e5, 2e5, 1.3e5, 1e5, 7e4, 5e4]
+SWEEPS = {"bw": ("rpc", "network.controller_bps", BW_POINTS),
+          "node": ("vita", "network.node_bps", NODE_POINTS)}
+COMMON = ["figures=[fig9]", "fig9.vpcs=[128]", "fig9.windows=1", "time_scale=1.0",
+          "payload_scale=0.01", "network.settle_s=4", "repeats=1"]
+
+
+def run_point(resource: str, value: float, rep: int, out: Path) -> Path:
+    policy, key, _ = SWEEPS[resource]
+    d = out / f"{resource}_{value:.0f}_r{rep}"
+    if (d / "fig9.csv").is_file():
+        log(f"  {d.name}: done before, kept")
+        return d
+    cmd = [sys.executable, str(ROOT / "testbed.py"), *COMMON, f"policies=[{policy}]",
+           f"{key}={value:.0f}", f"out_dir={d}", f"first_repeat={rep}"]
+    log(f"  {d.name}: {' '.join(cmd[2:])}")
+    t0 = time.perf_counter()
+    subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL,
+                   stderr=(d.parent / f"{d.name}.log").open("w"))
+    log(f"  {d.name}: {time.perf_counter() - t0:.0f} s")
+    return d
+
+
+def collect(out: Path) -> list[dict[str, Any]]:
+    """One sample per finished run: its measurement, configuration and delay loads."""
+    import pandas as pd
+
+    samples = []
+    for d in sorted(out.glob("*_r*")):
+        if not (d / "fig9.csv").is_file():
+            continue
+        resource, value = d.name.split("_")[0], float(d.name.split("_")[1])
+        row = pd.read_csv(d / "fig9.csv").iloc[0].to_dict()
+        loads = [json.loads(f.read_text()) for f in sorted(d.glob("runs/*/delay_loads.json"))]
+        if not loads:
+            continue
+        samples.append({"run": d.name, "resource": resource, "value": value,
+                        "measured": row, "loads": loads[0]})
+    return samples
+
+
+def fidelity(testbed_out: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The calibrated model's p95 beside the measured one for every run of a finished
+    testbed output (``fig9.csv`` and its runs' ``delay_loads.json``), and per Fig. 9 point
+    Spearman's rho between them over the policies, and how many are within a factor of 2."""
+    import numpy as np
+    import pandas as pd
+    from scipy.stats import spearmanr
+
+    from envs.dsmd.delay import load_delay_model, predict_sample, testbed_sample
+
+    model = load_delay_model()
+    df = pd.read_csv(testbed_out / "fig9.csv")
+    rows = []
+    for _, r in df.iterrows():
+        d = testbed_out / "runs" / f"{r['label'].replace('/', '_')}_{r['policy']}_r{r['repeat']}"
+        f = d / "delay_loads.json"
+        if not f.is_file():
+            continue
+        s = testbed_sample(r.to_dict(), json.loads(f.read_text()), d.name, "bw")
+        p = predict_sample(model, s)
+        rows.append({"point": r["label"], "policy": r["policy"], "repeat": int(r["repeat"]),
+                     "measured_p95_s": s.measured_p95_s, "predicted_p95_s": p["delay_p95_s"],
+                     "bw_util": p["bw_util"], "wire_util": s.wire_util})
+    out: dict[str, Any] = {}
+    t = pd.DataFrame(rows)
+    for point, g in t.groupby("point"):
+        med = g.groupby("policy")[["measured_p95_s", "predicted_p95_s"]].median()
+        ratio = med.predicted_p95_s / med.measured_p95_s
+        out[str(point)] = {
+            "spearman": float(spearmanr(med.measured_p95_s, med.predicted_p95_s).statistic)
+            if len(med) > 2 else float("nan"),
+            "within_2x": int(((ratio >= 0.5) & (ratio <= 2)).sum()), "policies": len(med),
+            "ratio_min": float(np.min(ratio)), "ratio_max": float(np.max(ratio))}
+    return rows, out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "outputs" / "bench_delay"))
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--resources", default="bw,node")
+    ap.add_argument("--fit-only", action="store_true")
+    ap.add_argument("--write", action="store_true", help="write envs/dsmd/delay_model.json")
+    ap.add_argument("--fidelity", metavar="TESTBED_OUT",
+                    help="instead: the calibrated model against a finished Fig. 9 testbed run")
+    args = ap.parse_args(argv)
+    if args.fidelity:
+        rows, points = fidelity(Path(args.fidelity))
+        table = md_table(["point", "policy", "repeat", "measured p95 ms", "predicted p95 ms"],
+                         [(r["point"], r["policy"], r["repeat"],
+                           f"{1e3 * r['measured_p95_s']:.0f}",
+                           f"{1e3 * r['predicted_p95_s']:.0f}") for r in rows])
+        notes = [f"{k}: Spearman {v['spearman']:.2f} over {v['policies']} policies; "
+                 f"{v['within_2x']} within 2x (predicted / measured "
+                 f"{v['ratio_min']:.2f}-{v['ratio_max']:.2f})" for k, v in points.items()]
+        finish("bench_delay_fidelity", {"runs": rows, "points": points,
+                                        "testbed_out": str(args.fidelity)}, table, notes, 0.0)
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    if not args.fit_only:
+        for rep in range(args.repeats):
+            for res in args.resources.split(","):
+                for v in SWEEPS[res][2]:
+                    try:
+                        run_point(res, v, rep, out)
+                    except subprocess.CalledProcessError as e:
+                        log(f"  {res} {v:.0f}: testbed failed ({e.returncode}); see its log")
+    from envs.dsmd.delay import DELAY_MODEL, fit_delay_model, testbed_sample
+
+    raw = collect(out)
+    if not raw:
+        log(f"no finished runs under {out}")
+        return 1
+    samples = [testbed_sample(r["measured"], r["loads"], r["run"], r["resource"],
+                              **{("controller_bps" if r["resource"] == "bw" else "node_bps"):
+                                 r["value"]}) for r in raw]
+    model, report = fit_delay_model(samples)
+    rows = [(r["run"], r["resource"], f"{r['util']:.2f}", f"{r['wire_util']:.2f}",
+             f"{1e3 * r['measured_p50_s']:.0f}", f"{1e3 * r['predicted_p50_s']:.0f}",
+             f"{1e3 * r['measured_p95_s']:.0f}", f"{1e3 * r['predicted_p95_s']:.0f}")
+            for r in report["runs"]]
+    table = md_table(["run", "resource", "model utilisation", "wire utilisation",
+                      "measured p50 ms", "predicted p50 ms", "measured p95 ms",
+                      "predicted p95 ms"], rows)
+    m = model
+    notes = [f"workload: Fig. 9's 128 VPCs (godaddy, 350 agents), 2 intervals of 30 s in real "
+             f"time, payload x0.01, settled before each run; bw: RPC only, C_b shaped to "
+             f"{', '.join(f'{v / 1e6:g}' for v in BW_POINTS)} Mbit/s on the wire; node: VITA, "
+             f"every s(n) shaped to {', '.join(f'{v / 1e3:g}' for v in NODE_POINTS)} kbit/s; "
+             f"one run per point ({args.out})",
+             "utilisation: the model's (modelled load plus control traffic, over the run's "
+             "capacity) and the wire's (bytes that crossed the link over the run; "
+             "retransmissions included, so above 1 when the link drops)",
+             f"fitted: base {1e3 * m.base_s:.0f} ms; C_b kappa {m.controller_bw.kappa:.1f}, "
+             f"wait exponent {m.controller_bw.wait_exponent:.2f}, wire scale "
+             f"{m.controller_bw.scale:.2f}; s(n) kappa {m.node.kappa:.1f}, wait exponent "
+             f"{m.node.wait_exponent:.2f}, control traffic {m.node_control_bps:.0f} bit/s "
+             f"(model units); measured: C_b control traffic "
+             f"{m.control_wire_bps_per_node:.0f} bit/s per agent on the wire, at payload and "
+             f"capacities x{m.calibration_scale:g}; C_p not swept",
+             f"log-space RMS error: p50 {report['rms_log_p50']:.2f}, "
+             f"p95 {report['rms_log_p95']:.2f}; within 2x: {report['within_2x_p95']} of "
+             f"{len(samples)} p95s; Spearman (p95): {report['spearman_p95']:.2f}"]
+    if args.write:
+        DELAY_MODEL.write_text(json.dumps({"model": model.to_dict()}, indent=1) + "\n")
+        notes.append(f"wrote {DELAY_MODEL.relative_to(ROOT)}")
+    finish("bench_delay", {"runs": report["runs"], "model": model.to_dict(),
+                           "fit": {k: v for k, v in report.items() if k != "runs"}},
+           table, notes, time.perf_counter() - t0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
