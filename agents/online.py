@@ -82,12 +82,13 @@ class StaticReplan:
 
 class HindsightGreedy(OnlineGreedy):
     """The greedy oracle: plans each interval on its realised instance (run it in a
-    hindsight simulator); ``horizon`` as in :class:`OnlineGreedy`."""
+    hindsight simulator); ``horizon`` and ``headroom`` as in :class:`OnlineGreedy` (under a
+    delay cost a full link is slow, so the oracle plans with a reserve too)."""
 
     def __init__(self, horizon: float = math.inf, cost: OnlineCost | None = None,
-                 name: str | None = None, **kw: Any) -> None:
-        super().__init__(headroom=0.0, horizon=horizon, cost=cost, name=name or "oracle_greedy",
-                         **kw)
+                 name: str | None = None, headroom: float = 0.0, **kw: Any) -> None:
+        super().__init__(headroom=headroom, horizon=horizon, cost=cost,
+                         name=name or "oracle_greedy", **kw)
 
     def plan(self, view: OnlineView) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         inst = view.realised()

@@ -194,7 +194,7 @@ def _map(fn: Callable[[tuple], Any], jobs: list[tuple], workers: int) -> Iterato
 def _knob_oracle_job(args: tuple) -> list[dict[str, Any]]:
     root, trace_id, specs, cost, windows, name = args
     tr = _trace(root, trace_id)
-    sim = OnlineSimulator(tr, cost)
+    sim = OnlineSimulator(tr, cost, hindsight=any(s.kind == "oracle" for s in specs))
     end = tr.num_windows if windows is None else min(tr.num_windows, int(windows))
     rows = []
     while sim.window < end:
@@ -336,11 +336,20 @@ def as_horizon(h: Any) -> float:
     return math.inf if h is None or str(h).lower() in ("inf", "infinity") else float(h)
 
 
-def oracle_specs(horizons: Sequence[Any]) -> list[DeciderSpec]:
-    """One hindsight greedy per distinct horizon."""
+def oracle_specs(horizons: Sequence[Any], headrooms: Sequence[float] = (0.0,)
+                 ) -> list[DeciderSpec]:
+    """One hindsight greedy per distinct horizon and headroom."""
     hs = list(dict.fromkeys(as_horizon(h) for h in horizons))
-    return [DeciderSpec.make(f"oracle_greedy[horizon={_fmt(h)}]", "oracle", horizon=h)
-            for h in hs]
+    out = []
+    for r in dict.fromkeys(float(x) for x in headrooms):
+        for h in hs:
+            if r == 0.0:
+                out.append(DeciderSpec.make(f"oracle_greedy[horizon={_fmt(h)}]", "oracle",
+                                            horizon=h))
+            else:
+                out.append(DeciderSpec.make(f"oracle_greedy[headroom={_fmt(r)},horizon="
+                                            f"{_fmt(h)}]", "oracle", horizon=h, headroom=r))
+    return out
 
 
 # ---------------------------------------------------------------------- summary

@@ -173,9 +173,14 @@ def test_online(cfg: DictConfig, tuning: Tuning, log: Any, out: Path,
     test_specs = tuning.statics + [DeciderSpec(fam, s.kind, s.params) for fam, s in tuned.items()]
     test_specs += list(learned)
     horizons = [*e.oracle.horizons, *(s.kw.get("horizon", math.inf) for s in tuned.values())]
-    test_specs += oracle_specs(horizons)
+    headrooms = list(e.oracle.get("headrooms") or [0.0])
+    test_specs += oracle_specs(horizons, headrooms)
     df = evaluate_online(ds, test_ids, test_specs, cost, e.eval_windows, workers, progress,
                          "evaluate (test)", _cache_dir(cfg))
+    if len(headrooms) > 1:  # the hindsight greedy choosing its reserve interval by interval
+        per = knob_oracle(ds, test_ids, oracle_specs([math.inf], headrooms), cost,
+                          e.eval_windows, workers, name="oracle_greedy[headroom per interval]")
+        df = pd.concat([df, per.drop(columns="knob_setting")], ignore_index=True)
     df = compose_oracle(df)
     best_test = tuning.best_online
     summary = summarize_online(df, "oracle", reference=best_test)

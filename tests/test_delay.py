@@ -43,6 +43,8 @@ def test_load_counts_deliveries_per_node_and_channel() -> None:
     assert ld.controller_load_bps == 2 * 200_000 + 100_000 + 50_000
     assert ld.send_rate == pytest.approx((2 * 10 + 20 + 5) / 10.0)
     assert ld.mean_message_bits == pytest.approx(350_000 * 10.0 / 35)
+    # batches on the controller's link: type 0's messages leave as 2 copies, the others as 1
+    assert ld.batch_dispersion == pytest.approx((10 * 4 + 20 + 5) / (10 * 2 + 20 + 5))
     back = DelayLoad.from_dict(json.loads(json.dumps(ld.to_dict())))
     assert back.to_dict() == ld.to_dict()
 
@@ -57,7 +59,7 @@ def test_unloaded_interval_costs_the_base_delay_only() -> None:
 
 def test_delay_grows_with_utilisation_and_overload_is_a_fluid_backlog() -> None:
     m = DelayModel(base_s=0.0, controller_bw=ResourceQueue(kappa=5.0))
-    ld = DelayLoad.from_state(CostState(_inst(scale=100), np.array([0, 0, 0])))
+    ld = DelayLoad.from_state(CostState(_inst(scale=100), np.array([1, 1, 1])))
     p95 = [m.quantiles(ld.with_capacities(controller_bw_bps=ld.controller_load_bps / r))
            ["delay_p95_s"] for r in (0.2, 0.5, 0.8, 0.9, 1.5, 2.0)]
     assert all(a < b for a, b in itertools.pairwise(p95))
@@ -65,9 +67,21 @@ def test_delay_grows_with_utilisation_and_overload_is_a_fluid_backlog() -> None:
     assert p95[-1] == pytest.approx(0.95 * 10.0, rel=0.06)
 
 
+def test_rpc_batches_queue_longer_than_publishes_at_the_same_utilisation() -> None:
+    m = DelayModel(base_s=0.0, controller_bw=ResourceQueue(kappa=2.0))
+    inst = _inst(scale=100)
+    rpc = DelayLoad.from_state(CostState(inst, np.array([0, 0, 0])))
+    mq = DelayLoad.from_state(CostState(inst, np.array([1, 1, 1])))
+    assert rpc.batch_dispersion > 1.0 == mq.batch_dispersion
+    rpc = rpc.with_capacities(controller_bw_bps=rpc.controller_load_bps / 0.7)
+    mq = mq.with_capacities(controller_bw_bps=mq.controller_load_bps / 0.7)
+    assert m.terms(rpc)["bw"][0][0] == pytest.approx(m.terms(mq)["bw"][0][0])
+    assert m.terms(rpc)["bw"][2][0] > m.terms(mq)["bw"][2][0]
+
+
 def test_kingman_mean_wait_below_saturation() -> None:
     m = DelayModel(base_s=0.0, controller_bw=ResourceQueue(kappa=3.0))
-    ld = DelayLoad.from_state(CostState(_inst(), np.array([0, 0, 0])))
+    ld = DelayLoad.from_state(CostState(_inst(), np.array([1, 1, 1])))  # MQ: batches of 1
     ld = ld.with_capacities(controller_bw_bps=ld.controller_load_bps / 0.6)
     rho, wait_p, mean, span = m.terms(ld)["bw"]
     es = ld.mean_message_bits / ld.controller_bw_bps

@@ -233,7 +233,7 @@ def test_online_env_same_seed_same_rollout(tiny_trace):
 def test_online_env_episode_info_and_knobs(tiny_trace):
     env = _env(tiny_trace, warmup=2)
     obs, info = env.reset(seed=0, options={"trace": 1})
-    assert info["window"] == 2 and obs.shape == (12,)
+    assert info["window"] == 2 and obs.shape == (14,)
     steps, total = 0, 0.0
     while True:
         obs, r, term, trunc, info = env.step(np.array([0.5, 1.0, 1.0], np.float32))

@@ -37,6 +37,13 @@ def test_online_yardstick_end_to_end(tmp_path, capsys):
     assert {"rpc", "vita", "idcs", "alcor", "greedy", "online_greedy", "forecast_greedy",
             "forecast_drop", "oracle"} <= set(s.index)  # the default grid's forecaster family
     assert s.loc["oracle", "regret_pct"] == 0.0
+    # the hindsight greedy plans with a reserve too, and chooses it interval by interval
+    assert {"oracle_greedy[headroom=0.2,horizon=inf]",
+            "oracle_greedy[headroom per interval]"} <= set(s.index)
+    per = res["per_interval"]
+    assert {"delay_p50_s", "delay_p95_s", "bw_util"} <= set(per.columns)
+    assert (per[per.types > 0].delay_p95_s >= per[per.types > 0].delay_p50_s).all()
+    assert {"delay_p50_ms", "delay_p95_ms"} <= set(s.columns)
     # knobs were chosen on validation traces only: tuning rows name validation traces
     tuned = res["dataset"].traces("validation")
     assert set(res["per_interval"]["trace"]) == {r.id for r in res["dataset"].traces("test")}

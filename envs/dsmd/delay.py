@@ -25,9 +25,13 @@ Below saturation the mean wait is Kingman's G/G/1 approximation (Kingman 1961),
 
     W_r = kappa_r * rho / (1 - rho) * E[S_r],     kappa_r = (c_a^2 + c_s^2) / 2,
 
-with ``E[S_r]`` one mean message's service time and ``kappa_r`` the resource's burstiness
-(fitted: pushes leave in batches, so ``kappa`` is well above M/M/1's 1). ``C_p``, with ``c``
-servers, uses Sakasegawa's G/G/c form (Sakasegawa 1977), the same with
+with ``E[S_r]`` one mean message's service time and ``kappa_r`` the resource's burstiness.
+The controller's link is offered batches: an RPC message leaves as one copy per destination
+at once, an MQ message as one publish, so its arrivals are a compound stream whose ``c_a^2``
+grows with the batch sizes' index of dispersion ``I = E[B^2] / E[B]`` (over the interval's
+messages, ``B = |D(m)|`` over RPC and 1 over MQ). ``C_b``'s wait is Kingman's times ``I``,
+with the rest of the burstiness (the controller's flushes, TCP) fitted in ``kappa``.
+``C_p``, with ``c`` servers, uses Sakasegawa's G/G/c form (Sakasegawa 1977), the same with
 ``rho^(sqrt(2 (c + 1)) - 1) / (c (1 - rho))`` in place of ``rho / (1 - rho)``. A message
 waits with probability ``P_r`` and then for an exponential time of mean ``W_r / P_r``
 (M/M/1's shape). ``P_r`` is ``rho ** gamma_r`` for a link (``gamma = 1``: M/M/1's ``rho``;
@@ -74,6 +78,7 @@ class DelayLoad:
     controller_load_bps: float  # sum of RPC copies and publishes
     controller_sends: float  # RPC destinations + MQ types (Eq. 1's C_p load)
     send_rate: float  # sends per second: RPC copies (message x destination) + publishes
+    batch_dispersion: float  # E[B^2] / E[B] of the controller's batches (RPC: |D|, MQ: 1)
     mean_message_bits: float
     node_capacity_bps: np.ndarray  # (N,) s(n)
     node_load_bps: np.ndarray  # (N,) b(n)
@@ -92,9 +97,12 @@ class DelayLoad:
         node_mq = np.bincount(inst.dest_idx, np.repeat(msgs * ~rpc, fan), minlength=n)
         bits = float(np.sum(inst.rate_bps, dtype=np.float64)) * inst.interval_s
         sends = float(node_rpc.sum() + msgs[~rpc].sum()) / inst.interval_s
+        batch = np.where(rpc, fan, 1).astype(np.float64)  # copies sent at once per message
+        disp = float(msgs @ batch ** 2) / max(float(msgs @ batch), 1.0)
         return cls(float(inst.interval_s), float(inst.controller_bw_bps),
                    float(inst.controller_cpu), float(state.controller_bw),
-                   float(state.controller_cpu), sends, bits / max(float(msgs.sum()), 1.0),
+                   float(state.controller_cpu), sends, max(disp, 1.0),
+                   bits / max(float(msgs.sum()), 1.0),
                    np.asarray(inst.node_capacity_bps, np.float64),
                    np.asarray(state.node_traffic, np.float64), node_rpc, node_mq)
 
@@ -119,6 +127,8 @@ class DelayLoad:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DelayLoad:
+        if "batch_dispersion" not in d:  # recorded before it was: a Poisson stream's
+            d = {**d, "batch_dispersion": 1.0}
         if "send_rate" not in d and "node_rpc_messages" in d:  # RPC copies only
             d = {**d, "send_rate": float(np.sum(d["node_rpc_messages"])) / float(
                 d.get("interval_s") or 1.0)}
@@ -233,7 +243,8 @@ class DelayModel:
             self.calibration_scale * self.controller_bw.scale)
         b = self._resource(self.controller_bw, np.array([ctl]),
                            np.array([load.controller_bw_bps]),
-                           np.array([self.controller_bw.scale * load.mean_message_bits
+                           np.array([load.batch_dispersion * self.controller_bw.scale
+                                     * load.mean_message_bits
                                      / max(load.controller_bw_bps, 1e-12)]), load.interval_s)
         c = max(load.controller_cpu, 1.0)
         p = self._resource(self.controller_cpu, np.array([load.send_rate * self.cpu_service_s]),
@@ -387,7 +398,8 @@ _FREE = ("base_s", "bw_kappa", "bw_scale", "bw_gamma", "node_kappa", "node_gamma
 def _with(model: DelayModel, x: np.ndarray) -> DelayModel:
     v = dict(zip(_FREE, np.exp(x).tolist()))
     return replace(model, base_s=v["base_s"], node_control_bps=v["node_control_bps"],
-                   controller_bw=ResourceQueue(v["bw_kappa"], v["bw_scale"],
+                   # wire bits per modelled bit: at least 1 (framing only adds)
+                   controller_bw=ResourceQueue(v["bw_kappa"], max(v["bw_scale"], 1.0),
                                                min(v["bw_gamma"], 1.0)),
                    node=ResourceQueue(v["node_kappa"], model.node.scale,
                                       min(v["node_gamma"], 1.0)))

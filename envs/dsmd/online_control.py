@@ -60,6 +60,8 @@ FEATURES: tuple[str, ...] = (
     "rpc_sends_load_q",       # last estimate, all on RPC: sends / C_p / 4
     "new_share",              # new types / types of the last interval
     "rate_change",            # change of the estimated total rate against the interval before
+    "delay_p95_q",            # last interval: the delay model's p95 / 10 s
+    "bw_util",                # last interval: C_b's utilisation (control traffic included)
 )
 OBS_SIZE = len(FEATURES)
 #: an action value at or above this sets the top of its knob's range (horizon: re-plan
@@ -90,6 +92,8 @@ def online_features(view: OnlineView) -> np.ndarray:
         o[6] = r["subscribe_infos"] / 1000.0
         o[7] = r["moved_types"] / 100.0
         o[10] = r["new_types"] / n
+        o[12] = r.get("delay_p95_s", 0.0) / 10.0
+        o[13] = r.get("bw_util", 0.0)
     w = view.window
     if w > 0:
         last, s = view.estimate(w - 1), view.spec  # Algorithm 1's rates of the last interval

@@ -21,12 +21,13 @@ re-plan"), and the forecast's level weight ``alpha`` in ``[0.05, 1]`` (EWMA; 0.9
 above: ``alpha = 1``, the last interval's estimate).
 
 ## Observation space
-``Box(-1, 1, (12,), float32)``: :func:`envs.dsmd.online_control.online_features` (names in
+``Box(-1, 1, (14,), float32)``: :func:`envs.dsmd.online_control.online_features` (names in
 ``FEATURES``): the last interval's shares of returning and new types, redundancy ratio - 1,
 normalised violation, violated flags (C_b, C_p, s(n)), SubscribeInfos / 1,000 and moved
 types / 100; the last estimate's controller demand if every type were on RPC (bandwidth /
 C_b, sends / C_p, scaled by 1/4); the change of the estimated total rate against the
-interval before. Each is clipped to [-1, 1]. Only what a controller knows at the boundary:
+interval before; the last interval's p95 delay / 10 s and C_b utilisation (the delay
+model's). Each is clipped to [-1, 1]. Only what a controller knows at the boundary:
 serving computes the same values from a live session's history.
 
 ## Reward
