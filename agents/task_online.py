@@ -136,7 +136,9 @@ class OnlineTask:
         self.tags = {"scenario": self.ds.scenario.name, "dataset": self.ds.spec.name,
                      "task": "train_online",
                      "features": "all" if feats is None else ",".join(feats),
-                     "reward_cost": ",".join(f"{k}={v:g}" for k, v in train_cost.items()),
+                     "reward_cost": ",".join(
+                         f"{k}={v:g}" if isinstance(v, int | float) else f"{k}={v}"
+                         for k, v in train_cost.items() if v is not None),
                      "action": "knobs",
                      "executor_args": self._fixed_text() or "none"}
 

@@ -241,6 +241,10 @@ def test_online_env_episode_info_and_knobs(tiny_trace):
         total += r
         assert r == -info["cost"] and info["knob_horizon"] == math.inf
         assert info["knob_headroom"] == pytest.approx(0.5 * env.knob_map.max_headroom)
+        # the next observation reads the delay model's terms of the interval just scored
+        if info["types"]:
+            assert obs[12] == pytest.approx(min(info["delay_p95_s"] / 10.0, 1.0), abs=1e-6)
+            assert obs[13] == pytest.approx(min(info["bw_util"], 1.0), abs=1e-6)
         if term or trunc:
             break
     assert term and steps == tiny_trace.num_windows - 2

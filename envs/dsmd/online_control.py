@@ -109,7 +109,7 @@ def online_features(view: OnlineView) -> np.ndarray:
 class KnobMap:
     """Action ``[0, 1]^3`` -> the executor's knobs (module docstring)."""
 
-    max_headroom: float = 0.5
+    max_headroom: float = 0.9
     max_horizon: float = 16.0
     #: the executor's name (:data:`envs.dsmd.online_greedy.EXECUTORS`)
     executor: str = DEFAULT_EXECUTOR

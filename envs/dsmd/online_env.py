@@ -103,7 +103,7 @@ class DSMDOnlineEnv(gym.Env):
     def __init__(self, dataset: Any = "tiny_online", split: str = "train",
                  cost: dict | OnlineCost | None = None, max_intervals: int | None = None,
                  warmup: int = 0, executor: str = DEFAULT_EXECUTOR,
-                 max_headroom: float = 0.5, max_horizon: float = 16.0,
+                 max_headroom: float = 0.9, max_horizon: float = 16.0,
                  features: Sequence[str] | None = None,
                  cache_dir: str | Path | None = DATASETS_DIR,
                  traces: Sequence[OnlineTrace] | None = None,
