@@ -183,7 +183,7 @@ def test_online_study_and_ablation_configs_compose(tmp_path):
 
     full = _cfg(tmp_path, ["experiment=online_study", "agent=ddpg"])
     assert full.env.eval_traces is None and full.env.tune.traces is None
-    assert len(full.env.tune.grid.online_greedy.headroom) == 3
+    assert len(full.env.tune.grid.online_greedy.headroom) == 5
     variants = sorted(p.stem for p in (P(C) / "ablation").glob("*.yaml"))
     assert "base" in variants and len(variants) >= 7
     for v in variants:

@@ -340,6 +340,12 @@ def test_bad_requests_say_what_is_wrong(server, online):
             "num_topics 5 disagrees with the scenario's 2")
         err(c.post("/v1/online/sessions", json=no_scenario | {"dataset": "nope"}), 409,
             "unknown dataset 'nope'")
+        # a client sets weights, never the server's delay model (no file is read for it)
+        err(c.post("/v1/online/sessions", json=body | {"cost": {"delay_model": 1.0}}), 409,
+            "unknown online cost weights ['delay_model']")
+        r = c.post("/v1/online/sessions", json=body | {"cost": {"w_delay": 2.0}})
+        assert r.status_code == 201 and r.json()["cost"]["w_delay"] == 2.0
+        assert r.json()["cost"]["delay"] == online.cost.delay.to_dict()
         r = c.post("/v1/online/sessions", json=no_scenario | {"dataset": "tiny_online"})
         assert r.status_code == 201 and r.json()["scenario"] == online.ds.scenario.to_dict()
         sid = c.post("/v1/online/sessions", json=body).json()["session_id"]
