@@ -536,17 +536,20 @@ def measure_throughput(net: EmulatedNetwork, src_ns: str, dst_ns: str, dst_host:
 def measure_loss(net: EmulatedNetwork, src_ns: str, dst_ns: str, dst_host: str,
                  packets: int = 20000, port: int = 5202) -> float:
     """The fraction of ``packets`` UDP datagrams sent from ``src_ns`` that did not arrive.
-    The receiver waits up to 30 s for the first datagram (the sender is a new interpreter,
-    slow to start on a loaded machine), then stops after 1 s without one."""
+    The sender ends with 200 end markers (one of them arrives unless nearly everything is
+    lost); the receiver counts the datagrams before the first marker, and gives up after
+    30 s without any (the sender is a new interpreter, slow on a loaded machine, and may be
+    descheduled for a while: a gap is not the end)."""
     recv_code = ("import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "
                  f"s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 24); "
                  f"s.bind(('0.0.0.0', {port})); s.settimeout(30.0); print('ready', flush=True)\n"
-                 "n = 0\ntry:\n    s.recv(2048); n = 1; s.settimeout(1.0)\n"
-                 "    while True:\n        s.recv(2048); n += 1\n"
+                 "n = 0\ntry:\n    while s.recv(2048) != b'end':\n        n += 1\n"
                  "except TimeoutError:\n    pass\nprint(n, flush=True)\n")
     send_code = ("import socket, time; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
                  f"for i in range({packets}):\n    s.sendto(b'x' * 200, ('{dst_host}', {port}))\n"
-                 "    time.sleep(0.001) if i % 20 == 0 else None\n")
+                 "    time.sleep(0.001) if i % 20 == 0 else None\n"
+                 "for i in range(200):\n"
+                 f"    s.sendto(b'end', ('{dst_host}', {port})); time.sleep(0.001)\n")
     recv = subprocess.Popen([*net.exec_prefix(dst_ns), sys.executable, "-c", recv_code],
                             stdout=subprocess.PIPE, text=True)
     try:
