@@ -174,7 +174,7 @@ def test_fit_reproduces_the_delays_it_was_given() -> None:
     start = [predict_sample(DelayModel(), s)["delay_p95_s"] / s.measured_p95_s
              for s in samples]
     assert max(abs(np.log(start))) > 1.0  # the defaults are far off: the fit has work to do
-    model, report = fit_delay_model(samples)
+    _, report = fit_delay_model(samples)
     assert report["within_2x_p95"] == len(samples)
     assert report["rms_log_p95"] < 0.2 and report["rms_log_p50"] < 0.3
     assert report["spearman_p95"] > 0.95
