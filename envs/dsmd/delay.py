@@ -216,9 +216,6 @@ class DelayModel:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def with_fit(self, **constants: Any) -> DelayModel:
-        return replace(self, **constants)
-
     # ------------------------------------------------------------------ the model
     def _resource(self, q: ResourceQueue, load: np.ndarray, cap: np.ndarray,
                   service_s: np.ndarray, t: float, servers: float = 1.0
