@@ -8,6 +8,8 @@
    best of the hindsight variants and every online method) and, where the multi-period
    MILP fits, its certified lower bound (``agents.exact_online``).
 4. Print the yardstick table, write CSVs and plots, record an MLflow run.
+5. With ``env.stress.datasets``: step 3 again, at the same tuned settings, on each stress
+   dataset's test traces (dynamics nothing was trained or tuned on).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 import pandas as pd
 from omegaconf import DictConfig
 
-from envs.dsmd.dataset import TraceDataset, build_dataset, load_dataset_spec
+from envs.dsmd.dataset import DatasetSpec, TraceDataset, build_dataset, load_dataset_spec
 from envs.dsmd.errors import DSMDError
 from envs.dsmd.online import OnlineCost
 
@@ -50,7 +52,8 @@ from .plots import online_timeline_plot, pareto_plot
 from .seeding import seed_everything
 from .tracking import tracked_run
 
-__all__ = ["Tuning", "open_online_dataset", "run_online_main", "test_online", "tune_online"]
+__all__ = ["Tuning", "open_online_dataset", "run_online_main", "stress_test", "test_online",
+           "tune_online"]
 
 
 def _bound_text(bounds: pd.DataFrame, pt: pd.Series, best: str, horizon: int) -> str:
@@ -117,6 +120,7 @@ def open_online_dataset(cfg: DictConfig) -> TraceDataset:
 def tune_online(cfg: DictConfig, ds: TraceDataset) -> Tuning:
     """Steps 1-2: every static baseline and every knob setting on the validation traces."""
     e = cfg.env
+    stress_specs(cfg, ds)  # refused now, not after the test traces
     cost = OnlineCost.from_dict(to_dict(e.cost))
     workers = int(e.workers or default_workers())
     val_ids = [r.id for r in ds.traces("validation")][:e.tune.traces or None]
@@ -168,33 +172,11 @@ def test_online(cfg: DictConfig, tuning: Tuning, log: Any, out: Path,
     """Steps 3-4 on the test traces, with the ``learned`` deciders beside the baselines
     (``learned_val``: their points on the validation intervals, for the Pareto plot)."""
     e, ds, cost, workers = cfg.env, tuning.dataset, tuning.cost, tuning.workers
-    test_ids, progress, name = tuning.test_ids, bool(cfg.progress), ds.spec.name
-    tuned = tuning.tuned
-    test_specs = tuning.statics + [DeciderSpec(fam, s.kind, s.params) for fam, s in tuned.items()]
-    test_specs += list(learned)
-    horizons = [*e.oracle.horizons, *(s.kw.get("horizon", math.inf) for s in tuned.values())]
-    headrooms = list(e.oracle.get("headrooms") or [0.0])
-    test_specs += oracle_specs(horizons, headrooms)
-    df = evaluate_online(ds, test_ids, test_specs, cost, e.eval_windows, workers, progress,
-                         "evaluate (test)", _cache_dir(cfg))
-    if len(headrooms) > 1:  # the hindsight greedy choosing its reserve interval by interval
-        per = knob_oracle(ds, test_ids, oracle_specs([math.inf], headrooms), cost,
-                          e.eval_windows, workers, name="oracle_greedy[headroom per interval]")
-        df = pd.concat([df, per.drop(columns="knob_setting")], ignore_index=True)
-    df = compose_oracle(df)
+    test_ids, name = tuning.test_ids, ds.spec.name
     best_test = tuning.best_online
-    summary = summarize_online(df, "oracle", reference=best_test)
+    df = _evaluate_test(cfg, tuning, ds, test_ids, learned, e.eval_windows, "evaluate (test)")
+    summary, headroom, closed = _verdict(df, best_test, learned)
     pt = per_trace(df).set_index(["policy", "trace"])["cost"]
-    head = 100 * (pt.loc[best_test] / pt.loc["oracle"] - 1.0)
-    headroom = {"best_online": best_test, "headroom_pct": float(head.mean()),
-                "headroom_ci95": ci95(head.values), "traces": int(head.size)}
-    closed = {}
-    for s in learned:  # the share of the headroom each learned policy closes, trace by trace
-        gain = pt.loc[best_test] - pt.loc[s.name]
-        gap = pt.loc[best_test] - pt.loc["oracle"]
-        share = 100 * gain / gap.where(gap > 0)
-        closed[s.name] = {"closed_pct": float(100 * gain.sum() / max(gap.sum(), 1e-12)),
-                          "closed_pct_per_trace_ci95": ci95(share.dropna().values)}
     ex = e.oracle.exact
     bounds = exact_bounds(ds, test_ids, cost, int(ex.horizon), float(ex.time_limit_s),
                           int(ex.max_variables), e.eval_windows, workers)
@@ -247,8 +229,109 @@ def test_online(cfg: DictConfig, tuning: Tuning, log: Any, out: Path,
                      f"{key}/node_violated_pct": row.node_violated_pct})
     log.metrics({"headroom_pct": headroom["headroom_pct"],
                  **{f"{k}/closed_pct": v["closed_pct"] for k, v in closed.items()}})
+    stress = stress_test(cfg, tuning, log, out, learned)
     return {"summary": summary, "per_interval": df, "tuning": points, "best": tuning.best,
-            "bounds": bounds, "headroom": headroom, "closed": closed, "dataset": ds}
+            "bounds": bounds, "headroom": headroom, "closed": closed, "dataset": ds,
+            "stress": stress}
+
+
+def _evaluate_test(cfg: DictConfig, tuning: Tuning, ds: TraceDataset, ids: Sequence[str],
+                   learned: Sequence[DeciderSpec], windows: int | None, desc: str
+                   ) -> pd.DataFrame:
+    """Step 3 on ``ids`` of ``ds``: the static baselines, each tuned family at its setting,
+    the ``learned`` deciders, the hindsight greedy variants (every oracle horizon and
+    headroom, and with several headrooms the choice among them per interval) and the
+    composed ``oracle``: one row per (policy, trace, interval)."""
+    e, cost, workers = cfg.env, tuning.cost, tuning.workers
+    tuned = tuning.tuned
+    specs = tuning.statics + [DeciderSpec(fam, s.kind, s.params) for fam, s in tuned.items()]
+    specs += list(learned)
+    horizons = [*e.oracle.horizons, *(s.kw.get("horizon", math.inf) for s in tuned.values())]
+    headrooms = list(e.oracle.get("headrooms") or [0.0])
+    specs += oracle_specs(horizons, headrooms)
+    df = evaluate_online(ds, ids, specs, cost, windows, workers, bool(cfg.progress), desc,
+                         _cache_dir(cfg))
+    if len(headrooms) > 1:  # the hindsight greedy choosing its reserve interval by interval
+        per = knob_oracle(ds, ids, oracle_specs([math.inf], headrooms), cost, windows,
+                          workers, name="oracle_greedy[headroom per interval]")
+        df = pd.concat([df, per.drop(columns="knob_setting")], ignore_index=True)
+    return compose_oracle(df)
+
+
+def _verdict(df: pd.DataFrame, best: str, learned: Sequence[DeciderSpec]
+             ) -> tuple[pd.DataFrame, dict[str, Any], dict[str, Any]]:
+    """The summary table (paired against ``best``, the best heuristic on validation), the
+    headroom of ``best`` over the oracle, and the share of it each learned policy closes,
+    trace by trace."""
+    summary = summarize_online(df, "oracle", reference=best)
+    pt = per_trace(df).set_index(["policy", "trace"])["cost"]
+    head = 100 * (pt.loc[best] / pt.loc["oracle"] - 1.0)
+    headroom = {"best_online": best, "headroom_pct": float(head.mean()),
+                "headroom_ci95": ci95(head.values), "traces": int(head.size)}
+    closed = {}
+    for s in learned:
+        gain = pt.loc[best] - pt.loc[s.name]
+        gap = pt.loc[best] - pt.loc["oracle"]
+        share = 100 * gain / gap.where(gap > 0)
+        closed[s.name] = {"closed_pct": float(100 * gain.sum() / max(gap.sum(), 1e-12)),
+                          "closed_pct_per_trace_ci95": ci95(share.dropna().values)}
+    return summary, headroom, closed
+
+
+def stress_specs(cfg: DictConfig, ds: TraceDataset) -> list[DatasetSpec]:
+    """The specs of ``env.stress.datasets``, refused (naming the dataset and the key) unless
+    each describes the same cloud as ``ds``: the same scenario with the same overrides. A
+    stress set varies the dynamics, not the cloud the methods were tuned for."""
+    out = []
+    for name in (cfg.env.get("stress") or {}).get("datasets") or []:
+        spec = load_dataset_spec(str(name))
+        for k in ("scenario", "overrides"):
+            if getattr(spec, k) != getattr(ds.spec, k):
+                raise DSMDError(f"env.stress.datasets: '{name}' has {k} "
+                                f"{getattr(spec, k)!r}, the tuned dataset '{ds.spec.name}' "
+                                f"{getattr(ds.spec, k)!r}: a stress set varies the "
+                                "dynamics, not the cloud")
+        out.append(spec)
+    return out
+
+
+def stress_test(cfg: DictConfig, tuning: Tuning, log: Any, out: Path,
+                learned: Sequence[DeciderSpec] = ()) -> dict[str, Any]:
+    """The same methods, at the settings tuned on the main dataset's validation traces, on
+    the test traces of each ``env.stress.datasets`` (traces whose dynamics differ from the
+    ones anything was trained or tuned on): per dataset, ``stress/<name>/summary.csv``,
+    ``summary.txt`` and ``per_interval.csv``, and MLflow metrics ``stress/<name>/...``."""
+    st = cfg.env.get("stress") or {}
+    res: dict[str, Any] = {}
+    for spec in stress_specs(cfg, tuning.dataset):
+        name = spec.name
+        ds = build_dataset(spec, cfg.paths.data_dir, progress=bool(cfg.progress))
+        ids = [r.id for r in ds.traces("test")][:st.get("traces") or None]
+        if not ids:
+            raise DSMDError(f"env.stress.datasets: '{name}' has no test traces")
+        df = _evaluate_test(cfg, tuning, ds, ids, learned, st.get("windows"),
+                            f"stress ({name})")
+        best = tuning.best_online
+        summary, headroom, closed = _verdict(df, best, learned)
+        text = (f"Stress set: dataset {name}, {len(ids)} test traces, methods at the settings "
+                f"tuned on {tuning.dataset.spec.name}'s validation traces ('vs best': cost "
+                f"minus {best}'s, paired by trace)\n\n{format_online_table(summary)}\n\n"
+                f"headroom ({best}) = {headroom['headroom_pct']:+.2f}% ± "
+                f"{headroom['headroom_ci95']:.2f}% over the oracle\n"
+                + "".join(f"{k} closes {v['closed_pct']:+.1f}% of it (of the summed gaps)\n"
+                          for k, v in closed.items()))
+        print("\n" + text, flush=True)
+        d = out / "stress" / str(name)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "summary.txt").write_text(text)
+        log.table(summary, d / "summary.csv")
+        log.table(df, d / "per_interval.csv")
+        for row in summary.itertuples(index=False):
+            key = re.sub(r"[^A-Za-z0-9_.\-/ ]", "_", str(row.policy))
+            log.metrics({f"stress/{name}/{key}/cost": row.cost})
+        res[str(name)] = {"summary": summary, "headroom": headroom, "closed": closed,
+                          "per_interval": df}
+    return res
 
 
 def run_online_main(cfg: DictConfig) -> dict[str, Any]:

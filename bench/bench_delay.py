@@ -22,6 +22,7 @@ Usage::
     python bench/bench_delay.py            # run the sweeps (about 2 min per run), then fit
     python bench/bench_delay.py --fit-only # refit the runs already under --out
     python bench/bench_delay.py --write    # and write envs/dsmd/delay_model.json
+    python bench/bench_delay.py --fidelity OUT [OUT ...]   # the model against testbed outputs
 
 Needs root (network namespaces). C_p is not swept: no testbed run has ever waited for it
 (the controller's in-flight limit), so its constants stay the documented defaults.
@@ -82,10 +83,21 @@ def collect(out: Path) -> list[dict[str, Any]]:
     return samples
 
 
-def fidelity(testbed_out: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def _runs_table(testbed_out: Path):
+    """A testbed output's runs: ``summary.csv`` (every figure) or a kept ``fig9.csv``."""
+    import pandas as pd
+
+    runs = [testbed_out / f for f in ("summary.csv", "fig9.csv")]
+    return pd.read_csv(next((f for f in runs if f.is_file()), runs[-1]))
+
+
+def fidelity(testbed_outs: Path | list[Path]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The calibrated model's p95 beside the measured one for every run of a finished
-    testbed output (``fig9.csv`` and its runs' ``delay_loads.json``), and per Fig. 9 point
-    Spearman's rho between them over the policies, and how many are within a factor of 2."""
+    testbed output (``summary.csv`` or ``fig9.csv``, and each run's
+    ``delay_loads_realised.json``, the intervals as delivered, or, where a run has none,
+    ``delay_loads.json``, the boundary decisions'), and per point (a Fig. 9 VPC count, or
+    Fig. 10) Spearman's rho between them over the policies, and how many are within a
+    factor of 2."""
     import numpy as np
     import pandas as pd
     from scipy.stats import spearmanr
@@ -93,18 +105,21 @@ def fidelity(testbed_out: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     from envs.dsmd.delay import load_delay_model, predict_sample, testbed_sample
 
     model = load_delay_model()
-    df = pd.read_csv(testbed_out / "fig9.csv")
+    outs = [testbed_outs] if isinstance(testbed_outs, Path) else list(testbed_outs)
     rows = []
-    for _, r in df.iterrows():
+    for testbed_out, r in ((o, r) for o in outs for _, r in _runs_table(o).iterrows()):
         d = testbed_out / "runs" / f"{r['label'].replace('/', '_')}_{r['policy']}_r{r['repeat']}"
-        f = d / "delay_loads.json"
-        if not f.is_file():
+        # the intervals as delivered where the run kept them, else the boundary decisions'
+        f = next((f for f in (d / "delay_loads_realised.json", d / "delay_loads.json")
+                  if f.is_file()), None)
+        if f is None:
             continue
         s = testbed_sample(r.to_dict(), json.loads(f.read_text()), d.name, "bw")
         p = predict_sample(model, s)
         rows.append({"point": r["label"], "policy": r["policy"], "repeat": int(r["repeat"]),
                      "measured_p95_s": s.measured_p95_s, "predicted_p95_s": p["delay_p95_s"],
-                     "bw_util": p["bw_util"], "wire_util": s.wire_util})
+                     "bw_util": p["bw_util"], "wire_util": s.wire_util,
+                     "loads": f.name})
     out: dict[str, Any] = {}
     t = pd.DataFrame(rows)
     for point, g in t.groupby("point"):
@@ -125,11 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resources", default="bw,node")
     ap.add_argument("--fit-only", action="store_true")
     ap.add_argument("--write", action="store_true", help="write envs/dsmd/delay_model.json")
-    ap.add_argument("--fidelity", metavar="TESTBED_OUT",
-                    help="instead: the calibrated model against a finished Fig. 9 testbed run")
+    ap.add_argument("--fidelity", metavar="TESTBED_OUT", nargs="+",
+                    help="instead: the calibrated model against finished testbed outputs")
     args = ap.parse_args(argv)
     if args.fidelity:
-        rows, points = fidelity(Path(args.fidelity))
+        rows, points = fidelity([Path(p) for p in args.fidelity])
         table = md_table(["point", "policy", "repeat", "measured p95 ms", "predicted p95 ms"],
                          [(r["point"], r["policy"], r["repeat"],
                            f"{1e3 * r['measured_p95_s']:.0f}",
@@ -137,8 +152,9 @@ def main(argv: list[str] | None = None) -> int:
         notes = [f"{k}: Spearman {v['spearman']:.2f} over {v['policies']} policies; "
                  f"{v['within_2x']} within 2x (predicted / measured "
                  f"{v['ratio_min']:.2f}-{v['ratio_max']:.2f})" for k, v in points.items()]
-        finish("bench_delay_fidelity", {"runs": rows, "points": points,
-                                        "testbed_out": str(args.fidelity)}, table, notes, 0.0)
+        finish("bench_delay_fidelity",
+               {"runs": rows, "points": points,
+                "testbed_out": [str(p) for p in args.fidelity]}, table, notes, 0.0)
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -151,7 +167,13 @@ def main(argv: list[str] | None = None) -> int:
                         run_point(res, v, rep, out)
                     except subprocess.CalledProcessError as e:
                         log(f"  {res} {v:.0f}: testbed failed ({e.returncode}); see its log")
-    from envs.dsmd.delay import DELAY_MODEL, fit_delay_model, testbed_sample
+    from envs.dsmd.delay import (
+        DELAY_MODEL,
+        DelayModel,
+        fit_delay_model,
+        measured_hold,
+        testbed_sample,
+    )
 
     raw = collect(out)
     if not raw:
@@ -160,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     samples = [testbed_sample(r["measured"], r["loads"], r["run"], r["resource"],
                               **{("controller_bps" if r["resource"] == "bw" else "node_bps"):
                                  r["value"]}) for r in raw]
-    model, report = fit_delay_model(samples)
+    # the sending path's hold is measured (bench_switch_cost.py), not fitted
+    model, report = fit_delay_model(samples, start=DelayModel(**measured_hold()))
     rows = [(r["run"], r["resource"], f"{r['util']:.2f}", f"{r['wire_util']:.2f}",
              f"{1e3 * r['measured_p50_s']:.0f}", f"{1e3 * r['predicted_p50_s']:.0f}",
              f"{1e3 * r['measured_p95_s']:.0f}", f"{1e3 * r['predicted_p95_s']:.0f}")

@@ -98,6 +98,12 @@ class ControlPlane:
         self.decide_s: list[float] = []
         self.predictions: list[dict[str, float]] = []  # per decision: Eq. 1's violations
         self.delay_loads: list[dict] = []  # per decision: the delay model's input (DelayLoad)
+        # per delivered interval: the same on its own counted rates and the channels its
+        # types had when it closed (placements during the interval included)
+        self.realised: list[dict[str, float]] = []
+        self.realised_loads: list[dict] = []
+        self._infos = controller.stats.subscribe_infos  # at the last close
+        self._delivered_on: dict[int, int] = {}  # each type's channel at the last close
         self.delay_model: DelayModel = load_delay_model()
 
     def request(self, *, vpc_id: int, configuration_type: str, operation_type: str,
@@ -128,7 +134,31 @@ class ControlPlane:
     def close_interval(self) -> IntervalEstimate:
         """Rates of the interval that ends now -> every active type's channel."""
         self.controller.flush()
-        return self._apply(self.adapter.close_interval())
+        est = self.adapter.close_interval()
+        self.realise(est)
+        return self._apply(est)
+
+    def finish(self) -> None:
+        """Close the last interval of a replay without deciding: its realised prediction."""
+        self.controller.flush()
+        self.realise(self.adapter.close_interval())
+
+    def realise(self, est: IntervalEstimate) -> dict[str, float]:
+        """The simulator's verdict on an interval as it was delivered (:meth:`predict` on
+        its own counted rates, with each type's channel at the interval's close, which is
+        where a type placed on its first message went), kept in :attr:`realised` and its
+        delay model input in :attr:`realised_loads`. Unlike :attr:`predictions`, made at the
+        boundary on the closed interval's rates for the next one, this is what the
+        delivered messages' delays are compared with."""
+        ch = self.controller.channel
+        chans = {int(t): int(ch.get(int(t), 0)) for t in est.types.tolist()}
+        infos = self.controller.stats.subscribe_infos
+        moved = sum(1 for t, c in ch.items() if self._delivered_on.get(t, c) != c)
+        p = self.predict(est, chans, self.realised_loads,
+                         switches=(infos - self._infos, moved))
+        self._infos, self._delivered_on = infos, dict(ch)
+        self.realised.append(p)
+        return p
 
     def prime(self, messages: Sequence[Message]) -> IntervalEstimate:
         """Count ``messages`` as the interval before (without sending them), then decide."""
@@ -150,11 +180,15 @@ class ControlPlane:
         self.predictions.append(self.predict(est, chans))
         return est
 
-    def predict(self, est: IntervalEstimate, chans: Mapping[int, int]) -> dict[str, float]:
+    def predict(self, est: IntervalEstimate, chans: Mapping[int, int],
+                loads: list[dict] | None = None,
+                switches: tuple[int, int] = (0, 0)) -> dict[str, float]:
         """What the simulator's cost model (Eq. 1, :class:`envs.dsmd.cost.CostState`) says of
-        the channels just applied for the interval's rates: each constraint's violation, each
-        resource's utilisation and the delay model's p50 and p95
-        (:class:`envs.dsmd.delay.DelayModel`, whose input is kept in :attr:`delay_loads`)."""
+        the channels ``chans`` (a type not in it: RPC) for the interval's rates: each
+        constraint's violation, each resource's utilisation and the delay model's p50 and p95
+        (:class:`envs.dsmd.delay.DelayModel`, whose input is appended to ``loads``, by
+        default :attr:`delay_loads`), with ``switches`` (SubscribeInfos sent, types moved)
+        holding the sending path."""
         spec = self.adapter.local.spec
         inst = DSMDInstance.from_estimate(self.adapter.parser.catalog, est, spec.num_topics,
                                           spec.controller_bw_bps, spec.controller_cpu)
@@ -163,8 +197,8 @@ class ControlPlane:
         m = state.metrics()
         node_util = float(np.max(state.node_traffic / np.maximum(inst.node_capacity_bps, 1))) \
             if inst.node_capacity_bps.size else 0.0
-        load = DelayLoad.from_state(state)
-        self.delay_loads.append(load.to_dict())
+        load = DelayLoad.from_state(state).with_switches(*switches)
+        (self.delay_loads if loads is None else loads).append(load.to_dict())
         delay = self.delay_model.quantiles(load)
         bw_util = m.controller_traffic_bps / inst.controller_bw_bps
         cpu_util = m.controller_sends / inst.controller_cpu

@@ -166,7 +166,44 @@ def _spec(cfg: DictConfig, label: str, policy: str, problems, windows: list[int]
                    server_url=server[0], api_key=server[1],
                    controller=_controller_overrides(cfg, problems), security=sec,
                    bundle_trust_keys=tuple(_trust_keys(cfg)), network=_network_tag(cfg),
-                   **_network_run_options(cfg))
+                   policy_params=policy_params(cfg, policy), **_network_run_options(cfg))
+
+
+def policy_params(cfg: DictConfig, policy: str) -> dict[str, Any]:
+    """``policy_params.<policy>`` (:func:`delivery.policies.make_policy`'s ``params``: an
+    online decider's knobs, ``forecast_drop``'s ``send_forecaster``, ``online_learned``'s
+    ``bundle``), ``{}`` when it has none."""
+    got = (cfg.get("policy_params") or {}).get(policy)
+    if got is None:
+        return {}
+    out = OmegaConf.to_container(got, resolve=True) if isinstance(got, DictConfig) else got
+    if not isinstance(out, dict):
+        raise ConfigError(f"policy_params.{policy}: a mapping of parameters, got {got!r}")
+    return dict(out)
+
+
+def check_policies(cfg: DictConfig) -> None:
+    """Refuse, before any process starts, an unknown policy in ``policies`` or
+    ``policy_params`` and a selected policy whose parameters it does not take."""
+    from .policies import POLICIES, make_policy
+
+    for where, names in (("policies", list(cfg.policies)),
+                         ("policy_params", list((cfg.get("policy_params") or {}).keys()))):
+        bad = [str(n) for n in names if n not in POLICIES]
+        if bad:
+            raise ConfigError(f"{where}: unknown polic{'ies' if len(bad) > 1 else 'y'} "
+                              f"{', '.join(map(repr, bad))}; known: {', '.join(POLICIES)}")
+    problems = None
+    for name in cfg.policies:
+        params = policy_params(cfg, str(name))
+        if name == "learned" or (not params and name != "forecast_drop"):
+            continue  # the learned policy's bundle is the server's; defaults are valid
+        if problems is None:
+            problems = problems_for(str(cfg.scenario))
+        try:
+            make_policy(str(name), problems, params)
+        except ValueError as e:
+            raise ConfigError(f"policy_params.{name}: {e}") from None
 
 
 def _network_run_options(cfg: DictConfig) -> dict[str, Any]:
@@ -230,6 +267,14 @@ def rank_agreement(df: pd.DataFrame) -> dict[str, Any]:
 
     out: dict[str, Any] = {"measured": by_delay, "simulator": by_sim,
                            "spearman": rho("sim_utilisation")}
+    # the delay model's p95 (envs.dsmd.delay) of the intervals as delivered, else of the
+    # boundary decisions
+    col = next((c for c in ("sim_realised_delay_p95_ms", "sim_delay_p95_ms")
+                if c in df and df[c].notna().any()), None)
+    if col is not None:
+        med[col] = df.groupby("policy")[col].median()
+        out["delay_model"] = med[col].sort_values().index.tolist()
+        out["spearman_delay_model"] = rho(col)
     if "controller_bytes" in med:
         out["spearman_controller_bytes"] = rho("controller_bytes")
     return out
@@ -248,6 +293,8 @@ def run_testbed(cfg: DictConfig) -> dict[str, Any]:
     if cfg.get("merge"):
         return merge_outputs(list(cfg.merge), Path(str(cfg.out_dir)), str(cfg.scenario))
     net = cfg.get("network") or {}
+    if not net.get("inside"):
+        check_policies(cfg)
     if net.get("enabled") and not net.get("inside"):
         return _run_in_network(cfg)
 

@@ -8,7 +8,8 @@ estimated for the interval that just closed, Algorithm 1).
   (and Alcor AUTO, and greedy with local search, the strongest simulator baseline), built by
   the simulator's own registry (:func:`agents.registry.make_policy_for`) and applied to each
   interval's instance: :class:`BaselinePolicy`.
-* ``online_greedy``, ``forecast_greedy`` -- the online heuristics of the online evaluation
+* ``online_greedy``, ``forecast_greedy``, ``forecast_drop`` -- the online deciders of the
+  online evaluation
   (Section V-D, online execution; :class:`agents.online.OnlineGreedy`, the families the
   online yardstick tunes, :mod:`agents.online_eval`), and ``online_learned``, an online
   policy bundle (:mod:`serving.online_bundle`): :class:`OnlinePolicy`, which drives the
@@ -71,11 +72,15 @@ STATIC = ("rpc", "vita", "idcs", "alcor", "greedy")
 #: the online deciders (:data:`agents.online_eval.DeciderSpec` kind, default parameters):
 #: ``online_greedy`` re-plans every type on the last estimate (the executor's defaults);
 #: ``forecast_greedy`` is the online yardstick's EWMA family at its configured setting
-#: (``configs/env/online.yaml``); ``params`` override (e.g. the knobs tuned on validation)
+#: (``configs/env/online.yaml``); ``forecast_drop`` is the learned send forecaster's planner
+#: at the setting ``experiment=online_study`` tunes (it needs ``params['send_forecaster']``,
+#: the forecaster's ``.npz``); ``params`` override (e.g. the knobs tuned on validation)
 ONLINE_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
     "online_greedy": ("online_greedy", {}),
     "forecast_greedy": ("online_greedy", {"forecast": "ewma", "alpha": 0.5, "headroom": 0.2,
                                           "horizon": 1.0}),
+    "forecast_drop": ("online_greedy", {"forecast": "last", "headroom": 0.4, "horizon": 1.0,
+                                        "drop": 0.1, "reserve_placements": True}),
     "online_learned": ("learned", {}),
 }
 POLICIES = (*STATIC, *ONLINE_DEFAULTS, "learned")

@@ -65,7 +65,7 @@ class RunSpec:
     """One testbed run: a policy replaying some windows of a problem set."""
 
     label: str                          # e.g. "fig9/vpcs=512" or "fig10"
-    policy: str                         # rpc | vita | idcs | learned
+    policy: str                         # a name of delivery.policies.POLICIES
     problems: ProblemSet
     windows: list[int]
     time_scale: float = 0.5
@@ -91,6 +91,7 @@ class RunSpec:
     #                                     (measured in windows of this many seconds)
     control_allowance: bool = False     # and raise C_b by that idle traffic (needs settle_s)
     queue_ms: float = 200.0             # the shaped links' queue (network only)
+    policy_params: dict[str, Any] = field(default_factory=dict)  # make_policy's params
 
 
 @dataclass
@@ -141,7 +142,7 @@ def run_once(spec: RunSpec, pulsar_url: str, workdir: Path,
     queues = None
     try:
         ctl = Controller(ccfg, agents).start()
-        policy = make_policy(spec.policy, spec.problems)
+        policy = make_policy(spec.policy, spec.problems, spec.policy_params)
         adapter = _adapter(spec)
         procs.wait_ready(120.0 + 0.5 * len(nodes))
         if spec.network and spec.settle_s > 0:
@@ -267,9 +268,11 @@ def _replay(spec: RunSpec, ctl: Controller, adapter, policy: ChannelPolicy,
     plane.flush()
     timeline.append(_snapshot(ctl, cur, cpu0, wall0))
     wall = time.perf_counter() - wall0
+    plane.finish()
     return {"messages": sent, "wall_s": wall, "cpu_s": cpu_seconds() - cpu0,
             "decide_s": plane.decide_s, "timeline": timeline, "epoch0": epoch0,
             "predictions": plane.predictions, "delay_loads": plane.delay_loads,
+            "realised": plane.realised, "realised_loads": plane.realised_loads,
             "lag_max_ms": lag_max * 1e3,
             "sources": dict(getattr(policy, "sources", {})),
             "gen_trace": np.array(gen_trace, dtype=np.int64).reshape(-1, 2)}
@@ -413,8 +416,10 @@ def _measure(spec: RunSpec, out: dict[str, Any], rec_dir: Path, nodes: Sequence[
         "decide_ms_mean": 1e3 * float(np.mean(out["decide_s"])),
         "decisions_by": json.dumps(out["sources"]) if out["sources"] else "",
         "network": spec.network or "loopback",
-        **_predicted(out.get("predictions", [])), **out.get("links", {}),
-        **{k: c.get(k, 0) for k in ("inflight_waits", "inflight_wait_s", "inflight_peak")},
+        **_predicted(out.get("predictions", [])), **_realised(out.get("realised", [])),
+        **out.get("links", {}),
+        **{k: c.get(k, 0) for k in ("inflight_waits", "inflight_wait_s", "inflight_peak",
+                                    "failovers", "rerouted")},
     }
     summary["queued"] = bool(  # a link's queue held >= QUEUED_MS, or a send waited for C_p
         summary.get("link_controller_queue_p95_ms", 0.0) >= QUEUED_MS
@@ -426,6 +431,9 @@ def _measure(spec: RunSpec, out: dict[str, Any], rec_dir: Path, nodes: Sequence[
     buckets = _bucketise(spec, out, np.asarray(gens, np.int64), d_ms, rx_seconds)
     if out.get("delay_loads"):  # the delay model's inputs, to calibrate it (bench_delay.py)
         (rec_dir.parent / "delay_loads.json").write_text(json.dumps(out["delay_loads"]))
+    if out.get("realised_loads"):  # the same per delivered interval (fidelity)
+        (rec_dir.parent / "delay_loads_realised.json").write_text(
+            json.dumps(out["realised_loads"]))
     return RunResult(spec.label, spec.policy, summary, buckets)
 
 
@@ -468,11 +476,24 @@ def _predicted(preds: list[dict[str, float]]) -> dict[str, Any]:
                                  or worst["node_violation"] > 0)}
 
 
+def _realised(preds: list[dict[str, float]]) -> dict[str, Any]:
+    """The delay model on the intervals as delivered (their own rates and channels,
+    :meth:`ControlPlane.realise`): the worst interval's p50 and p95, and each resource's
+    highest utilisation."""
+    if not preds:
+        return {}
+    worst = {k: max(p[k] for p in preds) for k in preds[0]}
+    return {"sim_realised_delay_p50_ms": worst["delay_p50_ms"],
+            "sim_realised_delay_p95_ms": worst["delay_p95_ms"],
+            "sim_realised_bw_utilisation": worst["bw_utilisation"],
+            "sim_realised_node_utilisation": worst["node_utilisation"]}
+
+
 def _bucketise(spec: RunSpec, out: dict[str, Any], gens: np.ndarray, d_ms: np.ndarray,
                rx_seconds: dict[int, int]) -> list[dict[str, Any]]:
     """Per window of the replay: controller traffic and CPU (from the timeline), the bytes
-    the nodes received in it (agents count per wall-clock second) and the delays of the
-    messages generated in it."""
+    the nodes received in it (agents count per wall-clock second), the delays of the
+    messages generated in it and the delay model's p50 and p95 of it as delivered."""
     tl = out["timeline"]
     gt = out["gen_trace"]
     res = []
@@ -501,4 +522,8 @@ def _bucketise(spec: RunSpec, out: dict[str, Any], gens: np.ndarray, d_ms: np.nd
             b["delay_p50_ms"] = float(np.percentile(d, 50)) if d.size else float("nan")
             b["delay_p95_ms"] = float(np.percentile(d, 95)) if d.size else float("nan")
             b["delay_max_ms"] = float(d.max()) if d.size else float("nan")
+    real = out.get("realised") or []
+    if len(real) == len(res):  # one per window, in order: the delay model beside each
+        for b, p in zip(res, real):
+            b["sim_delay_p50_ms"], b["sim_delay_p95_ms"] = p["delay_p50_ms"], p["delay_p95_ms"]
     return res

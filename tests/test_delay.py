@@ -17,10 +17,13 @@ from envs.dsmd.delay import (
     DelaySample,
     ResourceQueue,
     _cdf,
+    _cdf_integral,
     _mixture_quantile,
     fit_delay_model,
     load_delay_model,
+    measured_hold,
     predict_sample,
+    switching_seconds,
 )
 from envs.dsmd.errors import DSMDError
 from envs.dsmd.instance import DSMDInstance
@@ -120,6 +123,61 @@ def test_mixture_quantile_matches_sampling() -> None:
     ts = np.linspace(0, 10, 200)
     c = np.array([_cdf(t, prob, mean, span) for t in ts])
     assert (np.diff(c, axis=0) >= -1e-12).all() and np.allclose(c[-1], 1.0, atol=1e-6)
+
+
+def test_sending_path_hold_matches_sampling() -> None:
+    """The switches hold the sending path for H seconds at the start of the interval T: a
+    message sent at t ~ U(0, T) first waits max(0, H - t), then its resources' wait. The
+    quantiles of that sum (closed-form integral of the CDF) against 400,000 samples, for
+    holds shorter and longer than the interval, with and without a fluid backlog."""
+    rng = np.random.default_rng(5)
+    w = np.array([0.5, 0.3, 0.2])
+    prob = np.array([0.3, 0.9, 1.0])
+    mean = np.array([0.01, 0.2, 0.5])
+    n, t_int = 400_000, 30.0
+    for span, hold in ((np.array([0.0, 0.0, 0.0]), 3.0), (np.array([0.0, 0.0, 4.0]), 6.0),
+                       (np.array([0.0, 0.0, 4.0]), 45.0), (np.array([0.0, 0.0, 0.0]), 0.5)):
+        comp = rng.choice(3, size=n, p=w)
+        theta = mean / prob
+        x = np.where(rng.random(n) < prob[comp], rng.exponential(theta[comp]), 0.0)
+        x += rng.random(n) * span[comp]
+        x += np.maximum(hold - rng.random(n) * t_int, 0.0)
+        for q in (0.5, 0.9, 0.95):
+            got = _mixture_quantile(w, prob, mean, span, q, hold=hold, interval_s=t_int)
+            assert got == pytest.approx(np.quantile(x, q), rel=0.02, abs=5e-3), (hold, q)
+    # G is the integral of the CDF (trapezoid on a fine grid), with and without fluid
+    span = np.array([0.0, 0.0, 4.0])
+    ys = np.linspace(0.0, 9.0, 9001)
+    c = np.array([_cdf(y, prob, mean, span) for y in ys])
+    num = np.concatenate([np.zeros((1, 3)), np.cumsum(0.5 * (c[1:] + c[:-1]) * np.diff(ys)[:, None],
+                                                      axis=0)])
+    for i in (1000, 4000, 9000):
+        assert _cdf_integral(ys[i], prob, mean, span) == pytest.approx(num[i], abs=1e-5)
+
+
+def test_switches_hold_every_message_of_the_interval() -> None:
+    """An interval's SubscribeInfos and moved types hold the sending path (the measured
+    seconds each, in the committed constants): the p95 of an interval with a long hold is
+    the hold's, one without is unchanged, and the online cost's rows report it."""
+    m = load_delay_model()
+    assert {k: getattr(m, k) for k in measured_hold()} == measured_hold()
+    sw = switching_seconds()
+    assert m.hold_s_per_subscribe_info == sw["seconds_per_subscribe_info"] > 0
+    ld = DelayLoad.from_state(CostState(_inst(cb=10**10, cap=10**10), np.array([0, 1, 1])))
+    quiet = m.quantiles(ld)  # unloaded links: the base delay
+    assert quiet["delay_p95_s"] < 0.1
+    assert quiet["hold_s"] == 0.0
+    held = m.quantiles(ld.with_switches(1000, 10))
+    h = 1000 * m.hold_s_per_subscribe_info + 10 * m.hold_s_per_moved_type
+    assert held["hold_s"] == pytest.approx(h)
+    # 2.8 s of a 10 s interval: the 95th percentile message waited about H - 0.05 T
+    assert held["delay_p95_s"] == pytest.approx(quiet["delay_p95_s"] + h - 0.5, abs=0.2)
+    assert held["delay_p50_s"] == pytest.approx(quiet["delay_p50_s"], abs=0.01)
+    back = DelayLoad.from_dict(ld.with_switches(3, 1).to_dict())
+    assert (back.subscribe_infos, back.moved_types) == (3.0, 1.0)
+    old = {k: v for k, v in ld.to_dict().items() if k not in ("subscribe_infos",
+                                                                "moved_types")}
+    assert DelayLoad.from_dict(old).subscribe_infos == 0.0  # recorded before: no switches
 
 
 def test_constants_file_errors_name_the_file_and_the_field(tmp_path) -> None:

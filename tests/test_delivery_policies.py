@@ -9,6 +9,8 @@ controller."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -161,19 +163,24 @@ def _assert_same_run(plane: Plane, trace: OnlineTrace, res, id_of=lambda t: t) -
         assert plane.policy.terms[w] == pytest.approx(r.as_dict()), f"interval {w}"
 
 
-@pytest.mark.parametrize("name", ["online_greedy", "forecast_greedy"])
+FORECASTER = str(Path(__file__).resolve().parents[1] / "results" / "forecaster"
+                 / "send_forecaster.npz")
+
+
+@pytest.mark.parametrize("name", ["online_greedy", "forecast_greedy", "forecast_drop"])
 def test_online_heuristic_is_the_online_simulators(ps, name):
     """Replayed message by message through the adapter, the online heuristic places every
     new (and returning) type on its first message and plans each boundary exactly as the
     online simulator does with the same decider over the same trace; the session's scored
-    terms are the simulator's."""
+    terms are the simulator's. ``forecast_drop`` with the committed send forecaster."""
     cost = OnlineCost()
-    pol = make_policy(name, ps)
+    extra = {"send_forecaster": FORECASTER} if name == "forecast_drop" else {}
+    pol = make_policy(name, ps, extra)
     assert isinstance(pol, OnlinePolicy) and pol.relabel_topics is False
     plane = Plane(ps, pol)
     plane.replay(_windows(ps))
     trace = OnlineTrace.from_dataset(ps.dataset, ps.spec, "tiny")
-    knobs = ONLINE_DEFAULTS[name][1]
+    knobs = {**ONLINE_DEFAULTS[name][1], **extra}
     res = _simulated(trace, OnlineGreedy(cost=cost, name=name, **knobs), cost)
     _assert_same_run(plane, trace, res)
     assert sum(r["new_types"] for r in res) > 0  # placements happened
@@ -233,6 +240,8 @@ def test_online_needs_every_message(ps):
 def test_online_parameters_checked(ps, tmp_path):
     with pytest.raises(ValueError, match=r"online_greedy.*bad parameter.*headroom"):
         make_policy("online_greedy", ps, {"hedroom": 0.1})
+    with pytest.raises(ValueError, match=r"forecast_drop.*send_forecaster"):
+        make_policy("forecast_drop", ps)
     with pytest.raises(ValueError, match=r"forecast_greedy.*headroom"):
         make_policy("forecast_greedy", ps, {"headroom": 1.5})
     with pytest.raises(ValueError, match="cost"):

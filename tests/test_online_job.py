@@ -32,7 +32,8 @@ def _cfg(tmp_path: Path, overrides: list[str]):
 
 
 def test_online_yardstick_end_to_end(tmp_path, capsys):
-    res = run_online_main(_cfg(tmp_path, [*GRID, "run_name=test-online"]))
+    res = run_online_main(_cfg(tmp_path, [*GRID, "run_name=test-online",
+                                          "env.stress.datasets=[tiny_online]"]))
     s = res["summary"].set_index("policy")
     assert {"rpc", "vita", "idcs", "alcor", "greedy", "online_greedy", "forecast_greedy",
             "forecast_drop", "oracle"} <= set(s.index)  # the default grid's forecaster family
@@ -59,11 +60,28 @@ def test_online_yardstick_end_to_end(tmp_path, capsys):
         assert (tmp_path / "out" / f).is_file()
     for f in ("pareto.png", "timeline.png"):
         assert (tmp_path / "out" / f).stat().st_size > 1000
+    # the stress step: the same tuned methods on a stress dataset's test traces (here the
+    # same dataset, so the same table), written beside the main one
+    st = res["stress"]["tiny_online"]["summary"].set_index("policy")
+    assert st.cost.to_dict() == pytest.approx(s.cost.to_dict())
+    assert (tmp_path / "out" / "stress" / "tiny_online" / "summary.csv").is_file()
+    assert "Stress set: dataset tiny_online" in out
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}")
     run = client.get_run(res["run_id"])
     assert run.info.status == "FINISHED" and run.data.tags["dataset"] == "tiny_online"
     assert "headroom_pct" in run.data.metrics and "oracle/cost" in run.data.metrics
+    assert "stress/tiny_online/oracle/cost" in run.data.metrics
     mlflow.set_tracking_uri("")
+
+
+def test_stress_set_of_another_cloud_is_refused_before_tuning(tmp_path):
+    """A stress set varies the dynamics, not the cloud: a dataset of another scenario is
+    refused, naming it and the key, before any knob is evaluated."""
+    with pytest.raises(DSMDError, match=r"stress\.datasets: 'godaddy_stress' has scenario "
+                                        r"'godaddy'.*'tiny_online' 'tiny'"):
+        run_online_main(_cfg(tmp_path, [*GRID, "logger=none",
+                                        "env.stress.datasets=[godaddy_stress]"]))
+    assert not (tmp_path / "out" / "tuning.csv").exists()
 
 
 @pytest.mark.slow  # the yardstick twice; test_online_yardstick_end_to_end stays fast
@@ -184,6 +202,7 @@ def test_online_study_and_ablation_configs_compose(tmp_path):
     full = _cfg(tmp_path, ["experiment=online_study", "agent=ddpg"])
     assert full.env.eval_traces is None and full.env.tune.traces is None
     assert len(full.env.tune.grid.online_greedy.headroom) == 5
+    assert list(full.env.stress.datasets) == ["godaddy_stress"]
     variants = sorted(p.stem for p in (P(C) / "ablation").glob("*.yaml"))
     assert "base" in variants and len(variants) >= 7
     for v in variants:

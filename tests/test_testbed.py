@@ -4,6 +4,7 @@ the trace says must happen."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from pathlib import Path
@@ -58,11 +59,17 @@ def test_control_plane_requests(tmp_path: Path, pulsar_broker) -> None:
                 sent.append(plane.request(vpc_id=3, configuration_type="PORT",
                                           operation_type="CREATE", resource_id=i,
                                           size_bytes=500, hosts=unicast))
+            delivered_on = dict(ctl.channel)  # IDCS's first channels
             est = plane.close_interval()
             assert est.types.size == 2 and sorted(est.messages.tolist()) == [6, 6]
             tm, tu = (plane.adapter.parser.catalog.type_of(np.array(h)) for h in
                       (multicast, unicast))
             assert ctl.channel[tm] > 0 and ctl.channel[tu] == 0  # IDCS: multicast on MQ
+            # the simulator's verdict on the interval as delivered: its own rates, the
+            # channels its types had (not the boundary's decision for the next one)
+            assert len(plane.realised) == len(plane.realised_loads) == 1
+            assert plane.realised[0] == pytest.approx(plane.predict(est, delivered_on, []))
+            assert plane.realised[0]["delay_p95_ms"] >= plane.realised[0]["delay_p50_ms"] > 0
             sent.append(plane.request(vpc_id=3, configuration_type="SUBNET",
                                       operation_type="DELETE", resource_id=0, size_bytes=1000,
                                       hosts=multicast))
@@ -131,6 +138,12 @@ def test_testbed_small(tmp_path: Path, pulsar_broker, tiny_bundles) -> None:
         assert r.applied + r.out_of_order == _expected_node_messages(ps, wins), r.to_dict()
         assert r.pending_after == 0 and r.malformed == 0
         assert r.delay_p95_ms > 0 and r.delay_max_ms >= r.delay_p95_ms
+        # the delay model on the intervals as delivered, beside the measured delay
+        assert r.sim_realised_delay_p95_ms >= r.sim_realised_delay_p50_ms > 0
+        run = out / "runs" / f"{r.label.replace('/', '_')}_{r.policy}_r1"
+        assert len(json.loads((run / "delay_loads_realised.json").read_text())) == len(wins)
+    buckets = pd.read_csv(out / "fig10.csv")
+    assert (buckets.sim_delay_p95_ms >= buckets.sim_delay_p50_ms).all()
     # the measured trade-off of the two channels (Section VII-D): RPC costs the controller
     # one message per destination and the nodes nothing redundant; VITA's topics cost the
     # controller one publish per message and the nodes redundant traffic

@@ -11,7 +11,15 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from agents.config import CONFIG_DIR
-from delivery.experiment import best_dual, merge_outputs, network_spec, rank_agreement, speedups
+from delivery.experiment import (
+    best_dual,
+    check_policies,
+    merge_outputs,
+    network_spec,
+    policy_params,
+    rank_agreement,
+    speedups,
+)
 from delivery.health import ConfigError
 from envs.dsmd.problems import problems_for
 
@@ -59,6 +67,40 @@ def test_headline_helpers_rank_by_the_median_over_repetitions() -> None:
     assert rank["measured"] == ["idcs", "learned", "vita", "rpc"]
     assert rank["spearman"] == 1.0
     assert rank["spearman_controller_bytes"] == -1.0
+    assert "spearman_delay_model" not in rank             # no delay model column: no rank
+    model = df.assign(sim_delay_p95_ms=df.policy.map({"rpc": 9.0, "vita": 1.0, "idcs": 2.0,
+                                                      "learned": 3.0}))
+    rank = rank_agreement(model)
+    assert rank["delay_model"] == ["vita", "idcs", "learned", "rpc"]
+    assert rank["spearman_delay_model"] == pytest.approx(0.4)
+    # the intervals as delivered, where the runs have them, before the boundary decisions
+    real = model.assign(sim_realised_delay_p95_ms=model.delay_p95_ms)
+    assert rank_agreement(real)["spearman_delay_model"] == 1.0
+
+
+def test_policies_and_their_parameters_are_checked_before_anything_starts() -> None:
+    """The testbed's policies come with their parameters (``policy_params``): the tuned
+    online deciders' knobs, the send forecaster of ``forecast_drop``. An unknown policy, a
+    parameter a policy does not take, or ``forecast_drop`` without its forecaster is refused
+    by name before the broker or any agent starts."""
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose(config_name="testbed",
+                      overrides=["policies=[idcs,online_greedy,forecast_drop]"])
+        typo = compose(config_name="testbed", overrides=["policies=[idcs,forcast_drop]"])
+        bad = compose(config_name="testbed", overrides=[
+            "policies=[online_greedy]", "+policy_params.online_greedy.hedroom=0.2"])
+        nofile = compose(config_name="testbed", overrides=[
+            "policies=[forecast_drop]", "policy_params.forecast_drop.send_forecaster=null"])
+    assert policy_params(cfg, "online_greedy") == {}
+    assert Path(policy_params(cfg, "forecast_drop")["send_forecaster"]).is_file()
+    assert policy_params(cfg, "idcs") == {}
+    check_policies(cfg)
+    with pytest.raises(ConfigError, match=r"policies: unknown policy 'forcast_drop'"):
+        check_policies(typo)
+    with pytest.raises(ConfigError, match=r"policy_params\.online_greedy: .*bad parameter"):
+        check_policies(bad)
+    with pytest.raises(ConfigError, match=r"policy_params\.forecast_drop: .*send_forecaster"):
+        check_policies(nofile)
 
 
 def test_merge_outputs_rebuilds_tables_medians_headline_and_plots(tmp_path: Path) -> None:

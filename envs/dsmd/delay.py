@@ -43,7 +43,15 @@ capped.
 
 A delivery (a message to one of its destinations) crosses ``C_b``, ``s(n)`` and, over RPC,
 ``C_p``; its delay is ``base_s`` plus the waits of those resources, whose means, waiting
-probabilities and fluid spans add (:func:`_combine`). The interval's delay distribution is
+probabilities and fluid spans add, plus the controller's **sending-path hold**: a switch of
+channels sends its SubscribeInfos and waits for their acknowledgements while it holds the
+dispatch lock (``Controller.set_channels``), so an interval whose switches send ``I``
+SubscribeInfos and move ``M`` types holds every message for
+``H = hold_s_per_subscribe_info I + hold_s_per_moved_type M`` seconds, the costs
+``bench/bench_switch_cost.py`` measured (``envs/dsmd/switching_costs.json``). The holds come
+at the start of the interval (the boundary's switch, then the placements of types on their
+first messages), so a message sent at ``t`` waits ``max(0, H - t)`` first
+(:func:`_cdf_held`). The interval's delay distribution is
 the mixture over nodes and channels weighted by the messages delivered, and its p50 and p95
 are what :meth:`DelayModel.quantiles` returns.
 
@@ -65,6 +73,7 @@ __all__ = ["DELAY_MODEL", "DelayLoad", "DelayModel", "ResourceQueue", "load_dela
 
 #: The calibrated constants (``bench/bench_delay.py --write``), beside the switching costs.
 DELAY_MODEL = Path(__file__).with_name("delay_model.json")
+SWITCHING_COSTS = Path(__file__).with_name("switching_costs.json")
 
 
 @dataclass(frozen=True)
@@ -84,6 +93,13 @@ class DelayLoad:
     node_load_bps: np.ndarray  # (N,) b(n)
     node_rpc_messages: np.ndarray  # (N,) messages delivered to n over RPC in the interval
     node_mq_messages: np.ndarray  # (N,) messages delivered to n over MQ (its own only)
+    subscribe_infos: float = 0.0  # SubscribeInfos the interval's switches sent
+    moved_types: float = 0.0  # types whose channel changed for the interval
+
+    def with_switches(self, subscribe_infos: float, moved_types: float) -> DelayLoad:
+        """The same loads with the interval's switches (what holds the sending path)."""
+        return replace(self, subscribe_infos=float(subscribe_infos),
+                       moved_types=float(moved_types))
 
     @classmethod
     def from_state(cls, state: Any) -> DelayLoad:
@@ -132,6 +148,7 @@ class DelayLoad:
         if "send_rate" not in d and "node_rpc_messages" in d:  # RPC copies only
             d = {**d, "send_rate": float(np.sum(d["node_rpc_messages"])) / float(
                 d.get("interval_s") or 1.0)}
+        d = {"subscribe_infos": 0.0, "moved_types": 0.0, **d}  # recorded without switches
         try:
             kw: dict[str, Any] = {f.name: (np.asarray(d[f.name], np.float64)
                                            if f.type == "np.ndarray" else float(d[f.name]))
@@ -173,10 +190,13 @@ class DelayModel:
     node_control_bps: float = 0.0
     cpu_service_s: float = 0.005
     rho_max: float = 0.95
+    hold_s_per_subscribe_info: float = 0.0  # the sending path's hold per SubscribeInfo (s)
+    hold_s_per_moved_type: float = 0.0  # and per moved type (envs/dsmd/switching_costs.json)
     fit: dict[str, Any] = field(default_factory=dict, compare=False)  # how it was calibrated
 
     def __post_init__(self) -> None:
-        for k in ("base_s", "control_wire_bps_per_node", "node_control_bps", "cpu_service_s"):
+        for k in ("base_s", "control_wire_bps_per_node", "node_control_bps", "cpu_service_s",
+                  "hold_s_per_subscribe_info", "hold_s_per_moved_type"):
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, int | float) or not np.isfinite(v) \
                     or v < 0:
@@ -255,15 +275,17 @@ class DelayModel:
 
     def quantiles(self, load: DelayLoad, qs: tuple[float, ...] = (0.5, 0.95)
                   ) -> dict[str, float]:
-        """``delay_p50_s``, ``delay_p95_s`` (for ``qs``) of the interval's deliveries and
-        each resource's utilisation (``bw_util``, ``cpu_util``, ``node_util_max``)."""
+        """``delay_p50_s``, ``delay_p95_s`` (for ``qs``) of the interval's deliveries, each
+        resource's utilisation (``bw_util``, ``cpu_util``, ``node_util_max``) and the
+        sending path's hold (``hold_s``)."""
         tm = self.terms(load)
         (rb, pb, wb, lb), (rp, pp, wp, lp), (rn, pn, wn, ln) = tm["bw"], tm["cpu"], tm["node"]
         # components: (node, RPC) and (node, MQ)
         w = np.concatenate([load.node_rpc_messages, load.node_mq_messages])
         keep = w > 0
+        hold = self.hold_s(load)
         out = {"bw_util": float(rb[0]), "cpu_util": float(rp[0]),
-               "node_util_max": float(rn.max(initial=0.0))}
+               "node_util_max": float(rn.max(initial=0.0)), "hold_s": hold}
         if not keep.any():
             out.update({_qname(q): 0.0 for q in qs})
             return out
@@ -274,8 +296,17 @@ class DelayModel:
         span = np.concatenate([lb[0] + lp[0] + ln, lb[0] + ln])[keep]
         w = w[keep] / w[keep].sum()
         for q in qs:
-            out[_qname(q)] = self.base_s + _mixture_quantile(w, prob, mean, span, q)
+            out[_qname(q)] = self.base_s + _mixture_quantile(w, prob, mean, span, q, hold=hold,
+                                                             interval_s=load.interval_s)
         return out
+
+    def hold_s(self, load: DelayLoad) -> float:
+        """Seconds the interval's switches hold the controller's sending path: a switch
+        sends its SubscribeInfos and waits for them under the dispatch lock
+        (``Controller.set_channels``), measured per SubscribeInfo and per moved type by
+        ``bench/bench_switch_cost.py``."""
+        return (self.hold_s_per_subscribe_info * load.subscribe_infos
+                + self.hold_s_per_moved_type * load.moved_types)
 
 
 def _qname(q: float) -> str:
@@ -296,22 +327,96 @@ def _cdf(x: float, prob: np.ndarray, mean: np.ndarray, span: np.ndarray) -> np.n
     return np.where(span > 0, np.clip(fluid, 0.0, 1.0), plain)
 
 
-def _mixture_quantile(w: np.ndarray, prob: np.ndarray, mean: np.ndarray, span: np.ndarray,
-                      q: float, iters: int = 60) -> float:
-    """The ``q`` quantile of the weighted mixture (bisection on its CDF)."""
+def _cdf_integral(y: float, prob: np.ndarray, mean: np.ndarray, span: np.ndarray
+                  ) -> np.ndarray:
+    """``G(y)``, the integral of :func:`_cdf` from 0 to ``y`` (0 for ``y <= 0``), in
+    closed form for the exponential tail with and without the uniform fluid wait."""
+    if y <= 0.0:
+        return np.zeros_like(mean)
     theta = np.where(prob > 0, mean / np.maximum(prob, 1e-300), 0.0)
-    lo, hi = 0.0, float(span.max(initial=0.0) + 40.0 * theta.max(initial=0.0)) + 1e-9
-    if float(w @ _cdf(0.0, prob, mean, span)) >= q:
+    th = np.maximum(theta, 1e-300)
+    pt = prob * theta
+
+    def ex(z: float | np.ndarray) -> np.ndarray:  # exp(-z / theta), 0 where theta is 0
+        return np.where(theta > 0, np.exp(-np.asarray(z) / th), 0.0)
+
+    plain = y - pt * (1.0 - ex(y))
+    s = np.where(span > 0, span, 1.0)  # the fluid branch only where there is a span
+    below = (0.5 * y * y - pt * (y - theta * (1.0 - ex(y)))) / s
+    at_s = (0.5 * span * span - pt * (span - theta * (1.0 - ex(span)))) / s
+    above = at_s + (span * (y - span) - pt * (theta * (1.0 - ex(np.maximum(y - span, 0.0)))
+                                              - theta * (ex(span) - ex(y)))) / s
+    fluid = np.where(y <= span, below, above)
+    return np.where(span > 0, fluid, plain)
+
+
+def _cdf_held(x: float, prob: np.ndarray, mean: np.ndarray, span: np.ndarray, hold: float,
+              interval_s: float) -> np.ndarray:
+    """:func:`_cdf` of the wait plus the sending path's hold: the interval's switches hold
+    the controller's dispatch for ``hold`` seconds at the start of the interval (the
+    boundary's switch, then the placements of types on their first messages, which come
+    early), so a message sent at ``t``, uniform over the interval ``T``, first waits
+    ``max(0, hold - t)``; ``P(W + H <= x) = max(T - hold, 0) / T F(x) + (G(x - hold + m) -
+    G(x - hold)) / T``, ``m = min(hold, T)``."""
+    if hold <= 0.0:
+        return _cdf(x, prob, mean, span)
+    t = max(float(interval_s), 1e-9)
+    m = min(hold, t)
+    out: np.ndarray = (max(t - hold, 0.0) / t * _cdf(x, prob, mean, span)
+                       + (_cdf_integral(x - hold + m, prob, mean, span)
+                          - _cdf_integral(x - hold, prob, mean, span)) / t)
+    return out
+
+
+def _mixture_quantile(w: np.ndarray, prob: np.ndarray, mean: np.ndarray, span: np.ndarray,
+                      q: float, iters: int = 60, hold: float = 0.0,
+                      interval_s: float = 1.0) -> float:
+    """The ``q`` quantile of the weighted mixture (bisection on its CDF), with the sending
+    path held ``hold`` seconds of the interval ``interval_s`` (:func:`_cdf_held`)."""
+    theta = np.where(prob > 0, mean / np.maximum(prob, 1e-300), 0.0)
+    lo, hi = 0.0, float(span.max(initial=0.0) + 40.0 * theta.max(initial=0.0) + hold) + 1e-9
+
+    def cdf(x: float) -> np.ndarray:
+        return _cdf_held(x, prob, mean, span, hold, interval_s)
+
+    if float(w @ cdf(0.0)) >= q:
         return 0.0
     for _ in range(iters):
         mid = 0.5 * (lo + hi)
-        if float(w @ _cdf(mid, prob, mean, span)) >= q:
+        if float(w @ cdf(mid)) >= q:
             hi = mid
         else:
             lo = mid
         if hi - lo <= 1e-6 * max(hi, 1e-3):
             break
     return hi
+
+
+def switching_seconds(path: str | Path | None = None) -> dict[str, float]:
+    """The measured switching costs (``path``: default :data:`SWITCHING_COSTS`, written by
+    ``bench/bench_switch_cost.py``): ``seconds_per_subscribe_info`` and
+    ``seconds_per_moved_type`` the sending path is held; a clear error names the file and
+    the key."""
+    f = Path(path) if path is not None else SWITCHING_COSTS
+    try:
+        d = json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        raise DSMDError(f"switching costs {f}: {e}") from None
+    vals = {}
+    for k in ("seconds_per_subscribe_info", "seconds_per_moved_type"):
+        v = d.get(k) if isinstance(d, dict) else None
+        if isinstance(v, bool) or not isinstance(v, int | float) or not np.isfinite(v) \
+                or v < 0:
+            raise DSMDError(f"switching costs {f}: {k} must be seconds >= 0, got {v!r}")
+        vals[k] = float(v)
+    return vals
+
+
+def measured_hold(path: str | Path | None = None) -> dict[str, float]:
+    """:class:`DelayModel`'s hold constants from the measured switching costs."""
+    sw = switching_seconds(path)
+    return {"hold_s_per_subscribe_info": sw["seconds_per_subscribe_info"],
+            "hold_s_per_moved_type": sw["seconds_per_moved_type"]}
 
 
 def load_delay_model(path: str | Path | None = None) -> DelayModel:
@@ -362,6 +467,11 @@ def testbed_sample(row: dict[str, Any], loads: list[dict[str, Any]], run: str, r
         lds = [DelayLoad.from_dict(d) for d in loads]
         if not lds:
             raise DSMDError(f"testbed run {run}: no delay loads")
+        if not any(ld.subscribe_infos for ld in lds) and float(row.get("subscribe_infos")
+                                                              or 0.0) > 0:
+            # recorded without the switches per interval: the run's, spread evenly
+            per = float(row["subscribe_infos"]) / len(lds)
+            lds = [ld.with_switches(per, ld.moved_types) for ld in lds]
         cb = controller_bps if controller_bps is not None else lds[0].controller_bw_bps * scale
         sn = node_bps
         lds = [ld.with_capacities(controller_bw_bps=cb / scale,

@@ -66,7 +66,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .cost import CostState
-from .delay import DelayLoad, DelayModel, load_delay_model
+from .delay import SWITCHING_COSTS, DelayLoad, DelayModel, load_delay_model, switching_seconds
 from .errors import DSMDError
 from .instance import UNASSIGNED, DSMDInstance, rates_bps
 from .parser import BatchKey, ParsedTrace, parse_trace
@@ -92,7 +92,6 @@ __all__ = [
 
 
 #: The measured cost of a channel switch (``bench/bench_switch_cost.py``).
-SWITCHING_COSTS = Path(__file__).with_name("switching_costs.json")
 
 
 @dataclass(frozen=True)
@@ -128,22 +127,9 @@ class OnlineCost:
         """The switching weights from the measured costs (``path``: default
         :data:`SWITCHING_COSTS`): seconds per SubscribeInfo and per moved type over the
         interval ``interval_s``."""
-        import json
-
-        f = Path(path) if path is not None else SWITCHING_COSTS
         if not interval_s > 0:
             raise DSMDError(f"interval_s must be positive, got {interval_s!r}")
-        try:
-            d = json.loads(f.read_text())
-        except (OSError, ValueError) as e:
-            raise DSMDError(f"switching costs {f}: {e}") from None
-        vals = {}
-        for k in ("seconds_per_subscribe_info", "seconds_per_moved_type"):
-            v = d.get(k) if isinstance(d, dict) else None
-            if isinstance(v, bool) or not isinstance(v, int | float) or not np.isfinite(v) \
-                    or v < 0:
-                raise DSMDError(f"switching costs {f}: {k} must be seconds >= 0, got {v!r}")
-            vals[k] = float(v)
+        vals = switching_seconds(path)
         return cls(w_violation, vals["seconds_per_subscribe_info"] / interval_s,
                    max(vals["seconds_per_moved_type"], 0.0) / interval_s, w_delay)
 
@@ -750,7 +736,7 @@ class OnlineSimulator:
         self.last_used[ids] = chan
         v = state.violation()
         ratio = met.redundancy_ratio
-        delay = cfg.delay.quantiles(DelayLoad.from_state(state))
+        delay = cfg.delay.quantiles(DelayLoad.from_state(state).with_switches(infos, moved))
         cost = (ratio + cfg.w_delay * delay["delay_p95_s"] + cfg.w_violation * v
                 + cfg.w_subscribe * infos + cfg.w_move * moved)
         vals = {"window": w, "cost": cost, "redundancy_ratio": ratio, "violation": v,
