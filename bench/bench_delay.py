@@ -122,10 +122,14 @@ def fidelity(testbed_outs: Path | list[Path]) -> tuple[list[dict[str, Any]], dic
                      "loads": f.name})
     out: dict[str, Any] = {}
     t = pd.DataFrame(rows)
-    for point, g in t.groupby("point"):
+    if t.empty:
+        raise SystemExit(f"no testbed run with delay loads under {[str(o) for o in outs]}")
+    kind = {"delay_loads_realised.json": "as delivered",
+            "delay_loads.json": "boundary decisions"}
+    for (point, loads), g in t.groupby(["point", "loads"]):  # never mix the two kinds
         med = g.groupby("policy")[["measured_p95_s", "predicted_p95_s"]].median()
         ratio = med.predicted_p95_s / med.measured_p95_s
-        out[str(point)] = {
+        out[f"{point} ({kind.get(str(loads), loads)})"] = {
             "spearman": float(spearmanr(med.measured_p95_s, med.predicted_p95_s).statistic)
             if len(med) > 2 else float("nan"),
             "within_2x": int(((ratio >= 0.5) & (ratio <= 2)).sum()), "policies": len(med),

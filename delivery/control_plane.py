@@ -167,7 +167,11 @@ class ControlPlane:
             t = self.adapter.submit(m)
             if route is not None:
                 route(self.adapter, m, t)
-        return self._apply(self.adapter.close_interval())
+        est = self._apply(self.adapter.close_interval())
+        # the priming switch happens before any message is due: it holds none of them
+        self._infos = self.controller.stats.subscribe_infos
+        self._delivered_on = dict(self.controller.channel)
+        return est
 
     def _apply(self, est: IntervalEstimate) -> IntervalEstimate:
         t0 = time.perf_counter()

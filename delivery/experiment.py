@@ -184,7 +184,9 @@ def policy_params(cfg: DictConfig, policy: str) -> dict[str, Any]:
 
 def check_policies(cfg: DictConfig) -> None:
     """Refuse, before any process starts, an unknown policy in ``policies`` or
-    ``policy_params`` and a selected policy whose parameters it does not take."""
+    ``policy_params`` and a selected policy that refuses its parameters (an online decider,
+    ``greedy`` or ``alcor`` with a key it does not take, ``learned`` with any, ``forecast_drop``
+    without its forecaster; ``rpc``, ``vita`` and ``idcs`` take none and ignore them)."""
     from .policies import POLICIES, make_policy
 
     for where, names in (("policies", list(cfg.policies)),
@@ -196,13 +198,13 @@ def check_policies(cfg: DictConfig) -> None:
     problems = None
     for name in cfg.policies:
         params = policy_params(cfg, str(name))
-        if name == "learned" or (not params and name != "forecast_drop"):
-            continue  # the learned policy's bundle is the server's; defaults are valid
+        if not params and name != "forecast_drop":
+            continue  # the defaults are valid
         if problems is None:
             problems = problems_for(str(cfg.scenario))
         try:
             make_policy(str(name), problems, params)
-        except ValueError as e:
+        except (ValueError, TypeError) as e:
             raise ConfigError(f"policy_params.{name}: {e}") from None
 
 
@@ -273,7 +275,7 @@ def rank_agreement(df: pd.DataFrame) -> dict[str, Any]:
                 if c in df and df[c].notna().any()), None)
     if col is not None:
         med[col] = df.groupby("policy")[col].median()
-        out["delay_model"] = med[col].sort_values().index.tolist()
+        out["delay_model"] = med[col].dropna().sort_values().index.tolist()
         out["spearman_delay_model"] = rho(col)
     if "controller_bytes" in med:
         out["spearman_controller_bytes"] = rho("controller_bytes")

@@ -268,8 +268,9 @@ def _replay(spec: RunSpec, ctl: Controller, adapter, policy: ChannelPolicy,
     plane.flush()
     timeline.append(_snapshot(ctl, cur, cpu0, wall0))
     wall = time.perf_counter() - wall0
-    plane.finish()
-    return {"messages": sent, "wall_s": wall, "cpu_s": cpu_seconds() - cpu0,
+    cpu_s = cpu_seconds() - cpu0
+    plane.finish()  # after the run's measurements: it only scores the last interval
+    return {"messages": sent, "wall_s": wall, "cpu_s": cpu_s,
             "decide_s": plane.decide_s, "timeline": timeline, "epoch0": epoch0,
             "predictions": plane.predictions, "delay_loads": plane.delay_loads,
             "realised": plane.realised, "realised_loads": plane.realised_loads,

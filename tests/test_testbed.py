@@ -60,15 +60,19 @@ def test_control_plane_requests(tmp_path: Path, pulsar_broker) -> None:
                                           operation_type="CREATE", resource_id=i,
                                           size_bytes=500, hosts=unicast))
             delivered_on = dict(ctl.channel)  # IDCS's first channels
+            infos = ctl.stats.subscribe_infos  # the multicast type's placement on its topic
             est = plane.close_interval()
             assert est.types.size == 2 and sorted(est.messages.tolist()) == [6, 6]
             tm, tu = (plane.adapter.parser.catalog.type_of(np.array(h)) for h in
                       (multicast, unicast))
             assert ctl.channel[tm] > 0 and ctl.channel[tu] == 0  # IDCS: multicast on MQ
             # the simulator's verdict on the interval as delivered: its own rates, the
-            # channels its types had (not the boundary's decision for the next one)
+            # channels its types had (not the boundary's decision for the next one), and the
+            # SubscribeInfos its placements sent holding the sending path
             assert len(plane.realised) == len(plane.realised_loads) == 1
-            assert plane.realised[0] == pytest.approx(plane.predict(est, delivered_on, []))
+            assert infos > 0 and plane.realised_loads[0]["subscribe_infos"] == infos
+            assert plane.realised[0] == pytest.approx(
+                plane.predict(est, delivered_on, [], switches=(infos, 0)))
             assert plane.realised[0]["delay_p95_ms"] >= plane.realised[0]["delay_p50_ms"] > 0
             sent.append(plane.request(vpc_id=3, configuration_type="SUBNET",
                                       operation_type="DELETE", resource_id=0, size_bytes=1000,

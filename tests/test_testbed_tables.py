@@ -91,6 +91,10 @@ def test_policies_and_their_parameters_are_checked_before_anything_starts() -> N
             "policies=[online_greedy]", "+policy_params.online_greedy.hedroom=0.2"])
         nofile = compose(config_name="testbed", overrides=[
             "policies=[forecast_drop]", "policy_params.forecast_drop.send_forecaster=null"])
+        learned = compose(config_name="testbed", overrides=[
+            "policies=[learned]", "+policy_params.learned.headroom=0.2"])
+        greedy = compose(config_name="testbed", overrides=[
+            "policies=[greedy]", "+policy_params.greedy.pases=2"])
     assert policy_params(cfg, "online_greedy") == {}
     assert Path(policy_params(cfg, "forecast_drop")["send_forecaster"]).is_file()
     assert policy_params(cfg, "idcs") == {}
@@ -101,6 +105,10 @@ def test_policies_and_their_parameters_are_checked_before_anything_starts() -> N
         check_policies(bad)
     with pytest.raises(ConfigError, match=r"policy_params\.forecast_drop: .*send_forecaster"):
         check_policies(nofile)
+    with pytest.raises(ConfigError, match=r"policy_params\.learned: .*no parameters"):
+        check_policies(learned)
+    with pytest.raises(ConfigError, match=r"policy_params\.greedy: .*pases"):
+        check_policies(greedy)
 
 
 def test_merge_outputs_rebuilds_tables_medians_headline_and_plots(tmp_path: Path) -> None:

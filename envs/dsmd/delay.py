@@ -340,14 +340,18 @@ def _cdf_integral(y: float, prob: np.ndarray, mean: np.ndarray, span: np.ndarray
     def ex(z: float | np.ndarray) -> np.ndarray:  # exp(-z / theta), 0 where theta is 0
         return np.where(theta > 0, np.exp(-np.asarray(z) / th), 0.0)
 
-    plain = y - pt * (1.0 - ex(y))
+    def om(z: float | np.ndarray) -> np.ndarray:  # 1 - exp(-z / theta), without cancelling
+        return np.where(theta > 0, -np.expm1(-np.asarray(z) / th), 1.0)
+
+    plain = y - pt * om(y)
     s = np.where(span > 0, span, 1.0)  # the fluid branch only where there is a span
-    below = (0.5 * y * y - pt * (y - theta * (1.0 - ex(y)))) / s
-    at_s = (0.5 * span * span - pt * (span - theta * (1.0 - ex(span)))) / s
-    above = at_s + (span * (y - span) - pt * (theta * (1.0 - ex(np.maximum(y - span, 0.0)))
+    below = (0.5 * y * y - pt * (y - theta * om(y))) / s
+    at_s = (0.5 * span * span - pt * (span - theta * om(span))) / s
+    above = at_s + (span * (y - span) - pt * (theta * om(np.maximum(y - span, 0.0))
                                               - theta * (ex(span) - ex(y)))) / s
     fluid = np.where(y <= span, below, above)
-    return np.where(span > 0, fluid, plain)
+    out: np.ndarray = np.where(span > 0, fluid, plain)
+    return out
 
 
 def _cdf_held(x: float, prob: np.ndarray, mean: np.ndarray, span: np.ndarray, hold: float,

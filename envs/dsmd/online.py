@@ -91,9 +91,6 @@ __all__ = [
 ]
 
 
-#: The measured cost of a channel switch (``bench/bench_switch_cost.py``).
-
-
 @dataclass(frozen=True)
 class OnlineCost:
     """Weights of the online interval cost (module docstring) and the delay model it uses.
