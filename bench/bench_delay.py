@@ -83,6 +83,14 @@ def collect(out: Path) -> list[dict[str, Any]]:
     return samples
 
 
+def _rel(p: Path) -> str:
+    """``p`` relative to the repository where it is inside it (for the recorded command)."""
+    try:
+        return str(p.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(p)
+
+
 def _runs_table(testbed_out: Path):
     """A testbed output's runs: ``summary.csv`` (every figure) or a kept ``fig9.csv``."""
     import pandas as pd
@@ -158,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
                  f"{v['ratio_min']:.2f}-{v['ratio_max']:.2f})" for k, v in points.items()]
         finish("bench_delay_fidelity",
                {"runs": rows, "points": points,
-                "testbed_out": [str(p) for p in args.fidelity]}, table, notes, 0.0)
+                "testbed_out": [str(p) for p in args.fidelity],
+                "command": "python bench/bench_delay.py --fidelity " + " ".join(
+                    _rel(Path(p)) for p in args.fidelity)}, table, notes, 0.0)
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
