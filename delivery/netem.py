@@ -533,15 +533,21 @@ def measure_throughput(net: EmulatedNetwork, src_ns: str, dst_ns: str, dst_host:
     return int(n) * 8 / max(float(dur), 1e-9)
 
 
+SO_RCVBUFFORCE = 33  # <asm-generic/socket.h>: SO_RCVBUF past net.core.rmem_max (root)
+
+
 def measure_loss(net: EmulatedNetwork, src_ns: str, dst_ns: str, dst_host: str,
                  packets: int = 20000, port: int = 5202) -> float:
     """The fraction of ``packets`` UDP datagrams sent from ``src_ns`` that did not arrive.
     The sender ends with 200 end markers (one of them arrives unless nearly everything is
     lost); the receiver counts the datagrams before the first marker, and gives up after
     30 s without any (the sender is a new interpreter, slow on a loaded machine, and may be
-    descheduled for a while: a gap is not the end)."""
+    descheduled for a while: a gap is not the end). The receiver's buffer holds every
+    datagram (``SO_RCVBUFFORCE``, past ``net.core.rmem_max``: the network needs root
+    anyway), so a receiver descheduled on a loaded machine does not drop them itself and
+    read as loss."""
     recv_code = ("import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "
-                 f"s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 24); "
+                 f"s.setsockopt(socket.SOL_SOCKET, {SO_RCVBUFFORCE}, {max(packets, 1000) * 2048}); "
                  f"s.bind(('0.0.0.0', {port})); s.settimeout(30.0); print('ready', flush=True)\n"
                  "n = 0\ntry:\n    while s.recv(2048) != b'end':\n        n += 1\n"
                  "except TimeoutError:\n    pass\nprint(n, flush=True)\n")
