@@ -479,15 +479,12 @@ def _predicted(preds: list[dict[str, float]]) -> dict[str, Any]:
 
 def _realised(preds: list[dict[str, float]]) -> dict[str, Any]:
     """The delay model on the intervals as delivered (their own rates and channels,
-    :meth:`ControlPlane.realise`): the worst interval's p50 and p95, and each resource's
-    highest utilisation."""
-    if not preds:
-        return {}
-    worst = {k: max(p[k] for p in preds) for k in preds[0]}
-    return {"sim_realised_delay_p50_ms": worst["delay_p50_ms"],
-            "sim_realised_delay_p95_ms": worst["delay_p95_ms"],
-            "sim_realised_bw_utilisation": worst["bw_utilisation"],
-            "sim_realised_node_utilisation": worst["node_utilisation"]}
+    :meth:`ControlPlane.realise`): :func:`_predicted`'s worst interval's p50 and p95, and
+    each resource's highest utilisation."""
+    worst = _predicted(preds)
+    return {f"sim_realised_{k}": worst[f"sim_{k}"] for k in
+            ("delay_p50_ms", "delay_p95_ms", "bw_utilisation", "node_utilisation")} \
+        if worst else {}
 
 
 def _bucketise(spec: RunSpec, out: dict[str, Any], gens: np.ndarray, d_ms: np.ndarray,
