@@ -34,12 +34,12 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 import numpy as np
 
 from envs.dsmd.cost import CostState
-from envs.dsmd.delay import DelayLoad, DelayModel, load_delay_model
+from envs.dsmd.delay import DelayLoad, DelayModel, delivery_share, load_delay_model
 from envs.dsmd.instance import DSMDInstance
 from envs.dsmd.message import Message
 from envs.dsmd.online import relabel_topics as relabel_topics_matrix
@@ -102,7 +102,8 @@ class ControlPlane:
         # types had when it closed (placements during the interval included)
         self.realised: list[dict[str, float]] = []
         self.realised_loads: list[dict] = []
-        self._infos = controller.stats.subscribe_infos  # at the last close
+        # SubscribeInfos (both ways, unsubscribing) at the last close
+        self._infos = (controller.stats.subscribe_infos, controller.stats.unsubscribe_infos)
         self._delivered_on: dict[int, int] = {}  # each type's channel at the last close
         self.delay_model: DelayModel = load_delay_model()
 
@@ -124,23 +125,26 @@ class ControlPlane:
         t = self.adapter.submit(msg)
         route = getattr(self.policy, "route", None)  # an online policy places every message
         c = route(self.adapter, msg, t) if route is not None else None
-        if c is None and t not in self.controller.channel:  # first seen: no rate of it yet
+        asked = self.controller.channel_asked(t)  # with the queued switches done
+        if c is None and asked is None:  # first seen: no rate of it yet
             c = self.policy.first_channel(self.adapter, t)
-        if c is not None and self.controller.channel.get(t) != c:
-            self.controller.set_channels({t: c}, {t: self._hosts_of(t)})
+        if c is not None and asked != c:
+            # queued: this message (and the type's next ones) wait for it, nothing else does
+            self.controller.set_channels({t: c}, {t: self._hosts_of(t)}, wait=False)
         self.controller.send(msg, t)
         return t
 
     def close_interval(self) -> IntervalEstimate:
-        """Rates of the interval that ends now -> every active type's channel."""
-        self.controller.flush()
+        """Rates of the interval that ends now -> every active type's channel (the switch
+        is queued: only the types it moves wait for it)."""
+        self.settle()
         est = self.adapter.close_interval()
         self.realise(est)
         return self._apply(est)
 
     def finish(self) -> None:
         """Close the last interval of a replay without deciding: its realised prediction."""
-        self.controller.flush()
+        self.settle()
         self.realise(self.adapter.close_interval())
 
     def realise(self, est: IntervalEstimate) -> dict[str, float]:
@@ -152,10 +156,14 @@ class ControlPlane:
         delivered messages' delays are compared with."""
         ch = self.controller.channel
         chans = {int(t): int(ch.get(int(t), 0)) for t in est.types.tolist()}
-        infos = self.controller.stats.subscribe_infos
+        st = self.controller.stats
+        infos = (st.subscribe_infos, st.unsubscribe_infos)
         moved = sum(1 for t, c in ch.items() if self._delivered_on.get(t, c) != c)
-        p = self.predict(est, chans, self.realised_loads,
-                         switches=(infos - self._infos, moved))
+        # the controller held these types' messages for the subscribing SubscribeInfos:
+        # moved, or placed on a topic
+        held = {t for t, c in ch.items() if self._delivered_on.get(t, 0) != c}
+        made = (infos[0] - infos[1]) - (self._infos[0] - self._infos[1])
+        p = self.predict(est, chans, self.realised_loads, switches=(made, moved), held=held)
         self._infos, self._delivered_on = infos, dict(ch)
         self.realised.append(p)
         return p
@@ -168,8 +176,10 @@ class ControlPlane:
             if route is not None:
                 route(self.adapter, m, t)
         est = self._apply(self.adapter.close_interval())
+        self.controller.wait_switches()
         # the priming switch happens before any message is due: it holds none of them
-        self._infos = self.controller.stats.subscribe_infos
+        st = self.controller.stats
+        self._infos = (st.subscribe_infos, st.unsubscribe_infos)
         self._delivered_on = dict(self.controller.channel)
         return est
 
@@ -179,20 +189,20 @@ class ControlPlane:
         if self.relabel:
             chans = relabel_topics(chans, self.controller.node_topics, self._hosts_of,
                                    int(self.adapter.local.spec.num_topics))
-        self.controller.set_channels(chans, {t: self._hosts_of(t) for t in chans})
+        self.controller.set_channels(chans, {t: self._hosts_of(t) for t in chans}, wait=False)
         self.decide_s.append(time.perf_counter() - t0)
         self.predictions.append(self.predict(est, chans))
         return est
 
     def predict(self, est: IntervalEstimate, chans: Mapping[int, int],
-                loads: list[dict] | None = None,
-                switches: tuple[int, int] = (0, 0)) -> dict[str, float]:
+                loads: list[dict] | None = None, switches: tuple[int, int] = (0, 0),
+                held: Collection[int] = ()) -> dict[str, float]:
         """What the simulator's cost model (Eq. 1, :class:`envs.dsmd.cost.CostState`) says of
         the channels ``chans`` (a type not in it: RPC) for the interval's rates: each
         constraint's violation, each resource's utilisation and the delay model's p50 and p95
         (:class:`envs.dsmd.delay.DelayModel`, whose input is appended to ``loads``, by
-        default :attr:`delay_loads`), with ``switches`` (SubscribeInfos sent, types moved)
-        holding the sending path."""
+        default :attr:`delay_loads`), with ``switches`` (subscribing SubscribeInfos, types
+        moved) holding the messages of the types ``held``."""
         spec = self.adapter.local.spec
         inst = DSMDInstance.from_estimate(self.adapter.parser.catalog, est, spec.num_topics,
                                           spec.controller_bw_bps, spec.controller_cpu)
@@ -201,7 +211,8 @@ class ControlPlane:
         m = state.metrics()
         node_util = float(np.max(state.node_traffic / np.maximum(inst.node_capacity_bps, 1))) \
             if inst.node_capacity_bps.size else 0.0
-        load = DelayLoad.from_state(state).with_switches(*switches)
+        share = delivery_share(inst, np.isin(inst.catalog_index, list(held)))
+        load = DelayLoad.from_state(state).with_switches(*switches, held_share=share)
         (self.delay_loads if loads is None else loads).append(load.to_dict())
         delay = self.delay_model.quantiles(load)
         bw_util = m.controller_traffic_bps / inst.controller_bw_bps
@@ -219,4 +230,11 @@ class ControlPlane:
                 "max_node_traffic_bps": m.max_node_traffic_bps}
 
     def flush(self) -> None:
+        """Push what RPC holds and wait for the broker's acknowledgements (queued switches
+        go on)."""
+        self.controller.flush()
+
+    def settle(self) -> None:
+        """Wait for the queued switches (their held messages dispatched), then :meth:`flush`."""
+        self.controller.wait_switches()
         self.controller.flush()

@@ -20,6 +20,14 @@ carried out losslessly:
    publishes a fence on that topic: the agent drains the topic up to the fence, then leaves
    (an unsubscribing SubscribeInfo sent late from the queue gets a fence of its own).
 
+Only the types a switch moves wait for it: from the call on, their messages are held (in
+arrival order; they are already durable in the outbox) and dispatched on their new channels
+once step 3 is done, while every other type's messages keep leaving during step 2, the
+acknowledgements; step 4 holds no message (no type is left on the pairs it ends). Switches
+run one at a time, in order: the control plane queues its interval switches and placements
+on the controller's switch thread (``set_channels(..., wait=False)``), so its sending path
+never waits for a SubscribeInfo.
+
 Messages then go out by their type's channel: RPC pushes (one ``Push`` per destination node
 and flush, batched, concurrent) or one publish on the type's topic (one producer per topic,
 ``block_if_queue_full`` so nothing is dropped). A push that fails is retried
@@ -243,7 +251,8 @@ class ControllerStats:
     mq_bytes: int = 0
     mq_messages: int = 0           # one per publish
     fences: int = 0
-    subscribe_infos: int = 0
+    subscribe_infos: int = 0       # both ways
+    unsubscribe_infos: int = 0     # of which unsubscribing
     subscribe_failures: int = 0
     push_failures: int = 0
     reprogrammed: int = 0          # messages re-sent to nodes after failures or errors
@@ -261,6 +270,7 @@ class ControllerStats:
     relay_bytes: int = 0
     mq_rescued: int = 0            # MQ messages re-sent over RPC to a node that missed them
     deferred_channel_changes: int = 0
+    switch_held: int = 0           # messages held while a switch moved their type
     refused_calls: int = 0         # calls and collected replies refused (mutual TLS roles)
     inflight_waits: int = 0        # sends that waited for C_p units (max_inflight_sends)
     inflight_wait_s: float = 0.0   # seconds sending threads waited for them, in all
@@ -368,6 +378,15 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         self._clock, self._last_ts = clock, 0
         self._lock = threading.RLock()
         self._dispatch = threading.RLock()  # see _dispatching
+        # channel switches (see set_channels): one at a time, queued on one thread; the
+        # types each pending switch moves (type -> switches) and their held messages
+        self._switch_lock = threading.RLock()
+        self._switcher = futures.ThreadPoolExecutor(1, thread_name_prefix="controller-switch")
+        self._switches: list[futures.Future] = []
+        self._gated: dict[int, int] = {}
+        self._gated_msgs: list[tuple[int, Any]] = []
+        self._last_switch: dict = {}
+        self._asked: dict[int, int] = {}  # type -> channel of the last switch asked
         self._outbox: dict[int, list] = defaultdict(list)     # to push at the next flush
         self._pending: dict[int, list] = defaultdict(list)    # unreachable nodes' messages
         # and the unreachable nodes' (channel, SubscribeInfo) pairs
@@ -575,6 +594,7 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         for ch in channels:
             ch.close()
         self._health_wake.set()
+        self._switcher.shutdown(wait=False, cancel_futures=True)
         if self._shaper is not None:
             self._shaper.close()
         if self._health is not None:
@@ -656,26 +676,107 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         return p
 
     # ------------------------------------------------------------------ channels
-    @_dispatching
-    def set_channels(self, channels: dict[int, int], hosts: dict[int, Iterable[int]]) -> dict:
+    def set_channels(self, channels: dict[int, int], hosts: dict[int, Iterable[int]], *,
+                     wait: bool = True) -> dict:
         """Make ``channels`` (type -> 0 = RPC or topic 1..K) current, losslessly (see the
-        module docstring); ``hosts`` gives the destinations of every type named. Returns what
-        changed."""
+        module docstring); ``hosts`` gives the destinations of every type named.
+
+        Only the types whose channel changes wait for the switch: their messages are held
+        (in arrival order, already in the outbox) from this call until the switch is done,
+        then dispatched on their new channels; every other type's messages keep leaving
+        while the SubscribeInfos are acknowledged (``stats.switch_held`` counts the held
+        messages). Switches run one at a time, in the order they were asked for.
+
+        With ``wait`` (the default) the switch runs in the calling thread and this returns
+        what changed (``types``, ``subscribe``, ``unsubscribe``, ``deferred`` while the MQ
+        channel is down). Without it the switch is queued on the controller's switch thread
+        and this returns at once with ``{"queued": types to move}``; :meth:`wait_switches`
+        (which :meth:`flush` does not do) waits for the queued switches and raises the
+        error of one that failed (nothing of it was stored or sent, and its types stay on
+        their old channels)."""
+        chans = {int(t): int(c) for t, c in channels.items()}
+        hs = {int(t): tuple(int(h) for h in v) for t, v in hosts.items()}
+        with self._dispatch:  # the moving types are gated before any later message of theirs
+            moving = [t for t, c in chans.items() if self.channel.get(t, RPC) != c]
+            with self._lock:
+                for t in moving:
+                    self._gated[t] = self._gated.get(t, 0) + 1
+                self._asked.update(chans)
+        if not wait:
+            fut = self._switcher.submit(self._switch, chans, hs, moving)
+            with self._lock:
+                self._switches.append(fut)
+            return {"queued": len(moving)}
+        self.wait_switches()
+        return self._switch(chans, hs, moving)
+
+    def channel_asked(self, t: int) -> int | None:
+        """Type ``t``'s channel once the queued switches are done (``None``: never given
+        one)."""
+        with self._lock:
+            return self._asked.get(int(t), self.channel.get(int(t)))
+
+    def wait_switches(self, timeout_s: float | None = None) -> None:
+        """Wait until every switch queued by ``set_channels(..., wait=False)`` is done;
+        raises the first error of one that failed (once)."""
+        with self._lock:
+            pending, self._switches = self._switches, []
+        futures.wait(pending, timeout=timeout_s)
+        for f in pending:
+            if not f.done():
+                with self._lock:
+                    self._switches.append(f)
+        errors = [f.exception() for f in pending if f.done() and not f.cancelled()
+                  and f.exception() is not None]
+        if errors:
+            raise errors[0]
+
+    def _switch(self, channels: dict[int, int], hosts: dict[int, tuple[int, ...]],
+                moving: list[int]) -> dict:
+        """One switch (one at a time): the store under the dispatch lock, the subscribing
+        SubscribeInfos outside it (only the gated types wait), the channels and the gated
+        messages under it again, then the unsubscriptions (outside) and the fences."""
+        with self._switch_lock:
+            try:
+                plan = self._switch_plan(channels, hosts)
+                if plan is not None and plan[1]:
+                    self._send_subscribe_infos(plan[1], plan[3], True)
+                out = self._switch_apply(plan, moving)
+                if plan is not None and plan[2]:
+                    self._unsubscribe(plan[2], plan[3])
+                return out
+            except BaseException:
+                with self._dispatch:
+                    self._release_gated(moving)  # a no-op if the switch released them
+                    with self._lock:  # its types stay where they were
+                        for t, c in channels.items():
+                            if self._asked.get(t) == c:
+                                self._asked[t] = self.channel.get(t, RPC)
+                raise
+
+    @_dispatching
+    def _switch_plan(self, channels: dict[int, int], hosts: dict[int, tuple[int, ...]]
+                     ) -> tuple[dict[int, int], list[tuple[int, int]], list[tuple[int, int]],
+                                int] | None:
+        """What the switch changes (new channels, subscriptions to make and to end, its
+        timestamp), written to the store; ``None`` when nothing changes or the change is
+        deferred until the MQ channel is back."""
         for t, hs in hosts.items():
-            self.hosts[int(t)] = tuple(int(h) for h in hs)
+            self.hosts[t] = hs
         if self._failed_over or self._mq_down:
             # no SubscribeInfo, durable subscription or fence can be made while the broker
             # is down: the newest channels are applied when it is back
             old_ch, old_hosts = self._deferred or ({}, {})
-            self._deferred = ({**old_ch, **{int(t): int(c) for t, c in channels.items()}},
-                              {**old_hosts, **{int(t): self.hosts[int(t)] for t in hosts}})
-            n = sum(self.channel.get(int(t)) != int(c) for t, c in channels.items())
+            self._deferred = ({**old_ch, **channels},
+                              {**old_hosts, **{t: self.hosts[t] for t in hosts}})
+            n = sum(self.channel.get(t) != c for t, c in channels.items())
             self.stats.deferred_channel_changes += n
-            return {"types": 0, "subscribe": 0, "unsubscribe": 0, "deferred": n}
-        changed = {int(t): int(c) for t, c in channels.items()
-                   if self.channel.get(int(t)) != int(c)}
+            self._last_switch = {"types": 0, "subscribe": 0, "unsubscribe": 0, "deferred": n}
+            return None
+        changed = {t: c for t, c in channels.items() if self.channel.get(t) != c}
         if not changed:
-            return {"types": 0, "subscribe": 0, "unsubscribe": 0}
+            self._last_switch = {"types": 0, "subscribe": 0, "unsubscribe": 0}
+            return None
         new_channel = {**self.channel, **changed}
         wanted: dict[int, set[int]] = defaultdict(set)
         for t, c in new_channel.items():
@@ -696,22 +797,63 @@ class Controller(pb_grpc.ControllerRepliesServicer):
              for n, c in subs]
             + [SubscriptionChange(n, topic_name(pre, c), subscription_name(n), False)
                for n, c in unsubs], ts)
-        self._send_subscribe_infos(subs, ts, True)
+        return changed, subs, unsubs, ts
+
+    @_dispatching
+    def _switch_apply(self, plan: tuple[dict[int, int], list[tuple[int, int]],
+                                        list[tuple[int, int]], int] | None,
+                      moving: list[int]) -> dict:
+        if plan is None:
+            self._release_gated(moving)
+            return self._last_switch
+        changed, subs, unsubs, _ = plan
         self._flush_locked()  # messages decided under the old channels go out first
+        new_channel = {**self.channel, **changed}
+        wanted: dict[int, set[int]] = defaultdict(set)
+        for t, c in new_channel.items():
+            if c != RPC:
+                for n in self.hosts[t]:
+                    wanted[n].add(c)
         with self._lock:
             self.channel = new_channel
             self.node_topics = defaultdict(set, {n: set(v) for n, v in wanted.items()})
             self.stats.channel_changes += len(changed)
-        if unsubs:
-            # Wait for the acknowledgements: a gRPC future that is dropped unanswered is
-            # cancelled when garbage-collected (the agent never hears of the unsubscription),
-            # and a fence that overtakes the SubscribeInfo would leave the agent draining.
-            self._send_subscribe_infos(unsubs, ts, False)
+        if self._release_gated(moving):
+            self._flush_locked()
+        return {"types": len(changed), "subscribe": len(subs), "unsubscribe": len(unsubs)}
+
+    def _unsubscribe(self, unsubs: list[tuple[int, int]], ts: int) -> None:
+        """The switch's last step, after its channels took effect: the unsubscribing
+        SubscribeInfos (outside the dispatch lock: no type on these (node, topic) pairs is
+        left, so no message waits for them), then a fence on each topic left."""
+        # Wait for the acknowledgements: a gRPC future that is dropped unanswered is
+        # cancelled when garbage-collected (the agent never hears of the unsubscription),
+        # and a fence that overtakes the SubscribeInfo would leave the agent draining.
+        self._send_subscribe_infos(unsubs, ts, False)
+        with self._dispatch:
             fence = fence_envelope(self.timestamp())
             for c in sorted({c for _, c in unsubs}):
                 self._publish(c, fence)
                 self.stats.fences += 1
-        return {"types": len(changed), "subscribe": len(subs), "unsubscribe": len(unsubs)}
+
+    def _release_gated(self, moving: list[int]) -> int:
+        """End one switch's gate on ``moving`` (under the dispatch lock; the list is emptied,
+        so a second call for the same switch releases nothing) and dispatch, in arrival
+        order, the held messages of the types no other queued switch still gates. Returns
+        how many were dispatched."""
+        with self._lock:
+            types, moving[:] = list(moving), []
+            for t in types:
+                left = self._gated.get(t, 0) - 1
+                if left > 0:
+                    self._gated[t] = left
+                else:
+                    self._gated.pop(t, None)
+            go = [(t, cm) for t, cm in self._gated_msgs if t not in self._gated]
+            self._gated_msgs = [(t, cm) for t, cm in self._gated_msgs if t in self._gated]
+        for t, cm in go:
+            self._dispatch_one(t, cm, gate=False)
+        return len(go)
 
     def _send_subscribe_infos(self, pairs: list[tuple[int, int]], ts: int,
                               subscribe: bool) -> None:
@@ -723,6 +865,7 @@ class Controller(pb_grpc.ControllerRepliesServicer):
                 self.cfg.topic_prefix, c), subscription=subscription_name(n), timestamp_ns=ts,
                 operation=subscribe)
             self.stats.subscribe_infos += 1
+            self.stats.unsubscribe_infos += not subscribe
             with self._lock:
                 known_down = bool(self._pending.get(n) or self._pending_infos.get(n))
             if known_down:  # do not wait for it: queue it behind the node's earlier ones
@@ -761,8 +904,8 @@ class Controller(pb_grpc.ControllerRepliesServicer):
     def retry_subscribe_infos(self) -> int:
         """Send the queued SubscribeInfos of nodes that answer again, in order (a node's queue
         stops at its first failure). An unsubscription sent this way gets a fence of its own:
-        the one of its switch may have gone by. Runs under the dispatch lock, so no switch
-        changes a queue meanwhile, and only for nodes whose channel is ready (a node still
+        the one of its switch may have gone by. Runs under the switch and dispatch locks, so
+        no switch changes a queue meanwhile, and only for nodes whose channel is ready (a node still
         down costs a 0.2 s probe, not a blocked dispatcher). Returns the number sent."""
         with self._lock:
             nodes = [] if self._mq_down else [n for n, infos in self._pending_infos.items()
@@ -774,7 +917,7 @@ class Controller(pb_grpc.ControllerRepliesServicer):
                 grpc.channel_ready_future(self._channels[n]).result(timeout=0.2)
             except grpc.FutureTimeoutError:
                 continue
-            with self._dispatch:
+            with self._switch_lock, self._dispatch:
                 while True:
                     with self._lock:
                         if not self._pending_infos[n]:
@@ -858,8 +1001,15 @@ class Controller(pb_grpc.ControllerRepliesServicer):
             if not getattr(self._in_send, "active", False):
                 self._flush_locked()
 
-    def _dispatch_one(self, t: int, cm: Any) -> None:
-        """One accepted message onto its type's channel (under the dispatch lock)."""
+    def _dispatch_one(self, t: int, cm: Any, gate: bool = True) -> None:
+        """One accepted message onto its type's channel (under the dispatch lock); held
+        while a switch moves its type (see :meth:`set_channels`)."""
+        if gate and self._gated:
+            with self._lock:
+                if t in self._gated:
+                    self._gated_msgs.append((t, cm))
+                    self.stats.switch_held += 1
+                    return
         c = self.channel.get(t, RPC)
         if c != RPC and self._mq_down:
             if t not in self._failover_types:  # over the capacities: waits for the broker
@@ -1121,8 +1271,8 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         deferred, self._deferred = self._deferred, None
         why = f"types {types} back on their topics; {len(held)} waiting messages published"
         log.warning("MQ up: %s", why)
-        if deferred is not None:
-            self.set_channels(*deferred)
+        if deferred is not None:  # queued: it needs the dispatch lock this holds
+            self.set_channels(*deferred, wait=False)
         self._event("failback", why)
 
     def _push_all(self, batches: dict[int, list], reprogram: bool) -> dict[int, bool]:

@@ -1,13 +1,13 @@
 """What a change of channels really costs: the lossless switch of SMART Section VI-A measured
 under load, and the switching weights of the online cost (Section V-D) fitted to it.
 
-A switch (:meth:`delivery.controller.Controller.set_channels`) runs on the sending path: it
-holds the controller's dispatch lock while it writes the store, sends the SubscribeInfos of
-the new subscriptions and waits for every acknowledgement (each agent creates its durable
-subscription on the broker before it answers), pushes what was decided under the old
-channels, sends the unsubscribing SubscribeInfos and publishes the fences. Meanwhile no
-message leaves. After it returns, each agent that left a topic drains it up to the fence and
-deletes its durable subscription on the broker (off the sending path).
+A switch (:meth:`delivery.controller.Controller.set_channels`) writes the store, sends the
+SubscribeInfos of the new subscriptions and waits for every acknowledgement (each agent
+creates its durable subscription on the broker before it answers), pushes what was decided
+under the old channels, makes the new channels current, sends the unsubscribing
+SubscribeInfos and publishes the fences. The messages of the types it moves wait until the
+new channels are current. After it returns, each agent that left a topic drains it up to
+the fence and deletes its durable subscription on the broker (off the sending path).
 
 :class:`SwitchBench` measures that with real components: a broker, agents (in their own
 processes, on the emulated network's node links or on loopback), the controller, and a
@@ -16,7 +16,7 @@ the types being switched). For each :class:`SwitchPoint` (``k`` types, ``d`` des
 each, on a topic of their own or all on one) it switches the ``k`` types RPC -> topics,
 topics -> other topics, and topics -> RPC, and records per switch (:data:`SAMPLE_FIELDS`):
 
-* ``block_s``: how long ``set_channels`` held the sending path, split into ``store_s``,
+* ``block_s``: how long ``set_channels`` took (called to wait for it), split into ``store_s``,
   ``subscribe_s`` (the subscribing SubscribeInfos, sent concurrently, until the last
   acknowledgement), ``flush_s``, ``unsubscribe_s`` and the rest (fences);
 * ``sender_lag_s``: how far the message stream fell behind its schedule during the switch;

@@ -265,7 +265,7 @@ def _replay(spec: RunSpec, ctl: Controller, adapter, policy: ChannelPolicy,
             el = last_say - wall0
             _progress(say, f"  [{spec.label} {spec.policy}] {sent}/{len(msgs)} messages, "
                            f"window {w}, {el:.0f} s, {sent / max(el, 1e-9):.0f} msg/s")
-    plane.flush()
+    plane.settle()
     timeline.append(_snapshot(ctl, cur, cpu0, wall0))
     wall = time.perf_counter() - wall0
     cpu_s = cpu_seconds() - cpu0

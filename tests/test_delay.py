@@ -155,29 +155,64 @@ def test_sending_path_hold_matches_sampling() -> None:
         assert _cdf_integral(ys[i], prob, mean, span) == pytest.approx(num[i], abs=1e-5)
 
 
-def test_switches_hold_every_message_of_the_interval() -> None:
-    """An interval's SubscribeInfos and moved types hold the sending path (the measured
-    seconds each, in the committed constants): the p95 of an interval with a long hold is
-    the hold's, one without is unchanged, and the online cost's rows report it."""
+def test_switches_hold_the_share_of_deliveries_they_hold() -> None:
+    """An interval's switches hold its moved types' deliveries (``held_share``) for the
+    measured seconds per subscribing and unsubscribing SubscribeInfo and per moved type (the
+    committed constants are the switching costs' split fit): with every delivery held the
+    p95 is the hold's, with 2% held the p95 is almost the unheld one; a load recorded with
+    one count for both directions reads as half each, which is the measured mean."""
     m = load_delay_model()
     assert {k: getattr(m, k) for k in measured_hold()} == measured_hold()
     sw = switching_seconds()
-    assert m.hold_s_per_subscribe_info == sw["seconds_per_subscribe_info"] > 0
+    assert m.hold_s_per_subscribe == sw["seconds_per_subscribe"] > 0
+    assert m.hold_s_per_unsubscribe == sw["seconds_per_unsubscribe"] > 0
+    assert (m.hold_s_per_subscribe + m.hold_s_per_unsubscribe) / 2 == pytest.approx(
+        sw["seconds_per_subscribe_info"], rel=1e-6)
     ld = DelayLoad.from_state(CostState(_inst(cb=10**10, cap=10**10), np.array([0, 1, 1])))
     quiet = m.quantiles(ld)  # unloaded links: the base delay
     assert quiet["delay_p95_s"] < 0.1
     assert quiet["hold_s"] == 0.0
-    held = m.quantiles(ld.with_switches(1000, 10))
-    h = 1000 * m.hold_s_per_subscribe_info + 10 * m.hold_s_per_moved_type
+    held = m.quantiles(ld.with_switches(600, 10, 200))
+    h = 600 * m.hold_s_per_subscribe + 200 * m.hold_s_per_unsubscribe \
+        + 10 * m.hold_s_per_moved_type
     assert held["hold_s"] == pytest.approx(h)
     # 2.8 s of a 10 s interval: the 95th percentile message waited about H - 0.05 T
     assert held["delay_p95_s"] == pytest.approx(quiet["delay_p95_s"] + h - 0.5, abs=0.2)
     assert held["delay_p50_s"] == pytest.approx(quiet["delay_p50_s"], abs=0.01)
-    back = DelayLoad.from_dict(ld.with_switches(3, 1).to_dict())
-    assert (back.subscribe_infos, back.moved_types) == (3.0, 1.0)
-    old = {k: v for k, v in ld.to_dict().items() if k not in ("subscribe_infos",
-                                                                "moved_types")}
-    assert DelayLoad.from_dict(old).subscribe_infos == 0.0  # recorded before: no switches
+    few = m.quantiles(ld.with_switches(600, 10, 200, held_share=0.02))
+    assert few["hold_s"] == pytest.approx(h)
+    assert few["delay_p95_s"] == pytest.approx(quiet["delay_p95_s"], abs=0.01)
+    with pytest.raises(DSMDError, match="held_share"):
+        ld.with_switches(1, 1, held_share=1.5)
+    back = DelayLoad.from_dict(ld.with_switches(3, 1, 2, 0.25).to_dict())
+    assert (back.subscribe_infos, back.moved_types, back.unsubscribe_infos,
+            back.held_share) == (3.0, 1.0, 2.0, 0.25)
+    both = {k: v for k, v in ld.with_switches(1000, 10).to_dict().items()
+            if k not in ("unsubscribe_infos", "held_share")}
+    old = DelayLoad.from_dict(both)  # one count for both ways, every message held
+    assert (old.subscribe_infos, old.unsubscribe_infos, old.held_share) == (500, 500, 1.0)
+    assert m.hold_s(old) == pytest.approx(1000 * sw["seconds_per_subscribe_info"]
+                                          + 10 * m.hold_s_per_moved_type, rel=1e-6)
+    none = {k: v for k, v in ld.to_dict().items() if k not in (
+        "subscribe_infos", "moved_types", "unsubscribe_infos", "held_share")}
+    assert DelayLoad.from_dict(none).subscribe_infos == 0.0  # recorded before: no switches
+
+
+def test_held_share_matches_sampling() -> None:
+    """A share of the deliveries held (the rest not) against 400,000 samples."""
+    rng = np.random.default_rng(6)
+    w = np.array([0.6, 0.4])
+    prob = np.array([0.5, 1.0])
+    mean = np.array([0.02, 0.3])
+    span = np.zeros(2)
+    n, t_int, hold, share = 400_000, 30.0, 6.0, 0.3
+    comp = rng.choice(2, size=n, p=w)
+    x = np.where(rng.random(n) < prob[comp], rng.exponential((mean / prob)[comp]), 0.0)
+    x += np.where(rng.random(n) < share, np.maximum(hold - rng.random(n) * t_int, 0.0), 0.0)
+    for q in (0.5, 0.9, 0.95):
+        got = _mixture_quantile(w, prob, mean, span, q, hold=hold, interval_s=t_int,
+                                held_share=share)
+        assert got == pytest.approx(np.quantile(x, q), rel=0.02, abs=5e-3), q
 
 
 def test_constants_file_errors_name_the_file_and_the_field(tmp_path) -> None:

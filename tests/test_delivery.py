@@ -130,6 +130,72 @@ def test_one_resource_alternating_rpc_and_mq(pulsar_broker, tmp_path):
         assert r.ctl.stats.reprogrammed == reprogrammed
 
 
+def test_a_switch_holds_only_the_types_it_moves(pulsar_broker, tmp_path):
+    """A queued switch (``wait=False``) whose SubscribeInfos are not yet acknowledged holds
+    the messages of the type it moves, and only those: another type's messages are applied
+    meanwhile. Once the acknowledgements come, the held messages leave on the new channel
+    (one publish each), and every message is applied exactly once, in order."""
+    nodes = (0, 1, 2, 3)
+    hosts = {0: (0, 1), 1: nodes}
+    with rig(pulsar_broker, tmp_path, nodes) as r:
+        r.ctl.set_channels({0: RPC, 1: RPC}, hosts)
+        r.send(1, resource_id=1, hosts=hosts[1])
+        r.delivered(every=True)
+        acks_may_come = threading.Event()
+        infos = r.ctl._send_subscribe_infos
+
+        def slow_acks(pairs, ts, subscribe):  # the agents answer once the test says so
+            if subscribe:
+                assert acks_may_come.wait(30)
+            return infos(pairs, ts, subscribe)
+
+        r.ctl._send_subscribe_infos = slow_acks
+        assert r.ctl.set_channels({1: 1}, hosts, wait=False) == {"queued": 1}
+        mq0 = r.ctl.stats.mq_messages
+        moved = [r.send(1, resource_id=1, hosts=hosts[1]) for _ in range(5)]
+        other = [r.send(0, resource_id=2, hosts=hosts[0]) for _ in range(5)]
+        r.ctl.flush()
+
+        def applied(n: int, msgs) -> bool:
+            rows, _ = read_record(r.record_dir / f"node-{n}.record")
+            return {m.message_id for m in msgs} <= {row.message_id for row in rows}
+
+        wait_until(lambda: all(applied(n, other) for n in hosts[0]), 20,
+                   lambda: "the unmoved type's messages while the switch waits")
+        assert not any(applied(n, moved[:1]) for n in nodes)
+        assert r.ctl.stats.switch_held == 5 and r.ctl.channel[1] == RPC
+        assert r.ctl.channel_asked(1) == 1 and r.ctl.channel_asked(0) == RPC
+        assert r.ctl.channel_asked(99) is None
+        acks_may_come.set()
+        r.ctl.wait_switches()
+        assert r.ctl.channel[1] == 1
+        assert r.ctl.stats.mq_messages - mq0 == 5  # the held messages went on the topic
+        r.delivered(every=True)
+        r.wait_subscriptions()
+
+
+def test_queued_switches_in_order_lose_nothing(pulsar_broker, tmp_path):
+    """Switches queued back to back (RPC -> topic 1 -> topic 2 -> RPC -> topic 1 ...) with
+    messages of the moving type and of a steady one between them: the switches take effect in
+    the order asked, and every message is applied exactly once, in order."""
+    nodes = (0, 1, 2)
+    hosts = {0: nodes, 1: (1, 2)}
+    with rig(pulsar_broker, tmp_path, nodes) as r:
+        r.ctl.set_channels({0: RPC, 1: 1}, hosts)
+        plan = (1, 2, RPC, 1, RPC, 2)
+        for k, c in enumerate(plan):
+            r.ctl.set_channels({0: c}, hosts, wait=False)
+            for i in range(6):
+                r.send(0, resource_id=k * 10 + i % 3, hosts=hosts[0])
+                r.send(1, resource_id=100 + i, hosts=hosts[1])
+            r.ctl.flush()
+        r.ctl.wait_switches()
+        assert r.ctl.channel[0] == plan[-1]
+        assert r.ctl.stats.switch_held > 0
+        r.delivered(every=True)
+        r.wait_subscriptions()
+
+
 # --------------------------------------------------------------------------- 3. crash
 
 

@@ -89,10 +89,13 @@ def test_switching_cost_accounting_by_hand():
     assert (r[1]["subscribe_infos"], r[1]["moved_types"], r[1]["new_types"]) == (3, 1, 1)
     assert r[1]["cost"] == pytest.approx(1.0 + 0.03 + 0.1)
     # w2: B back to topic 1 with C: (400 + 80) x 3 subscribers {2,3,4} = 1,440 over 880;
-    #     t1 {1,2} -> {2,3,4} (3 changes), t2 {2,3} -> {} (2); moves: B (2 -> 1), C (0 -> 1)
+    #     A is silent but keeps its place on topic 1 and its nodes' subscriptions, as the
+    #     controller does: t1 {1,2} -> {1,2,3,4} (2 changes), t2 {2,3} -> {} (2); moves:
+    #     B (2 -> 1), C (0 -> 1)
     assert r[2]["total_node_traffic_bps"] == 1440 and r[2]["necessary_traffic_bps"] == 880
-    assert (r[2]["subscribe_infos"], r[2]["moved_types"]) == (5, 2)
-    assert r[2]["cost"] == pytest.approx(1440 / 880 + 0.05 + 0.2)
+    assert (r[2]["subscribe_infos"], r[2]["moved_types"]) == (4, 2)
+    assert r[2]["subscriptions"] == 4
+    assert r[2]["cost"] == pytest.approx(1440 / 880 + 0.04 + 0.2)
 
 
 def test_a_move_counts_when_the_type_next_carries_traffic():

@@ -59,6 +59,7 @@ def test_control_plane_requests(tmp_path: Path, pulsar_broker) -> None:
                 sent.append(plane.request(vpc_id=3, configuration_type="PORT",
                                           operation_type="CREATE", resource_id=i,
                                           size_bytes=500, hosts=unicast))
+            plane.settle()  # the placements are queued on the switch thread
             delivered_on = dict(ctl.channel)  # IDCS's first channels
             infos = ctl.stats.subscribe_infos  # the multicast type's placement on its topic
             est = plane.close_interval()
@@ -68,11 +69,15 @@ def test_control_plane_requests(tmp_path: Path, pulsar_broker) -> None:
             assert ctl.channel[tm] > 0 and ctl.channel[tu] == 0  # IDCS: multicast on MQ
             # the simulator's verdict on the interval as delivered: its own rates, the
             # channels its types had (not the boundary's decision for the next one), and the
-            # SubscribeInfos its placements sent holding the sending path
+            # SubscribeInfos its placements sent holding the placed type's messages (the
+            # multicast type's: its 6 messages to 4 nodes of the 30 deliveries)
             assert len(plane.realised) == len(plane.realised_loads) == 1
-            assert infos > 0 and plane.realised_loads[0]["subscribe_infos"] == infos
+            assert ctl.stats.unsubscribe_infos == 0
+            load = plane.realised_loads[0]
+            assert infos > 0 and load["subscribe_infos"] == infos
+            assert load["held_share"] == pytest.approx(24 / 30)
             assert plane.realised[0] == pytest.approx(
-                plane.predict(est, delivered_on, [], switches=(infos, 0)))
+                plane.predict(est, delivered_on, [], switches=(infos, 0), held={tm}))
             assert plane.realised[0]["delay_p95_ms"] >= plane.realised[0]["delay_p50_ms"] > 0
             sent.append(plane.request(vpc_id=3, configuration_type="SUBNET",
                                       operation_type="DELETE", resource_id=0, size_bytes=1000,

@@ -43,17 +43,26 @@ capped.
 
 A delivery (a message to one of its destinations) crosses ``C_b``, ``s(n)`` and, over RPC,
 ``C_p``; its delay is ``base_s`` plus the waits of those resources, whose means, waiting
-probabilities and fluid spans add, plus the controller's **sending-path hold**: a switch of
-channels sends its SubscribeInfos and waits for their acknowledgements while it holds the
-dispatch lock (``Controller.set_channels``), so an interval whose switches send ``I``
-SubscribeInfos and move ``M`` types holds every message for
-``H = hold_s_per_subscribe_info I + hold_s_per_moved_type M`` seconds, the costs
-``bench/bench_switch_cost.py`` measured (``envs/dsmd/switching_costs.json``). The holds come
-at the start of the interval (the boundary's switch, then the placements of types on their
-first messages), so a message sent at ``t`` waits ``max(0, H - t)`` first
-(:func:`_cdf_held`). The interval's delay distribution is
-the mixture over nodes and channels weighted by the messages delivered, and its p50 and p95
-are what :meth:`DelayModel.quantiles` returns.
+probabilities and fluid spans add, plus the controller's **switch hold**: a switch of
+channels (``Controller.set_channels``) sends its SubscribeInfos and waits for their
+acknowledgements before the types it moves take their new channels, and the messages of
+those types wait for it. An interval whose switches send ``S`` subscribing and ``U``
+unsubscribing SubscribeInfos and move ``M`` types holds the deliveries it holds for
+
+    H = hold_s_per_subscribe S + hold_s_per_unsubscribe U + hold_s_per_moved_type M
+
+seconds, the costs ``bench/bench_switch_cost.py`` measured (``envs/dsmd/switching_costs.json``,
+its fit of the switch's time with the two directions apart). Which deliveries it holds is
+the load's ``held_share``: the controller gates only the moved types' messages, for the
+subscribing SubscribeInfos (``U = 0``: the unsubscriptions come after the new channels took
+effect), so ``held_share`` is the share of the interval's deliveries that belong to types
+whose channel changed (or that were placed on a topic); a load recorded by a controller that
+held its whole sending path for the whole switch has ``held_share = 1`` and both directions
+counted. The holds come at the start of the interval (the boundary's switch, then the
+placements of types on their first messages), so a held message sent at ``t`` waits
+``max(0, H - t)`` first (:func:`_cdf_held`). The interval's delay distribution is the
+mixture over nodes, channels and held or not, weighted by the messages delivered, and its
+p50 and p95 are what :meth:`DelayModel.quantiles` returns.
 
 Nothing here imports gymnasium.
 """
@@ -69,7 +78,8 @@ import numpy as np
 
 from .errors import DSMDError
 
-__all__ = ["DELAY_MODEL", "DelayLoad", "DelayModel", "ResourceQueue", "load_delay_model"]
+__all__ = ["DELAY_MODEL", "DelayLoad", "DelayModel", "ResourceQueue", "delivery_share",
+           "load_delay_model"]
 
 #: The calibrated constants (``bench/bench_delay.py --write``), beside the switching costs.
 DELAY_MODEL = Path(__file__).with_name("delay_model.json")
@@ -93,13 +103,24 @@ class DelayLoad:
     node_load_bps: np.ndarray  # (N,) b(n)
     node_rpc_messages: np.ndarray  # (N,) messages delivered to n over RPC in the interval
     node_mq_messages: np.ndarray  # (N,) messages delivered to n over MQ (its own only)
-    subscribe_infos: float = 0.0  # SubscribeInfos the interval's switches sent
-    moved_types: float = 0.0  # types whose channel changed for the interval
+    # the interval's switches, as far as they hold messages (module docstring): subscribing
+    # and unsubscribing SubscribeInfos, moved types, and the share of deliveries they hold
+    subscribe_infos: float = 0.0
+    moved_types: float = 0.0
+    unsubscribe_infos: float = 0.0
+    held_share: float = 1.0
 
-    def with_switches(self, subscribe_infos: float, moved_types: float) -> DelayLoad:
-        """The same loads with the interval's switches (what holds the sending path)."""
+    def with_switches(self, subscribe_infos: float, moved_types: float,
+                      unsubscribe_infos: float = 0.0, held_share: float = 1.0) -> DelayLoad:
+        """The same loads with the interval's switches: ``held_share`` of the deliveries
+        wait for ``subscribe_infos`` subscribing and ``unsubscribe_infos`` unsubscribing
+        SubscribeInfos and ``moved_types`` moves."""
+        if not 0.0 <= held_share <= 1.0:
+            raise DSMDError(f"delay load: held_share must be in [0, 1], got {held_share!r}")
         return replace(self, subscribe_infos=float(subscribe_infos),
-                       moved_types=float(moved_types))
+                       moved_types=float(moved_types),
+                       unsubscribe_infos=float(unsubscribe_infos),
+                       held_share=float(held_share))
 
     @classmethod
     def from_state(cls, state: Any) -> DelayLoad:
@@ -149,6 +170,12 @@ class DelayLoad:
             d = {**d, "send_rate": float(np.sum(d["node_rpc_messages"])) / float(
                 d.get("interval_s") or 1.0)}
         d = {"subscribe_infos": 0.0, "moved_types": 0.0, **d}  # recorded without switches
+        if "unsubscribe_infos" not in d:
+            # recorded by a controller that held every message for the whole switch, with
+            # one count for both directions: half each, which is the measured mean cost
+            both = float(d["subscribe_infos"])
+            d = {**d, "subscribe_infos": both / 2, "unsubscribe_infos": both / 2,
+                 "held_share": 1.0}
         try:
             kw: dict[str, Any] = {f.name: (np.asarray(d[f.name], np.float64)
                                            if f.type == "np.ndarray" else float(d[f.name]))
@@ -156,6 +183,15 @@ class DelayLoad:
             return cls(**kw)
         except (KeyError, TypeError, ValueError) as e:
             raise DSMDError(f"delay load: {type(e).__name__}: {e}") from None
+
+
+def delivery_share(inst: Any, mask: np.ndarray) -> float:
+    """The share of an instance's deliveries (messages times destinations) that belong to
+    the types in ``mask`` (over ``inst``'s types): a load's ``held_share`` when ``mask`` is
+    the types a switch moved."""
+    per = np.asarray(inst.messages, np.float64) * np.diff(inst.dest_ptr)
+    total = float(per.sum())
+    return float(per[np.asarray(mask, bool)].sum()) / total if total > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -190,13 +226,16 @@ class DelayModel:
     node_control_bps: float = 0.0
     cpu_service_s: float = 0.005
     rho_max: float = 0.95
-    hold_s_per_subscribe_info: float = 0.0  # the sending path's hold per SubscribeInfo (s)
-    hold_s_per_moved_type: float = 0.0  # and per moved type (envs/dsmd/switching_costs.json)
+    # a switch's time per subscribing and per unsubscribing SubscribeInfo and per moved
+    # type (s), measured (envs/dsmd/switching_costs.json)
+    hold_s_per_subscribe: float = 0.0
+    hold_s_per_unsubscribe: float = 0.0
+    hold_s_per_moved_type: float = 0.0
     fit: dict[str, Any] = field(default_factory=dict, compare=False)  # how it was calibrated
 
     def __post_init__(self) -> None:
         for k in ("base_s", "control_wire_bps_per_node", "node_control_bps", "cpu_service_s",
-                  "hold_s_per_subscribe_info", "hold_s_per_moved_type"):
+                  "hold_s_per_subscribe", "hold_s_per_unsubscribe", "hold_s_per_moved_type"):
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, int | float) or not np.isfinite(v) \
                     or v < 0:
@@ -277,7 +316,7 @@ class DelayModel:
                   ) -> dict[str, float]:
         """``delay_p50_s``, ``delay_p95_s`` (for ``qs``) of the interval's deliveries, each
         resource's utilisation (``bw_util``, ``cpu_util``, ``node_util_max``) and the
-        sending path's hold (``hold_s``)."""
+        switches' hold (``hold_s``) of the share ``held_share`` of the deliveries."""
         tm = self.terms(load)
         (rb, pb, wb, lb), (rp, pp, wp, lp), (rn, pn, wn, ln) = tm["bw"], tm["cpu"], tm["node"]
         # components: (node, RPC) and (node, MQ)
@@ -296,16 +335,17 @@ class DelayModel:
         span = np.concatenate([lb[0] + lp[0] + ln, lb[0] + ln])[keep]
         w = w[keep] / w[keep].sum()
         for q in qs:
-            out[_qname(q)] = self.base_s + _mixture_quantile(w, prob, mean, span, q, hold=hold,
-                                                             interval_s=load.interval_s)
+            out[_qname(q)] = self.base_s + _mixture_quantile(
+                w, prob, mean, span, q, hold=hold, interval_s=load.interval_s,
+                held_share=load.held_share)
         return out
 
     def hold_s(self, load: DelayLoad) -> float:
-        """Seconds the interval's switches hold the controller's sending path: a switch
-        sends its SubscribeInfos and waits for them under the dispatch lock
-        (``Controller.set_channels``), measured per SubscribeInfo and per moved type by
+        """Seconds the interval's switches hold the messages they hold (module docstring),
+        measured per SubscribeInfo each way and per moved type by
         ``bench/bench_switch_cost.py``."""
-        return (self.hold_s_per_subscribe_info * load.subscribe_infos
+        return (self.hold_s_per_subscribe * load.subscribe_infos
+                + self.hold_s_per_unsubscribe * load.unsubscribe_infos
                 + self.hold_s_per_moved_type * load.moved_types)
 
 
@@ -374,14 +414,20 @@ def _cdf_held(x: float, prob: np.ndarray, mean: np.ndarray, span: np.ndarray, ho
 
 def _mixture_quantile(w: np.ndarray, prob: np.ndarray, mean: np.ndarray, span: np.ndarray,
                       q: float, iters: int = 60, hold: float = 0.0,
-                      interval_s: float = 1.0) -> float:
-    """The ``q`` quantile of the weighted mixture (bisection on its CDF), with the sending
-    path held ``hold`` seconds of the interval ``interval_s`` (:func:`_cdf_held`)."""
+                      interval_s: float = 1.0, held_share: float = 1.0) -> float:
+    """The ``q`` quantile of the weighted mixture (bisection on its CDF), with the share
+    ``held_share`` of every component held ``hold`` seconds of the interval ``interval_s``
+    (:func:`_cdf_held`)."""
     theta = np.where(prob > 0, mean / np.maximum(prob, 1e-300), 0.0)
     lo, hi = 0.0, float(span.max(initial=0.0) + 40.0 * theta.max(initial=0.0) + hold) + 1e-9
+    if hold <= 0.0 or held_share <= 0.0:
+        hold, held_share = 0.0, 1.0
 
     def cdf(x: float) -> np.ndarray:
-        return _cdf_held(x, prob, mean, span, hold, interval_s)
+        held = _cdf_held(x, prob, mean, span, hold, interval_s)
+        if held_share >= 1.0:
+            return held
+        return held_share * held + (1.0 - held_share) * _cdf(x, prob, mean, span)
 
     if float(w @ cdf(0.0)) >= q:
         return 0.0
@@ -398,20 +444,31 @@ def _mixture_quantile(w: np.ndarray, prob: np.ndarray, mean: np.ndarray, span: n
 
 def switching_seconds(path: str | Path | None = None) -> dict[str, float]:
     """The measured switching costs (``path``: default :data:`SWITCHING_COSTS`, written by
-    ``bench/bench_switch_cost.py``): ``seconds_per_subscribe_info`` and
-    ``seconds_per_moved_type`` the sending path is held; a clear error names the file and
-    the key."""
+    ``bench/bench_switch_cost.py``): a switch's seconds per SubscribeInfo
+    (``seconds_per_subscribe_info``, both ways together), per subscribing and per
+    unsubscribing one (``seconds_per_subscribe``, ``seconds_per_unsubscribe``: the fit
+    with the directions apart, ``fit.block_split``) and per moved type
+    (``seconds_per_moved_type``); a clear error names the file and the key."""
     f = Path(path) if path is not None else SWITCHING_COSTS
     try:
         d = json.loads(f.read_text())
     except (OSError, ValueError) as e:
         raise DSMDError(f"switching costs {f}: {e}") from None
+    if not isinstance(d, dict):
+        raise DSMDError(f"switching costs {f}: expected a mapping")
+    split = ((d.get("fit") or {}).get("block_split") or {}).get("coef") or {}
+    found = {"seconds_per_subscribe_info": d.get("seconds_per_subscribe_info"),
+             "seconds_per_moved_type": d.get("seconds_per_moved_type"),
+             "seconds_per_subscribe": split.get("subscribe"),
+             "seconds_per_unsubscribe": split.get("unsubscribe")}
+    where = {"seconds_per_subscribe": "fit.block_split.coef.subscribe",
+             "seconds_per_unsubscribe": "fit.block_split.coef.unsubscribe"}
     vals = {}
-    for k in ("seconds_per_subscribe_info", "seconds_per_moved_type"):
-        v = d.get(k) if isinstance(d, dict) else None
+    for k, v in found.items():
         if isinstance(v, bool) or not isinstance(v, int | float) or not np.isfinite(v) \
                 or v < 0:
-            raise DSMDError(f"switching costs {f}: {k} must be seconds >= 0, got {v!r}")
+            raise DSMDError(f"switching costs {f}: {where.get(k, k)} must be seconds >= 0, "
+                            f"got {v!r}")
         vals[k] = float(v)
     return vals
 
@@ -419,7 +476,8 @@ def switching_seconds(path: str | Path | None = None) -> dict[str, float]:
 def measured_hold(path: str | Path | None = None) -> dict[str, float]:
     """:class:`DelayModel`'s hold constants from the measured switching costs."""
     sw = switching_seconds(path)
-    return {"hold_s_per_subscribe_info": sw["seconds_per_subscribe_info"],
+    return {"hold_s_per_subscribe": sw["seconds_per_subscribe"],
+            "hold_s_per_unsubscribe": sw["seconds_per_unsubscribe"],
             "hold_s_per_moved_type": sw["seconds_per_moved_type"]}
 
 

@@ -30,8 +30,10 @@ One interval ``i`` of a trace runs as follows, in three phases of one
 
    * ``subscribe_infos``: the (node, topic) subscriptions that differ from the previous
      interval's (each is one SubscribeInfo to an agent and one subscription created or
-     deleted on the broker); the subscriptions of an interval are those of its own types
-     on topics (Eq. 1's ``z``);
+     deleted on the broker); the subscriptions are the ones the controller holds
+     (:meth:`OnlineTrace.held_subscriptions`): those of every type on a topic, silent
+     types included, since the controller ends a subscription only when a move leaves no
+     type on the topic that needs it;
    * ``moved_types``: the types of the interval whose channel differs from the channel
      they had when they last carried traffic (a type never seen before is not a move);
      each move opens a window in which the agent restores order across the two channels.
@@ -66,7 +68,14 @@ from typing import Any, Protocol
 import numpy as np
 
 from .cost import CostState
-from .delay import SWITCHING_COSTS, DelayLoad, DelayModel, load_delay_model, switching_seconds
+from .delay import (
+    SWITCHING_COSTS,
+    DelayLoad,
+    DelayModel,
+    delivery_share,
+    load_delay_model,
+    switching_seconds,
+)
 from .errors import DSMDError
 from .instance import UNASSIGNED, DSMDInstance, rates_bps
 from .parser import BatchKey, ParsedTrace, parse_trace
@@ -102,10 +111,11 @@ class OnlineCost:
     ``w_violation`` prices Eq. 1's normalised violation (a violation of 1% of a capacity
     costs ``w_violation / 100``; 0 by default, 10 with ``w_delay = 0`` scores by Eq. 1).
     The switching weights are measured (:meth:`measured`, ``envs/dsmd/switching_costs.json``,
-    written by ``bench/bench_switch_cost.py`` on the emulated network): a switch holds the
-    controller's sending path for about ``seconds_per_subscribe_info`` per SubscribeInfo and
-    ``seconds_per_moved_type`` per moved type, and a hold of tau seconds is priced as tau / T
-    more node traffic (that much of the interval T lost to delivery). At the GoDaddy T = 30 s
+    written by ``bench/bench_switch_cost.py`` on the emulated network): a switch takes the
+    controller about ``seconds_per_subscribe_info`` per SubscribeInfo and
+    ``seconds_per_moved_type`` per moved type, and tau seconds of it are priced as tau / T
+    more node traffic (that much of the interval T's sending work). The delay its moved
+    types' messages wait is in the p95 term (:mod:`envs.dsmd.delay`). At the GoDaddy T = 30 s
     that is ``w_subscribe = 9.4e-5`` and ``w_move = 2.8e-5`` (the defaults).
     """
 
@@ -239,6 +249,27 @@ class OnlineTrace:
                    parsed.message_window[first_row].astype(np.int64),
                    dataset.trace.size_bytes.astype(np.int64),
                    dataset.topology.bandwidth_bps.astype(np.int64))
+
+    def held_subscriptions(self, channel: np.ndarray) -> np.ndarray:
+        """(K, N) the (topic, node) subscriptions a controller holds under ``channel`` (each
+        catalogued type's channel, -1: never placed): the nodes of every type on a topic,
+        sending or silent. ``Controller.set_channels`` subscribes a type's nodes when it puts
+        the type on a topic and ends a subscription only when no type on the topic needs
+        it, so a type that falls silent keeps its subscriptions, and its return costs none."""
+        key = ("destinations", self.num_types)
+        if key not in self._cache:
+            dests = self.parsed.catalog.destinations[:self.num_types]
+            ptr = np.zeros(len(dests) + 1, np.int64)
+            ptr[1:] = np.cumsum([d.size for d in dests])
+            idx = (np.concatenate(dests).astype(np.int64) if dests
+                   else np.zeros(0, np.int64))
+            self._cache[key] = (np.diff(ptr), idx)
+        fan, idx = self._cache[key]
+        ch = np.repeat(np.asarray(channel, np.int64)[:fan.size], fan)
+        on = ch > 0
+        out = np.zeros((int(self.spec.num_topics), self.node_capacity_bps.size), bool)
+        out[ch[on] - 1, idx[on]] = True
+        return out
 
     @property
     def num_windows(self) -> int:
@@ -721,19 +752,26 @@ class OnlineSimulator:
             return IntervalResult(vals, chan)
         state = CostState(inst, chan)
         met = state.metrics()
-        subs = state.sub_count[1:] > 0
+        subs = tr.held_subscriptions(self.channel)
         prev = self.last_used[ids]
         if self._fresh and self._subs is None:
-            infos, moved = 0, 0
+            infos = made = moved = 0
+            share = 0.0
         else:
             old = self._subs if self._subs is not None else np.zeros_like(subs)
             infos = int(np.count_nonzero(subs != old))
-            moved = int(np.count_nonzero((prev >= 0) & (prev != chan)))
+            made = int(np.count_nonzero(subs & ~old))
+            moving = (prev >= 0) & (prev != chan)
+            moved = int(np.count_nonzero(moving))
+            # the controller holds the messages of the types a switch moves (or places on a
+            # topic) until its subscribing SubscribeInfos are acknowledged, and no others
+            share = delivery_share(inst, moving | ((prev < 0) & (chan > 0)))
         self._subs = subs
         self.last_used[ids] = chan
         v = state.violation()
         ratio = met.redundancy_ratio
-        delay = cfg.delay.quantiles(DelayLoad.from_state(state).with_switches(infos, moved))
+        delay = cfg.delay.quantiles(DelayLoad.from_state(state).with_switches(
+            made, moved, held_share=share))
         cost = (ratio + cfg.w_delay * delay["delay_p95_s"] + cfg.w_violation * v
                 + cfg.w_subscribe * infos + cfg.w_move * moved)
         vals = {"window": w, "cost": cost, "redundancy_ratio": ratio, "violation": v,
