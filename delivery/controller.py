@@ -383,6 +383,9 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         self._switch_lock = threading.RLock()
         self._switcher = futures.ThreadPoolExecutor(1, thread_name_prefix="controller-switch")
         self._switches: list[futures.Future] = []
+        # switches asked for and not yet taken by the switch thread
+        self._queued: list[tuple[dict[int, int], dict[int, tuple[int, ...]], list[int],
+                                 futures.Future]] = []
         self._gated: dict[int, int] = {}
         self._gated_msgs: list[tuple[int, Any]] = []
         self._last_switch: dict = {}
@@ -584,6 +587,10 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         return f"{self.cfg.reply_host}:{self.reply_port}"
 
     def close(self) -> None:
+        try:  # the queued switches first (each bounded by the SubscribeInfo timeout)
+            self.wait_switches(timeout_s=2 * self.cfg.subscribe_timeout_s + 5)
+        except Exception as e:
+            log.warning("closing: a queued switch failed (%s)", e)
         self._stop.set()
         self._limiter.close()  # a send waiting for C_p units returns (nothing hangs here)
         with self._lock:
@@ -690,25 +697,63 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         With ``wait`` (the default) the switch runs in the calling thread and this returns
         what changed (``types``, ``subscribe``, ``unsubscribe``, ``deferred`` while the MQ
         channel is down). Without it the switch is queued on the controller's switch thread
-        and this returns at once with ``{"queued": types to move}``; :meth:`wait_switches`
-        (which :meth:`flush` does not do) waits for the queued switches and raises the
-        error of one that failed (nothing of it was stored or sent, and its types stay on
-        their old channels)."""
+        (the switches queued while one runs are then made as one) and this returns at once
+        with ``{"queued": types to move}``; :meth:`wait_switches` (which :meth:`flush` does
+        not do) waits for the queued switches and raises the error of one that failed
+        (nothing of it was stored or sent, and its types stay on their old channels)."""
         chans = {int(t): int(c) for t, c in channels.items()}
         hs = {int(t): tuple(int(h) for h in v) for t, v in hosts.items()}
+        if wait:
+            self.wait_switches()  # an earlier switch's error is raised before this one starts
         with self._dispatch:  # the moving types are gated before any later message of theirs
-            moving = [t for t, c in chans.items() if self.channel.get(t, RPC) != c]
+            # a type moves if its channel changes, or if it stays on a topic that its new
+            # hosts must first subscribe to
+            moving = [t for t, c in chans.items() if self.channel.get(t, RPC) != c
+                      or (c != RPC and t in hs and set(hs[t]) - set(self.hosts.get(t, ())))]
             with self._lock:
                 for t in moving:
                     self._gated[t] = self._gated.get(t, 0) + 1
                 self._asked.update(chans)
         if not wait:
-            fut = self._switcher.submit(self._switch, chans, hs, moving)
+            fut: futures.Future = futures.Future()
             with self._lock:
+                self._queued.append((chans, hs, moving, fut))
                 self._switches.append(fut)
+            try:
+                self._switcher.submit(self._run_queued)
+            except RuntimeError:  # closed: nothing was stored, nothing waits
+                with self._lock:
+                    self._queued = [q for q in self._queued if q[3] is not fut]
+                    self._switches.remove(fut)
+                with self._dispatch:
+                    self._release_gated(moving)
+                raise
             return {"queued": len(moving)}
-        self.wait_switches()
         return self._switch(chans, hs, moving)
+
+    def _run_queued(self) -> None:
+        """The switch thread: every switch queued so far, as one (later channels win), so a
+        burst of placements pays one store transaction, one flush and one round of
+        SubscribeInfos."""
+        with self._lock:
+            batch, self._queued = self._queued, []
+        if not batch:  # an earlier run took them
+            return
+        chans: dict[int, int] = {}
+        hs: dict[int, tuple[int, ...]] = {}
+        moving: list[int] = []
+        for c, h, m, _ in batch:
+            chans.update(c)
+            hs.update(h)
+            moving.extend(m)
+        try:
+            out = self._switch(chans, hs, moving)
+        except BaseException as e:
+            for *_, f in batch:
+                f.set_exception(e)
+            return
+        for *_, f in batch:
+            f.set_result(out)
 
     def channel_asked(self, t: int) -> int | None:
         """Type ``t``'s channel once the queued switches are done (``None``: never given
@@ -851,8 +896,22 @@ class Controller(pb_grpc.ControllerRepliesServicer):
                     self._gated.pop(t, None)
             go = [(t, cm) for t, cm in self._gated_msgs if t not in self._gated]
             self._gated_msgs = [(t, cm) for t, cm in self._gated_msgs if t in self._gated]
-        for t, cm in go:
-            self._dispatch_one(t, cm, gate=False)
+        # oldest first: a message that waited for the broker meanwhile (failback) may have
+        # joined the held ones after newer messages of its type
+        go.sort(key=lambda x: x[1].timestamp_ns)
+        for i, (t, cm) in enumerate(go):
+            try:
+                self._dispatch_one(t, cm, gate=False)
+            except Exception as e:  # e.g. the new topic's producer: RPC takes the rest
+                left = go[i:]
+                log.warning("%d messages held by a switch could not go on their channels "
+                            "(%s); they go over RPC", len(left), e)
+                with self._lock:
+                    for _, m in left:
+                        for n in m.hosts:
+                            self._outbox[n].append(m)
+                self.stats.rerouted += len(left)
+                break
         return len(go)
 
     def _send_subscribe_infos(self, pairs: list[tuple[int, int]], ts: int,
@@ -1272,7 +1331,10 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         why = f"types {types} back on their topics; {len(held)} waiting messages published"
         log.warning("MQ up: %s", why)
         if deferred is not None:  # queued: it needs the dispatch lock this holds
-            self.set_channels(*deferred, wait=False)
+            with self._lock:  # a switch asked since (and not yet planned) has the last word
+                chans = {t: c for t, c in deferred[0].items() if self._asked.get(t, c) == c}
+            self.set_channels(chans, {t: deferred[1][t] for t in chans if t in deferred[1]},
+                              wait=False)
         self._event("failback", why)
 
     def _push_all(self, batches: dict[int, list], reprogram: bool) -> dict[int, bool]:

@@ -70,17 +70,17 @@ __all__ = [
 #: is a bound, not a controller's policy)
 STATIC = ("rpc", "vita", "idcs", "alcor", "greedy")
 #: the online deciders (:data:`agents.online_eval.DeciderSpec` kind, default parameters):
-#: ``online_greedy`` re-plans every type on the last estimate (the executor's defaults);
+#: ``online_greedy`` re-plans every type on the last estimate (at the tuned horizon);
 #: ``forecast_greedy`` is the online yardstick's EWMA family at its configured setting
 #: (``configs/env/online.yaml``); ``forecast_drop`` is the learned send forecaster's planner
 #: at the setting ``experiment=online_study`` tunes (it needs ``params['send_forecaster']``,
 #: the forecaster's ``.npz``); ``params`` override (e.g. the knobs tuned on validation)
 ONLINE_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
-    "online_greedy": ("online_greedy", {}),
+    "online_greedy": ("online_greedy", {"horizon": 1.0}),
     "forecast_greedy": ("online_greedy", {"forecast": "ewma", "alpha": 0.5, "headroom": 0.2,
                                           "horizon": 1.0}),
-    "forecast_drop": ("online_greedy", {"forecast": "last", "headroom": 0.4, "horizon": 1.0,
-                                        "drop": 0.1, "reserve_placements": True}),
+    "forecast_drop": ("online_greedy", {"forecast": "last", "headroom": 0.8, "horizon": 1.0,
+                                        "drop": 0.5, "reserve_placements": True}),
     "online_learned": ("learned", {}),
 }
 POLICIES = (*STATIC, *ONLINE_DEFAULTS, "learned")

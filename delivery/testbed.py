@@ -248,7 +248,7 @@ def _replay(spec: RunSpec, ctl: Controller, adapter, policy: ChannelPolicy,
             if due > now:
                 time.sleep(due - now)
         if w != cur:  # interval boundary: rates of the closed interval -> channels
-            plane.flush()
+            plane.settle()
             timeline.append(_snapshot(ctl, cur, cpu0, wall0))
             plane.close_interval()
             cur = w

@@ -136,21 +136,31 @@ def test_a_switch_holds_only_the_types_it_moves(pulsar_broker, tmp_path):
     meanwhile. Once the acknowledgements come, the held messages leave on the new channel
     (one publish each), and every message is applied exactly once, in order."""
     nodes = (0, 1, 2, 3)
-    hosts = {0: (0, 1), 1: nodes}
+    hosts = {0: (0, 1), 1: nodes, 2: (2, 3), 3: (0, 3)}
     with rig(pulsar_broker, tmp_path, nodes) as r:
         r.ctl.set_channels({0: RPC, 1: RPC}, hosts)
         r.send(1, resource_id=1, hosts=hosts[1])
         r.delivered(every=True)
         acks_may_come = threading.Event()
-        infos = r.ctl._send_subscribe_infos
+        infos, switch = r.ctl._send_subscribe_infos, r.ctl._switch
+        switches = []
 
         def slow_acks(pairs, ts, subscribe):  # the agents answer once the test says so
             if subscribe:
                 assert acks_may_come.wait(30)
             return infos(pairs, ts, subscribe)
 
-        r.ctl._send_subscribe_infos = slow_acks
+        def counted(chans, hs, moving):
+            switches.append(sorted(chans))
+            return switch(chans, hs, moving)
+
+        r.ctl._send_subscribe_infos, r.ctl._switch = slow_acks, counted
         assert r.ctl.set_channels({1: 1}, hosts, wait=False) == {"queued": 1}
+        wait_until(lambda: switches, 10, lambda: "the switch thread takes the switch")
+        # two placements queued behind it: made as one switch once it is done
+        r.ctl.set_channels({2: 2}, hosts, wait=False)
+        r.ctl.set_channels({3: 1}, hosts, wait=False)
+        r.send(2, resource_id=3, hosts=hosts[2])
         mq0 = r.ctl.stats.mq_messages
         moved = [r.send(1, resource_id=1, hosts=hosts[1]) for _ in range(5)]
         other = [r.send(0, resource_id=2, hosts=hosts[0]) for _ in range(5)]
@@ -163,13 +173,14 @@ def test_a_switch_holds_only_the_types_it_moves(pulsar_broker, tmp_path):
         wait_until(lambda: all(applied(n, other) for n in hosts[0]), 20,
                    lambda: "the unmoved type's messages while the switch waits")
         assert not any(applied(n, moved[:1]) for n in nodes)
-        assert r.ctl.stats.switch_held == 5 and r.ctl.channel[1] == RPC
+        assert r.ctl.stats.switch_held == 6 and r.ctl.channel[1] == RPC
         assert r.ctl.channel_asked(1) == 1 and r.ctl.channel_asked(0) == RPC
         assert r.ctl.channel_asked(99) is None
         acks_may_come.set()
         r.ctl.wait_switches()
-        assert r.ctl.channel[1] == 1
-        assert r.ctl.stats.mq_messages - mq0 == 5  # the held messages went on the topic
+        assert r.ctl.channel[1] == 1 and r.ctl.channel[2] == 2 and r.ctl.channel[3] == 1
+        assert switches == [[1], [2, 3]]
+        assert r.ctl.stats.mq_messages - mq0 == 6  # the held messages went on the topics
         r.delivered(every=True)
         r.wait_subscriptions()
 
