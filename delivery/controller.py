@@ -111,7 +111,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 
@@ -361,6 +361,19 @@ def _dispatching(method: Callable) -> Callable:
         with self._dispatch:
             return method(self, *args, **kw)
     return locked
+
+
+class _SwitchPlan(NamedTuple):
+    """What one switch changes (:meth:`Controller._switch_plan`): the types whose channel
+    changes, every type's channel after it, each node's topics after it, the subscriptions to
+    make and to end (node, topic), and its timestamp."""
+
+    changed: dict[int, int]
+    channel: dict[int, int]
+    wanted: dict[int, set[int]]
+    subs: list[tuple[int, int]]
+    unsubs: list[tuple[int, int]]
+    ts: int
 
 
 class Controller(pb_grpc.ControllerRepliesServicer):
@@ -784,11 +797,11 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         with self._switch_lock:
             try:
                 plan = self._switch_plan(channels, hosts)
-                if plan is not None and plan[1]:
-                    self._send_subscribe_infos(plan[1], plan[3], True)
+                if plan is not None and plan.subs:
+                    self._send_subscribe_infos(plan.subs, plan.ts, True)
                 out = self._switch_apply(plan, moving)
-                if plan is not None and plan[2]:
-                    self._unsubscribe(plan[2], plan[3])
+                if plan is not None and plan.unsubs:
+                    self._unsubscribe(plan.unsubs, plan.ts)
                 return out
             except BaseException:
                 with self._dispatch:
@@ -801,8 +814,7 @@ class Controller(pb_grpc.ControllerRepliesServicer):
 
     @_dispatching
     def _switch_plan(self, channels: dict[int, int], hosts: dict[int, tuple[int, ...]]
-                     ) -> tuple[dict[int, int], list[tuple[int, int]], list[tuple[int, int]],
-                                int] | None:
+                     ) -> _SwitchPlan | None:
         """What the switch changes (new channels, subscriptions to make and to end, its
         timestamp), written to the store; ``None`` when nothing changes or the change is
         deferred until the MQ channel is back."""
@@ -842,26 +854,18 @@ class Controller(pb_grpc.ControllerRepliesServicer):
              for n, c in subs]
             + [SubscriptionChange(n, topic_name(pre, c), subscription_name(n), False)
                for n, c in unsubs], ts)
-        return changed, subs, unsubs, ts
+        return _SwitchPlan(changed, new_channel, wanted, subs, unsubs, ts)
 
     @_dispatching
-    def _switch_apply(self, plan: tuple[dict[int, int], list[tuple[int, int]],
-                                        list[tuple[int, int]], int] | None,
-                      moving: list[int]) -> dict:
+    def _switch_apply(self, plan: _SwitchPlan | None, moving: list[int]) -> dict:
         if plan is None:
             self._release_gated(moving)
             return self._last_switch
-        changed, subs, unsubs, _ = plan
+        changed, subs, unsubs = plan.changed, plan.subs, plan.unsubs
         self._flush_locked()  # messages decided under the old channels go out first
-        new_channel = {**self.channel, **changed}
-        wanted: dict[int, set[int]] = defaultdict(set)
-        for t, c in new_channel.items():
-            if c != RPC:
-                for n in self.hosts[t]:
-                    wanted[n].add(c)
-        with self._lock:
-            self.channel = new_channel
-            self.node_topics = defaultdict(set, {n: set(v) for n, v in wanted.items()})
+        with self._lock:  # only switches change channels, one at a time: the plan holds
+            self.channel = plan.channel
+            self.node_topics = defaultdict(set, {n: set(v) for n, v in plan.wanted.items()})
             self.stats.channel_changes += len(changed)
         if self._release_gated(moving):
             self._flush_locked()
