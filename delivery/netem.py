@@ -534,6 +534,7 @@ def measure_throughput(net: EmulatedNetwork, src_ns: str, dst_ns: str, dst_host:
 
 
 SO_RCVBUFFORCE = 33  # <asm-generic/socket.h>: SO_RCVBUF past net.core.rmem_max (root)
+SO_RXQ_OVFL = 40  # <asm-generic/socket.h>: the count of datagrams the socket dropped
 
 
 def measure_loss(net: EmulatedNetwork, src_ns: str, dst_ns: str, dst_host: str,
@@ -545,12 +546,19 @@ def measure_loss(net: EmulatedNetwork, src_ns: str, dst_ns: str, dst_host: str,
     descheduled for a while: a gap is not the end). The receiver's buffer holds every
     datagram (``SO_RCVBUFFORCE``, past ``net.core.rmem_max``: the network needs root
     anyway), so a receiver descheduled on a loaded machine does not drop them itself and
-    read as loss."""
+    read as loss; any it drops all the same (``SO_RXQ_OVFL``'s count) are not counted as
+    lost."""
     recv_code = ("import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "
                  f"s.setsockopt(socket.SOL_SOCKET, {SO_RCVBUFFORCE}, {max(packets, 1000) * 2048}); "
+                 f"s.setsockopt(socket.SOL_SOCKET, {SO_RXQ_OVFL}, 1); "
                  f"s.bind(('0.0.0.0', {port})); s.settimeout(30.0); print('ready', flush=True)\n"
-                 "n = 0\ntry:\n    while s.recv(2048) != b'end':\n        n += 1\n"
-                 "except TimeoutError:\n    pass\nprint(n, flush=True)\n")
+                 "n = drops = 0\ntry:\n    while True:\n"
+                 "        data, anc, _, _ = s.recvmsg(2048, 64)\n"
+                 "        for level, kind, d in anc:\n"
+                 f"            if level == socket.SOL_SOCKET and kind == {SO_RXQ_OVFL}:\n"
+                 "                drops = int.from_bytes(d[:4], 'little')\n"
+                 "        if data == b'end':\n            break\n        n += 1\n"
+                 "except TimeoutError:\n    pass\nprint(n, drops, flush=True)\n")
     send_code = ("import socket, time; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
                  f"for i in range({packets}):\n    s.sendto(b'x' * 200, ('{dst_host}', {port}))\n"
                  "    time.sleep(0.001) if i % 20 == 0 else None\n"
@@ -563,11 +571,12 @@ def measure_loss(net: EmulatedNetwork, src_ns: str, dst_ns: str, dst_host: str,
         if recv.stdout.readline().strip() != "ready":
             raise NetemError(f"receiver in {dst_ns} did not start")
         _sh([*net.exec_prefix(src_ns), sys.executable, "-c", send_code])
-        got = int(recv.stdout.readline())
+        got, overflowed = map(int, recv.stdout.readline().split())
     finally:
         recv.kill()
         recv.wait()
-    return 1.0 - got / packets
+    # datagrams the receiving socket itself dropped (its queue full) are not the link's
+    return 1.0 - (got + overflowed) / packets
 
 
 def measure_relay_rtt(net: EmulatedNetwork, node: int, delay_ms: float, rounds: int = 20,
