@@ -29,8 +29,10 @@ on the controller's switch thread (``set_channels(..., wait=False)``), so its se
 never waits for a SubscribeInfo.
 
 Messages then go out by their type's channel: RPC pushes (one ``Push`` per destination node
-and flush, batched, concurrent) or one publish on the type's topic (one producer per topic,
-``block_if_queue_full`` so nothing is dropped). A push that fails is retried
+and flush, batched, concurrent; a flush holds the dispatch lock only while it takes the
+queued messages, so messages are accepted and published while its pushes are answered, and
+flushes push in the order they took them) or one publish on the type's topic (one producer
+per topic, ``block_if_queue_full`` so nothing is dropped). A push that fails is retried
 (``push_retries``, with backoff); then the node is marked unreachable and its RPC messages
 wait, in timestamp order, in a per-node queue that a background thread re-sends
 ("reprogramming") until the node answers again. Packed replies are collected periodically and
@@ -408,6 +410,11 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         # and the unreachable nodes' (channel, SubscribeInfo) pairs
         self._pending_infos: dict[int, list] = defaultdict(list)
         self._reprogramming: set[int] = set()                  # nodes whose queue is in flight
+        # flushes push in the order they took the outbox (see _flush_locked): the next turn
+        # to hand out and the turn whose pushes go now
+        self._push_turns = itertools.count()
+        self._push_turn = 0
+        self._push_turn_cv = threading.Condition(threading.Lock())
         self._latest: dict[tuple, Any] = {}                   # resource -> newest message
         self._acked: dict[int, int] = defaultdict(int)        # node -> last result_seq
         self._channels: dict[int, grpc.Channel] = {}
@@ -792,14 +799,19 @@ class Controller(pb_grpc.ControllerRepliesServicer):
     def _switch(self, channels: dict[int, int], hosts: dict[int, tuple[int, ...]],
                 moving: list[int]) -> dict:
         """One switch (one at a time): the store under the dispatch lock, the subscribing
-        SubscribeInfos outside it (only the gated types wait), the channels and the gated
-        messages under it again, then the unsubscriptions (outside) and the fences."""
+        SubscribeInfos and a flush of what was sent under the old channels outside it (only
+        the gated types wait), the channels and the gated messages under it again, then the
+        unsubscriptions (outside) and the fences."""
         with self._switch_lock:
             try:
                 plan = self._switch_plan(channels, hosts)
                 if plan is not None and plan.subs:
                     self._send_subscribe_infos(plan.subs, plan.ts, True)
+                if plan is not None:  # messages sent under the old channels go out first
+                    self._flush_locked()  # (the moving types' are held: none comes after)
                 out = self._switch_apply(plan, moving)
+                if out.pop("released", 0):  # their RPC copies go now, outside the lock
+                    self._flush_locked()
                 if plan is not None and plan.unsubs:
                     self._unsubscribe(plan.unsubs, plan.ts)
                 return out
@@ -862,14 +874,13 @@ class Controller(pb_grpc.ControllerRepliesServicer):
             self._release_gated(moving)
             return self._last_switch
         changed, subs, unsubs = plan.changed, plan.subs, plan.unsubs
-        self._flush_locked()  # messages decided under the old channels go out first
         with self._lock:  # only switches change channels, one at a time: the plan holds
             self.channel = plan.channel
             self.node_topics = defaultdict(set, {n: set(v) for n, v in plan.wanted.items()})
             self.stats.channel_changes += len(changed)
-        if self._release_gated(moving):
-            self._flush_locked()
-        return {"types": len(changed), "subscribe": len(subs), "unsubscribe": len(unsubs)}
+        released = self._release_gated(moving)
+        return {"types": len(changed), "subscribe": len(subs), "unsubscribe": len(unsubs),
+                "released": released}
 
     def _unsubscribe(self, unsubs: list[tuple[int, int]], ts: int) -> None:
         """The switch's last step, after its channels took effect: the unsubscribing
@@ -1157,21 +1168,36 @@ class Controller(pb_grpc.ControllerRepliesServicer):
             self._published_cv.wait_for(
                 lambda: not self._inflight or self._mq_down or self._stop.is_set())
 
-    @_dispatching
     def _flush_locked(self) -> None:
-        with self._lock:
-            again: list[tuple[int, bytes]] = []
-            if not self._mq_down:
-                again, self._republish = self._republish, []
-            outbox, self._outbox = self._outbox, defaultdict(list)
-            for n in list(outbox):
-                if (self._pending.get(n) or n in self._reprogramming
-                        or n not in self.agents):  # unreachable: keep the order
-                    self._pending[n].extend(outbox.pop(n))
-        for t, data in again:
-            self.stats.republished += 1
-            self._publish(t, data)
-        self._push_all(outbox, reprogram=False)
+        """Push every queued RPC message (one batch per node, all nodes concurrently) and
+        wait for the answers. The dispatch lock is held only while the outbox is taken (and
+        failed publishes are published again), not while the pushes are answered, unless
+        the caller holds it: a flush from the sending path or a switch leaves the
+        dispatcher free meanwhile. Flushes push one after another, in the order they took
+        the outbox (a node gets its batches in order)."""
+        with self._dispatch:
+            with self._lock:
+                again: list[tuple[int, bytes]] = []
+                if not self._mq_down:
+                    again, self._republish = self._republish, []
+                outbox, self._outbox = self._outbox, defaultdict(list)
+                for n in list(outbox):
+                    if (self._pending.get(n) or n in self._reprogramming
+                            or n not in self.agents):  # unreachable: keep the order
+                        self._pending[n].extend(outbox.pop(n))
+                turn = next(self._push_turns)
+            for t, data in again:
+                self.stats.republished += 1
+                self._publish(t, data)
+        cv = self._push_turn_cv
+        with cv:  # the flushes that took the outbox before this one push first
+            cv.wait_for(lambda: self._push_turn == turn)
+        try:
+            self._push_all(outbox, reprogram=False)
+        finally:
+            with cv:
+                self._push_turn += 1
+                cv.notify_all()
 
     # ------------------------------------------------------------------ failover
     def set_capacities(self, controller_bw_bps: float | None,

@@ -238,27 +238,37 @@ def _replay(spec: RunSpec, ctl: Controller, adapter, policy: ChannelPolicy,
     cur = first
     sent = 0
     lag_max = 0.0  # how far the replay fell behind the trace's schedule (s)
+    # where the replay's time went (s): flushing (a flush returns when the agents answered
+    # its pushes), accepting messages, and the interval boundaries
+    spent = {"flush": 0.0, "send": 0.0, "boundary": 0.0}
+
+    def timed(part: str, fn: Callable[..., Any], *args: Any) -> None:
+        t0 = time.perf_counter()
+        fn(*args)
+        spent[part] += time.perf_counter() - t0
     gen_trace: list[tuple[int, int]] = []  # (generation ns, trace offset ns)
     for m, w in zip(msgs, wins.tolist()):
         offset = int(m.timestamp_ns) - trace_start
         due = wall0 + max(offset, 0) * 1e-9 * spec.time_scale
         if due > time.perf_counter():
-            plane.flush()
+            timed("flush", plane.flush)
             now = time.perf_counter()
             if due > now:
                 time.sleep(due - now)
         if w != cur:  # interval boundary: rates of the closed interval -> channels
+            t0 = time.perf_counter()
             plane.settle()
             timeline.append(_snapshot(ctl, cur, cpu0, wall0))
             plane.close_interval()
+            spent["boundary"] += time.perf_counter() - t0
             cur = w
         lag_max = max(lag_max, time.perf_counter() - due)
         live = dataclasses.replace(m, timestamp_ns=ctl.timestamp())  # generated now
-        plane.send(live)
+        timed("send", plane.send, live)
         gen_trace.append((live.timestamp_ns, offset))
         sent += 1
         if time.perf_counter() >= next_flush:
-            plane.flush()
+            timed("flush", plane.flush)
             next_flush = time.perf_counter() + spec.flush_ms / 1e3
         if time.perf_counter() - last_say > 10:
             last_say = time.perf_counter()
@@ -274,7 +284,7 @@ def _replay(spec: RunSpec, ctl: Controller, adapter, policy: ChannelPolicy,
             "decide_s": plane.decide_s, "timeline": timeline, "epoch0": epoch0,
             "predictions": plane.predictions, "delay_loads": plane.delay_loads,
             "realised": plane.realised, "realised_loads": plane.realised_loads,
-            "lag_max_ms": lag_max * 1e3,
+            "lag_max_ms": lag_max * 1e3, "spent": spent,
             "sources": dict(getattr(policy, "sources", {})),
             "gen_trace": np.array(gen_trace, dtype=np.int64).reshape(-1, 2)}
 
@@ -342,16 +352,18 @@ def _link_counters(tag: str | None) -> dict[str, Any]:
     switch's ports (towards each node) and the controller's own shaped egress."""
     if not tag:
         return {}
-    from .netem import controller_qdisc, switch_counters
+    from .netem import backlog_drops, controller_qdisc, switch_counters
 
-    return {"ports": switch_counters(tag), "controller": controller_qdisc(tag)}
+    return {"ports": switch_counters(tag), "controller": controller_qdisc(tag),
+            "backlog_drops": backlog_drops()}
 
 
 def _link_delta(tag: str | None, a: dict[str, Any], b: dict[str, Any],
                 nodes: Sequence[int]) -> dict[str, float]:
     """What crossed the links during a run: bytes into each node (wire bytes: TLS, TCP/IP
-    and framing included), and whether a shaped link queued (its token bucket was over its
-    limit) or dropped."""
+    and framing included), whether a shaped link queued (its token bucket was over its
+    limit) or dropped, and the packets the kernel's input queues dropped before any link
+    (:func:`delivery.netem.backlog_drops`: the whole machine's)."""
     if not tag or not a or not b:
         return {}
     ports_a, ports_b = a["ports"], b["ports"]
@@ -367,7 +379,8 @@ def _link_delta(tag: str | None, a: dict[str, Any], b: dict[str, Any],
             "link_nodes_queued": over, "link_node_drops": drops,
             "link_controller_bytes": float(cb["bytes"] - ca["bytes"]),
             "link_controller_overlimits": cb["overlimits"] - ca["overlimits"],
-            "link_controller_drops": cb["drops"] - ca["drops"]}
+            "link_controller_drops": cb["drops"] - ca["drops"],
+            "host_backlog_drops": b.get("backlog_drops", 0) - a.get("backlog_drops", 0)}
 
 
 # ---------------------------------------------------------------------------- measures
@@ -411,6 +424,7 @@ def _measure(spec: RunSpec, out: dict[str, Any], rec_dir: Path, nodes: Sequence[
         "send_delay_p95_ms": float(np.percentile(send_ms, 95)) if send_ms.size
         else float("nan"),
         "replay_lag_max_ms": float(out.get("lag_max_ms", 0.0)),
+        **{f"replay_{k}_s": round(v, 2) for k, v in out.get("spent", {}).items()},
         "out_of_order": c["outcomes"].get("OUT_OF_ORDER", 0),
         "malformed": c["outcomes"].get("MALFORMED", 0),
         "reprogrammed": c["reprogrammed"], "pending_after": out["pending_after"],

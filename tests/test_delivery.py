@@ -185,6 +185,47 @@ def test_a_switch_holds_only_the_types_it_moves(pulsar_broker, tmp_path):
         r.wait_subscriptions()
 
 
+def test_a_flush_waiting_for_answers_leaves_the_dispatcher_free(pulsar_broker, tmp_path):
+    """While a flush waits for its pushes to be answered (held here until the test says so),
+    messages are still accepted and dispatched: an MQ type's message is published at once.
+    A second flush meanwhile pushes only after the first one's answers (a node gets its
+    batches in order), and every message is applied exactly once, in order."""
+    nodes = (0, 1)
+    hosts = {0: nodes, 1: nodes}
+    with rig(pulsar_broker, tmp_path, nodes) as r:
+        r.ctl.set_channels({0: RPC, 1: 1}, hosts)
+        answers_may_come = threading.Event()
+        push_all, calls = r.ctl._push_all, []
+
+        def slow(batches, reprogram):
+            calls.append(sum(len(b) for b in batches.values()))
+            if len(calls) == 1:
+                assert answers_may_come.wait(30)
+            return push_all(batches, reprogram)
+
+        r.ctl._push_all = slow
+        r.send(0, resource_id=1, hosts=hosts[0])
+        first = threading.Thread(target=r.ctl.flush)
+        first.start()
+        wait_until(lambda: calls, 10, lambda: "the first flush pushes")
+        mq0 = r.ctl.stats.mq_messages
+        accepted = threading.Thread(target=lambda: [r.send(1, resource_id=2, hosts=hosts[1]),
+                                                    r.send(0, resource_id=1, hosts=hosts[0])])
+        accepted.start()
+        accepted.join(10)
+        assert not accepted.is_alive(), "accepting waited for the flush's answers"
+        assert r.ctl.stats.mq_messages == mq0 + 1
+        second = threading.Thread(target=r.ctl.flush)
+        second.start()
+        second.join(1)
+        assert second.is_alive() and calls == [2], "the second flush pushed before the first"
+        answers_may_come.set()
+        first.join(30)
+        second.join(30)
+        assert calls == [2, 2]
+        r.delivered(every=True)
+
+
 def test_queued_switches_in_order_lose_nothing(pulsar_broker, tmp_path):
     """Switches queued back to back (RPC -> topic 1 -> topic 2 -> RPC -> topic 1 ...) with
     messages of the moving type and of a steady one between them: the switches take effect in

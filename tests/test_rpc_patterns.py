@@ -6,6 +6,7 @@ Pulsar broker in the slow test), delay and loss on."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 import time
@@ -132,7 +133,11 @@ def test_rpc_patterns_with_delay_and_loss(tmp_path: Path) -> None:
     """The machinery with real gRPC agents (mutual TLS, one namespace each) and a real
     sender: a call and a fan-out through the relay at 10 ms delay and 1% loss deliver
     everything, and the latencies carry the delay (a call twice, a fan-out once)."""
-    before = set(netem.list_namespaces())
+    def mine() -> set[str]:  # this process's networks (another test may run one meanwhile)
+        own = f"{netem.PREFIX}{os.getpid()}x"
+        return {n for n in netem.list_namespaces() if n.startswith(own)}
+
+    before = mine()
     cfg = StudyConfig(workloads=["unicast/rpc/call", "multicast/rpc/fanout"], rate_per_s=100,
                       duration_s=0.5, fanout_rounds=2, fanout_interval_s=0.2, sla_grace_s=5)
     parts = {"grid": {"agents": [3], "delay_ms": [10], "loss": [0.01], "relay": True}}
@@ -150,7 +155,7 @@ def test_rpc_patterns_with_delay_and_loss(tmp_path: Path) -> None:
     assert by["unicast/rpc/call"]["p50_ms"] >= 20.0       # 2 x 10 ms
     assert by["multicast/rpc/fanout"]["received"] == 6     # 2 rounds x 3 agents
     assert by["multicast/rpc/fanout"]["p50_ms"] >= 10.0
-    assert set(netem.list_namespaces()) <= before
+    assert mine() <= before
 
 
 @pytest.mark.slow  # a Pulsar broker of its own in the emulated network

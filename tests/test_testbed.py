@@ -5,6 +5,7 @@ the trace says must happen."""
 from __future__ import annotations
 
 import json
+import os
 import time
 import uuid
 from pathlib import Path
@@ -179,7 +180,8 @@ def test_testbed_small_in_the_emulated_network(tmp_path: Path, tiny_bundles) -> 
     every message applied in order, the nodes' traffic measured on their links, the
     controller's on its shaped egress (C_b raised by the measured idle control traffic), the
     simulator's verdict beside the testbed's queueing, and no namespace left behind."""
-    before = set(netem.list_namespaces())
+    own = f"{netem.PREFIX}{os.getpid()}x"  # this process's networks (not another test's)
+    before = {n for n in netem.list_namespaces() if n.startswith(own)}
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose(config_name="testbed", overrides=[
             "experiment=testbed_small", f"bundle={tiny_bundles['a']}",
@@ -211,6 +213,9 @@ def test_testbed_small_in_the_emulated_network(tmp_path: Path, tiny_bundles) -> 
         assert r.delay_p95_ms >= r.send_delay_p95_ms * 0.999 and r.delay_p95_ms > 0
         assert isinstance(r.sim_violates, bool | np.bool_)
         assert r.link_control_allowance_bps == r.link_idle_bps > 0  # polls, probes
+        # the kernel's input queues (the whole machine's count) and where the replay's time
+        # went are reported
+        assert r.host_backlog_drops >= 0 and r.replay_flush_s >= 0 and r.replay_send_s > 0
     for label, g in summary.groupby("label"):
         rpc, vita = g[g.policy == "rpc"].iloc[0], g[g.policy == "vita"].iloc[0]
         assert vita.link_node_bytes_total > rpc.link_node_bytes_total, label
@@ -219,7 +224,7 @@ def test_testbed_small_in_the_emulated_network(tmp_path: Path, tiny_bundles) -> 
         # outweigh that, so the comparison is only meaningful where the fan-out is large
         if rpc.controller_messages >= 1.5 * rpc.messages:
             assert rpc.link_controller_bytes > vita.link_controller_bytes, label
-    assert set(netem.list_namespaces()) <= before
+    assert {n for n in netem.list_namespaces() if n.startswith(own)} <= before
 
 
 def _subscriptions(assign: dict[int, int], hosts: dict[int, tuple]) -> dict[int, set[int]]:
