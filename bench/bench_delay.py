@@ -104,8 +104,9 @@ def fidelity(testbed_outs: Path | list[Path]) -> tuple[list[dict[str, Any]], dic
     testbed output (``summary.csv`` or ``fig9.csv``, and each run's
     ``delay_loads_realised.json``, the intervals as delivered, or, where a run has none,
     ``delay_loads.json``, the boundary decisions'), and per point (a Fig. 9 VPC count, or
-    Fig. 10) Spearman's rho between them over the policies, and how many are within a
-    factor of 2."""
+    Fig. 10) Spearman's rho between them over the policies, how many are within a factor
+    of 2, and whether the point is at saturation: most of its runs overflowed a shaped
+    link's queue (``link_controller_drops`` or ``link_node_drops`` above 0)."""
     import numpy as np
     import pandas as pd
     from scipy.stats import spearmanr
@@ -124,10 +125,12 @@ def fidelity(testbed_outs: Path | list[Path]) -> tuple[list[dict[str, Any]], dic
             continue
         s = testbed_sample(r.to_dict(), json.loads(f.read_text()), d.name, "bw")
         p = predict_sample(model, s)
+        drops = sum(int(r.get(k, 0) or 0) for k in ("link_controller_drops",
+                                                     "link_node_drops"))
         rows.append({"point": r["label"], "policy": r["policy"], "repeat": int(r["repeat"]),
                      "measured_p95_s": s.measured_p95_s, "predicted_p95_s": p["delay_p95_s"],
                      "bw_util": p["bw_util"], "wire_util": s.wire_util,
-                     "loads": f.name})
+                     "link_drops": drops, "loads": f.name})
     out: dict[str, Any] = {}
     t = pd.DataFrame(rows)
     if t.empty:
@@ -141,7 +144,10 @@ def fidelity(testbed_outs: Path | list[Path]) -> tuple[list[dict[str, Any]], dic
             "spearman": float(spearmanr(med.measured_p95_s, med.predicted_p95_s).statistic)
             if len(med) > 2 else float("nan"),
             "within_2x": int(((ratio >= 0.5) & (ratio <= 2)).sum()), "policies": len(med),
-            "ratio_min": float(np.min(ratio)), "ratio_max": float(np.max(ratio))}
+            "ratio_min": float(np.min(ratio)), "ratio_max": float(np.max(ratio)),
+            # a shaped link's drop-tail queue overflowed: the point is at saturation there
+            "saturated_runs": int((g.link_drops > 0).sum()), "runs": len(g),
+            "saturated": bool((g.link_drops > 0).sum() * 2 > len(g))}
     return rows, out
 
 
@@ -157,13 +163,18 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.fidelity:
         rows, points = fidelity([Path(p) for p in args.fidelity])
-        table = md_table(["point", "policy", "repeat", "measured p95 ms", "predicted p95 ms"],
+        table = md_table(["point", "policy", "repeat", "measured p95 ms", "predicted p95 ms",
+                          "link drops"],
                          [(r["point"], r["policy"], r["repeat"],
                            f"{1e3 * r['measured_p95_s']:.0f}",
-                           f"{1e3 * r['predicted_p95_s']:.0f}") for r in rows])
+                           f"{1e3 * r['predicted_p95_s']:.0f}", r["link_drops"])
+                          for r in rows])
         notes = [f"{k}: Spearman {v['spearman']:.2f} over {v['policies']} policies; "
                  f"{v['within_2x']} within 2x (predicted / measured "
-                 f"{v['ratio_min']:.2f}-{v['ratio_max']:.2f})" for k, v in points.items()]
+                 f"{v['ratio_min']:.2f}-{v['ratio_max']:.2f}); "
+                 f"{'at saturation' if v['saturated'] else 'below saturation'} "
+                 f"({v['saturated_runs']} of {v['runs']} runs overflowed a link's queue)"
+                 for k, v in points.items()]
         finish("bench_delay_fidelity",
                {"runs": rows, "points": points,
                 "testbed_out": [str(p) for p in args.fidelity],
