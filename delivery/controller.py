@@ -22,11 +22,11 @@ carried out losslessly:
 
 Only the types a switch moves wait for it: from the call on, their messages are held (in
 arrival order; they are already durable in the outbox) and dispatched on their new channels
-once step 3 is done, while every other type's messages keep leaving during step 2, the
-acknowledgements; step 4 holds no message (no type is left on the pairs it ends). Switches
-run one at a time, in order: the control plane queues its interval switches and placements
-on the controller's switch thread (``set_channels(..., wait=False)``), so its sending path
-never waits for a SubscribeInfo.
+once step 3 is done, while every other type's messages keep leaving during steps 1 and 2,
+the store writes and the acknowledgements; step 4 holds no message (no type is left on the
+pairs it ends). Switches run one at a time, in order: the control plane queues its interval
+switches and placements on the controller's switch thread (``set_channels(..., wait=False)``),
+so its sending path never waits for a SubscribeInfo.
 
 Messages then go out by their type's channel: RPC pushes (one ``Push`` per destination node
 and flush, batched, concurrent; a flush holds the dispatch lock only while it takes the
@@ -376,6 +376,7 @@ class _SwitchPlan(NamedTuple):
     subs: list[tuple[int, int]]
     unsubs: list[tuple[int, int]]
     ts: int
+    hosts: dict[int, tuple[int, ...]]  # the changed types' destinations
 
 
 class Controller(pb_grpc.ControllerRepliesServicer):
@@ -798,13 +799,15 @@ class Controller(pb_grpc.ControllerRepliesServicer):
 
     def _switch(self, channels: dict[int, int], hosts: dict[int, tuple[int, ...]],
                 moving: list[int]) -> dict:
-        """One switch (one at a time): the store under the dispatch lock, the subscribing
-        SubscribeInfos and a flush of what was sent under the old channels outside it (only
-        the gated types wait), the channels and the gated messages under it again, then the
-        unsubscriptions (outside) and the fences."""
+        """One switch (one at a time): its plan under the dispatch lock, then outside it the
+        store, the subscribing SubscribeInfos and a flush of what was sent under the old
+        channels (only the gated types wait), the channels and the gated messages under it
+        again, then the unsubscriptions (outside) and the fences."""
         with self._switch_lock:
             try:
                 plan = self._switch_plan(channels, hosts)
+                if plan is not None:
+                    self._switch_store(plan)
                 if plan is not None and plan.subs:
                     self._send_subscribe_infos(plan.subs, plan.ts, True)
                 if plan is not None:  # messages sent under the old channels go out first
@@ -828,8 +831,8 @@ class Controller(pb_grpc.ControllerRepliesServicer):
     def _switch_plan(self, channels: dict[int, int], hosts: dict[int, tuple[int, ...]]
                      ) -> _SwitchPlan | None:
         """What the switch changes (new channels, subscriptions to make and to end, its
-        timestamp), written to the store; ``None`` when nothing changes or the change is
-        deferred until the MQ channel is back."""
+        timestamp; :meth:`_switch_store` writes it); ``None`` when nothing changes or the
+        change is deferred until the MQ channel is back."""
         for t, hs in hosts.items():
             self.hosts[t] = hs
         if self._failed_over or self._mq_down:
@@ -855,18 +858,24 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         subs = [(n, c) for n in wanted for c in wanted[n] - self.node_topics.get(n, set())]
         unsubs = [(n, c) for n in list(self.node_topics)
                   for c in self.node_topics[n] - wanted.get(n, set())]
-        if self._grants is not None and subs:  # PulsarAdminError: nothing stored or sent
-            self._grants.ensure({n for n, _ in subs})
-        ts = self.timestamp()
+        return _SwitchPlan(changed, new_channel, wanted, subs, unsubs, self.timestamp(),
+                           {t: self.hosts[t] for t in changed})
+
+    def _switch_store(self, plan: _SwitchPlan) -> None:
+        """Grant the subscribing nodes their topics and write the switch to the store
+        (outside the dispatch lock: the moving types are gated and nothing else reads the
+        plan; the switch lock keeps switches in order). A ``PulsarAdminError`` or
+        ``StoreError`` leaves nothing sent."""
+        if self._grants is not None and plan.subs:
+            self._grants.ensure({n for n, _ in plan.subs})
         pre = self.cfg.topic_prefix
-        self.store.write_mapping([(t, c, topic_name(pre, c) if c else None, self.hosts[t])
-                                  for t, c in changed.items()], ts)
+        self.store.write_mapping([(t, c, topic_name(pre, c) if c else None, plan.hosts[t])
+                                  for t, c in plan.changed.items()], plan.ts)
         self.store.apply_changes(
             [SubscriptionChange(n, topic_name(pre, c), subscription_name(n), True)
-             for n, c in subs]
+             for n, c in plan.subs]
             + [SubscriptionChange(n, topic_name(pre, c), subscription_name(n), False)
-               for n, c in unsubs], ts)
-        return _SwitchPlan(changed, new_channel, wanted, subs, unsubs, ts)
+               for n, c in plan.unsubs], plan.ts)
 
     @_dispatching
     def _switch_apply(self, plan: _SwitchPlan | None, moving: list[int]) -> dict:

@@ -226,6 +226,41 @@ def test_a_flush_waiting_for_answers_leaves_the_dispatcher_free(pulsar_broker, t
         r.delivered(every=True)
 
 
+def test_a_switch_writing_its_store_leaves_the_dispatcher_free(pulsar_broker, tmp_path):
+    """While a queued switch writes its channels and subscriptions to the store (held here
+    until the test says so), another type's messages are accepted and published; the moving
+    type's message waits for the switch and goes on its new topic. Nothing is lost."""
+    nodes = (0, 1)
+    hosts = {0: nodes, 1: nodes}
+    with rig(pulsar_broker, tmp_path, nodes) as r:
+        r.ctl.set_channels({0: RPC, 1: 1}, hosts)
+        may_go = threading.Event()
+        writing = threading.Event()
+        write_mapping = r.ctl.store.write_mapping
+
+        def slow(rows, ts):
+            writing.set()
+            assert may_go.wait(30)
+            return write_mapping(rows, ts)
+
+        r.ctl.store.write_mapping = slow  # type: ignore[method-assign]
+        r.ctl.set_channels({0: 2}, hosts, wait=False)
+        assert writing.wait(10)
+        mq0, held0 = r.ctl.stats.mq_messages, r.ctl.stats.switch_held
+        accepted = threading.Thread(target=lambda: [r.send(1, resource_id=2, hosts=hosts[1]),
+                                                    r.send(0, resource_id=1, hosts=hosts[0])])
+        accepted.start()
+        accepted.join(10)
+        assert not accepted.is_alive(), "accepting waited for the switch's store writes"
+        assert r.ctl.stats.mq_messages == mq0 + 1  # type 1's, on its topic
+        assert r.ctl.stats.switch_held == held0 + 1  # type 0's waits for its switch
+        may_go.set()
+        r.ctl.wait_switches()
+        assert r.ctl.channel[0] == 2 and r.ctl.store.mapping()[0][0] == 2
+        r.ctl.flush()
+        r.delivered(every=True)
+
+
 def test_queued_switches_in_order_lose_nothing(pulsar_broker, tmp_path):
     """Switches queued back to back (RPC -> topic 1 -> topic 2 -> RPC -> topic 1 ...) with
     messages of the moving type and of a steady one between them: the switches take effect in
