@@ -6,8 +6,8 @@ interval asks a :class:`~delivery.policies.ChannelPolicy` for each type's channe
 policy through the adapter in remote or cached mode, or a baseline). A change of channels is
 carried out losslessly:
 
-1. the topic mapping and the new subscriptions go to the metadata store (P-2), in one
-   transaction;
+1. the topic mapping and the new subscriptions go to the metadata store (P-2), in two
+   transactions (the mapping, then the subscriptions);
 2. agents that must subscribe get a SubscribeInfo over RPC, and the controller waits for their
    acknowledgement before it publishes on the topic (an agent that cannot be reached gets its
    durable subscription created by the controller instead, so it finds the backlog when it
@@ -808,10 +808,11 @@ class Controller(pb_grpc.ControllerRepliesServicer):
                 plan = self._switch_plan(channels, hosts)
                 if plan is not None:
                     self._switch_store(plan)
-                if plan is not None and plan.subs:
-                    self._send_subscribe_infos(plan.subs, plan.ts, True)
-                if plan is not None:  # messages sent under the old channels go out first
-                    self._flush_locked()  # (the moving types' are held: none comes after)
+                    if plan.subs:
+                        self._send_subscribe_infos(plan.subs, plan.ts, True)
+                    # messages sent under the old channels go out first (the moving types'
+                    # are held: none comes after)
+                    self._flush_locked()
                 out = self._switch_apply(plan, moving)
                 if out.pop("released", 0):  # their RPC copies go now, outside the lock
                     self._flush_locked()

@@ -483,9 +483,13 @@ def set_loss(ns: str, loss: float) -> None:
 
 
 # ---------------------------------------------------------------------------- clean-up
-def list_namespaces() -> list[str]:
-    return sorted(p.name for p in NETNS_DIR.glob(f"{PREFIX}*") if _NAME.match(p.name)) \
-        if NETNS_DIR.is_dir() else []
+def list_namespaces(owner: int | None = None) -> list[str]:
+    """Our namespaces (``smt<owner pid>x<n>-<party>``), or only those process ``owner``
+    made."""
+    if not NETNS_DIR.is_dir():
+        return []
+    return sorted(p.name for p in NETNS_DIR.glob(f"{PREFIX}*")
+                  if (m := _NAME.match(p.name)) and (owner is None or int(m.group(1)) == owner))
 
 
 def remove_namespaces(names: Sequence[str]) -> None:

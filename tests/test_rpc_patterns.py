@@ -134,8 +134,7 @@ def test_rpc_patterns_with_delay_and_loss(tmp_path: Path) -> None:
     sender: a call and a fan-out through the relay at 10 ms delay and 1% loss deliver
     everything, and the latencies carry the delay (a call twice, a fan-out once)."""
     def mine() -> set[str]:  # this process's networks (another test may run one meanwhile)
-        own = f"{netem.PREFIX}{os.getpid()}x"
-        return {n for n in netem.list_namespaces() if n.startswith(own)}
+        return set(netem.list_namespaces(owner=os.getpid()))
 
     before = mine()
     cfg = StudyConfig(workloads=["unicast/rpc/call", "multicast/rpc/fanout"], rate_per_s=100,

@@ -180,8 +180,7 @@ def test_testbed_small_in_the_emulated_network(tmp_path: Path, tiny_bundles) -> 
     every message applied in order, the nodes' traffic measured on their links, the
     controller's on its shaped egress (C_b raised by the measured idle control traffic), the
     simulator's verdict beside the testbed's queueing, and no namespace left behind."""
-    own = f"{netem.PREFIX}{os.getpid()}x"  # this process's networks (not another test's)
-    before = {n for n in netem.list_namespaces() if n.startswith(own)}
+    before = set(netem.list_namespaces(owner=os.getpid()))  # this process's, not another test's
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose(config_name="testbed", overrides=[
             "experiment=testbed_small", f"bundle={tiny_bundles['a']}",
@@ -224,7 +223,7 @@ def test_testbed_small_in_the_emulated_network(tmp_path: Path, tiny_bundles) -> 
         # outweigh that, so the comparison is only meaningful where the fan-out is large
         if rpc.controller_messages >= 1.5 * rpc.messages:
             assert rpc.link_controller_bytes > vita.link_controller_bytes, label
-    assert {n for n in netem.list_namespaces() if n.startswith(own)} <= before
+    assert set(netem.list_namespaces(owner=os.getpid())) <= before
 
 
 def _subscriptions(assign: dict[int, int], hosts: dict[int, tuple]) -> dict[int, set[int]]:
