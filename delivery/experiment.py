@@ -15,6 +15,7 @@ import json
 import secrets
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ from .health import ConfigError
 from .netem import NetworkSpec
 from .testbed import RunResult, RunSpec, run_once
 
-__all__ = ["run_testbed", "speedups"]
+__all__ = ["FigurePoint", "figure_points", "run_testbed", "speedups"]
 
 
 def _say(text: str) -> None:
@@ -289,11 +290,48 @@ def best_dual(df: pd.DataFrame, metric: str = "delay_p95_ms") -> str | None:
     return None if med.empty else str(med.idxmin())
 
 
+@dataclass(frozen=True)
+class FigurePoint:
+    """One point of a testbed configuration: a Fig. 9 VPC count or Fig. 10, its scenario's
+    problems (the trace every policy replays) and the windows replayed (the first is also
+    the priming interval)."""
+
+    figure: str
+    label: str
+    problems: Any  # envs.dsmd.problems.ProblemSet
+    windows: list[int]
+    vpcs: int | None
+
+
+def figure_points(cfg: DictConfig) -> list[FigurePoint]:
+    """The points of ``cfg.figures``, in order: Fig. 9's ``fig9.vpcs`` (traffic
+    ``fig9.rate_per_vpc_bps`` per VPC, ``fig9.windows`` intervals after one priming interval)
+    and Fig. 10's ``fig10.windows`` of the scenario itself."""
+    out: list[FigurePoint] = []
+    if "fig9" in cfg.figures:
+        iv = float(problems_for(str(cfg.scenario)).spec.interval_s)
+        n_win = int(cfg.fig9.windows) + 1
+        for v in cfg.fig9.vpcs:
+            ps = problems_for(str(cfg.scenario), {
+                "num_vpcs": int(v), "rate_per_vpc_bps": float(cfg.fig9.rate_per_vpc_bps),
+                "peak_rate_bps": None, "phases": [], "duration_s": n_win * iv})
+            out.append(FigurePoint("fig9", f"fig9/vpcs={v}", ps, list(range(n_win)), int(v)))
+    if "fig10" in cfg.figures:
+        out.append(FigurePoint("fig10", "fig10", problems_for(str(cfg.scenario)),
+                                [int(w) for w in cfg.fig10.windows], None))
+    return out
+
+
 def run_testbed(cfg: DictConfig) -> dict[str, Any]:
     from agents.tracking import tracked_run
 
     if cfg.get("merge"):
         return merge_outputs(list(cfg.merge), Path(str(cfg.out_dir)), str(cfg.scenario))
+    if cfg.get("simulate"):
+        check_policies(cfg)
+        from .testbed_sim import simulate_testbed
+
+        return simulate_testbed(cfg)
     net = cfg.get("network") or {}
     if not net.get("inside"):
         check_policies(cfg)
@@ -312,21 +350,8 @@ def run_testbed(cfg: DictConfig) -> dict[str, Any]:
         mode = "INSECURE" if sec.insecure else "mutual TLS"
         _say(f"testbed: broker {url} ({mode}); policies {policies}; figures {list(cfg.figures)}; "
              f"time x{cfg.time_scale}, payload x{cfg.payload_scale}")
-        runs = []
-        if "fig9" in cfg.figures:
-            for v in cfg.fig9.vpcs:
-                base = problems_for(str(cfg.scenario))
-                iv = float(base.spec.interval_s)
-                n_win = int(cfg.fig9.windows) + 1
-                ps = problems_for(str(cfg.scenario), {
-                    "num_vpcs": int(v), "rate_per_vpc_bps": float(cfg.fig9.rate_per_vpc_bps),
-                    "peak_rate_bps": None, "phases": [], "duration_s": n_win * iv})
-                runs += [("fig9", f"fig9/vpcs={v}", p, ps, list(range(n_win)), int(v))
-                         for p in policies]
-        if "fig10" in cfg.figures:
-            ps = problems_for(str(cfg.scenario))
-            runs += [("fig10", "fig10", p, ps, [int(w) for w in cfg.fig10.windows], None)
-                     for p in policies]
+        runs = [(pt.figure, pt.label, p, pt.problems, pt.windows, pt.vpcs)
+                for pt in figure_points(cfg) for p in policies]
         reps = int(cfg.get("repeats") or 1)
         first = int(cfg.get("first_repeat") or 0)  # > 0: more repetitions for a merge
         runs = [(rep, *r) for rep in range(first, first + reps) for r in runs]
