@@ -10,6 +10,8 @@ id                             what
                                knobs of a greedy executor (:mod:`envs.dsmd.online`)
 ``smart/MulticastTree-v0``     service-node choice per arriving multicast group
                                (:mod:`envs.trees`)
+``smart/MulticastOverTime-v0`` the same with groups that depart and a background
+                               that follows the time of day (:mod:`envs.trees.timeline`)
 ``smart/Shaping-v0``           per-channel rate limits of the controller's control
                                channels (:mod:`envs.shaping`)
 =============================  ===================================================
@@ -24,7 +26,7 @@ __all__ = ["DSMD_ENV_IDS", "ENV_IDS"]
 
 DSMD_ENV_IDS = ("smart/DSMD-v0", "smart/DSMDDiscrete-v0")
 ENV_IDS = (*DSMD_ENV_IDS, "smart/DSMDOnline-v0", "smart/MulticastTree-v0",
-           "smart/Shaping-v0")
+           "smart/MulticastOverTime-v0", "smart/Shaping-v0")
 
 if registry is not None and "smart/DSMD-v0" not in registry:
     register(id="smart/DSMD-v0", entry_point="envs.dsmd.env:DSMDEnv")
@@ -32,4 +34,6 @@ if registry is not None and "smart/DSMD-v0" not in registry:
              kwargs={"action": "discrete"})
     register(id="smart/DSMDOnline-v0", entry_point="envs.dsmd.online_env:DSMDOnlineEnv")
     register(id="smart/MulticastTree-v0", entry_point="envs.trees.env:MulticastTreeEnv")
+    register(id="smart/MulticastOverTime-v0",
+             entry_point="envs.trees.env_time:MulticastOverTimeEnv")
     register(id="smart/Shaping-v0", entry_point="envs.shaping.env:ShapingEnv")

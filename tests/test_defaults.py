@@ -29,6 +29,7 @@ NOT_CONSTRUCTOR = {
                "train.demo_traces", "train.val_traces", "train.reward_cost", "observation"},
     "shaping": {"id", "suite", "baselines", "eval_episodes", "val_episodes", "observation"},
     "trees": {"id", "suite", "baselines", "eval_episodes", "val_episodes", "observation"},
+    "trees_time": {"id", "suite", "baselines", "eval_episodes", "val_episodes", "observation"},
 }
 # where a config key is passed to the constructor under another name or path
 RENAMED = {
@@ -92,6 +93,10 @@ def _constructor(name: str):
         from envs.trees.env import MulticastTreeEnv
 
         return MulticastTreeEnv
+    if name == "trees_time":
+        from envs.trees.env_time import MulticastOverTimeEnv
+
+        return MulticastOverTimeEnv
     pytest.fail(f"configs/env/{name}.yaml has no constructor in tests/test_defaults.py")
 
 

@@ -12,6 +12,8 @@
   receiving rate over its input rate (Fig. 9) and the CDF of the service nodes' workloads
   after all groups (Fig. 10; the group-added part is plotted beside the total).
 * Fig. 11: the same two CDFs for Algorithm 1 under several ``lambda``.
+* ``overtime`` (not a figure of the paper): ``smart/MulticastOverTime-v0``'s baselines, its
+  isolation bound and a one-step rollout on held-out episodes (:mod:`agents.trees.overtime`).
 
 Each run writes CSV tables (``fig8.csv``, ``groups.csv``, ``workloads.csv``,
 ``summary.csv``), PNG plots and an MLflow run (metrics ``<scheme>/<metric>``).
@@ -156,6 +158,20 @@ def fig8_plot(df: pd.DataFrame, path: Path) -> Path:
     return _save(fig, path, "Fig. 8: point-to-point logical multicast")
 
 
+def _overtime_plot(df: pd.DataFrame, path: Path) -> Path:
+    """Each policy's value per episode as a share of the episode's isolation bound."""
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    order = list(dict.fromkeys(df.policy))
+    for i, pol in enumerate(order):
+        d = df[df.policy == pol]
+        share = (d.value / d.bound).to_numpy()
+        ax.scatter(np.full(share.size, i), share, s=14, alpha=0.7)
+        ax.hlines(share.mean(), i - 0.3, i + 0.3, color="k")
+    ax.set_xticks(range(len(order)), order, rotation=20)
+    ax.set_ylabel("value / isolation bound")
+    return _save(fig, path, "smart/MulticastOverTime-v0: held-out episodes")
+
+
 def _tuples(node: DictConfig) -> dict[str, Any]:
     """A config group as keyword arguments, lists as tuples (the specs are frozen)."""
     return {k: tuple(v) if isinstance(v, list) else v
@@ -227,16 +243,33 @@ def run_trees(cfg: DictConfig) -> dict[str, Any]:
             for _, row in summ11.iterrows():
                 mlog.metrics({f"lambda{row.lam:g}/{c}": float(row[c]) for c in summ11.columns
                               if c != "lam"})
+        if "overtime" in figures:
+            from .overtime import overtime_tables
+
+            ot = cfg.overtime
+            over = overtime_tables(int(ot.episodes), int(ot.rollout_episodes),
+                                   OmegaConf.to_container(ot.env) if ot.get("env") else None,
+                                   say=_say)
+            tables.update(over)
+            if ot.get("learned"):
+                from .overtime import learned_table
+
+                tables["overtime_learned"] = learned_table([str(d) for d in ot.learned])
+            plots.append(_overtime_plot(over["overtime"], out / "overtime.png"))
+            for _, row in over["overtime_summary"].iterrows():
+                mlog.metrics({f"overtime/{row.policy}/{c}": float(row[c])
+                              for c in ("value", "of_bound", "vs_algorithm1_tuned_pct")})
         for name, df in tables.items():
             mlog.table(df, out / f"{name}.csv")
         for p in plots:
             mlog.artifact(p, "plots")
         head = {name: tables[name].round(4).to_dict(orient="records")
-                for name in ("summary", "fig11_summary") if name in tables}
+                for name in ("summary", "fig11_summary", "overtime_summary", "overtime_learned")
+                if name in tables}
         (out / "headline.json").write_text(json.dumps(head, indent=2))
         mlog.text(json.dumps(head, indent=2), "headline.json")
     _say(f"trees done in {time.perf_counter() - t0:.1f} s; results in {out}")
-    for name in ("summary", "fig11_summary"):
+    for name in ("summary", "fig11_summary", "overtime_summary", "overtime_learned"):
         if name in tables:
             _say(tables[name].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     return {"tables": tables, "plots": plots, "out_dir": out}

@@ -1,5 +1,6 @@
-"""The learning contract's suite for ``smart/MulticastTree-v0`` (``configs/env/trees.yaml``):
-the baselines the learned policy is compared with over whole group sequences.
+"""The learning contract's suite for ``smart/MulticastTree-v0`` (``configs/env/trees.yaml``) and
+``smart/MulticastOverTime-v0`` (``configs/env/trees_time.yaml``): the baselines the learned
+policy is compared with over whole group sequences.
 
 Every baseline returns an action (most through
 :meth:`envs.trees.env.MulticastTreeEnv.encode`), so the environment builds the same trees it
@@ -14,6 +15,17 @@ would build for a learned policy:
   ``ceil((n - 1) / 2)`` of them so that each handles two receivers) with knob -1 so that all
   are employed; the environment builds its optimal tree over them (it cannot build the
   binary heuristic's own tree; ``python trees.py`` evaluates that tree, Figs. 9-10).
+* ``algorithm1_tuned``: Algorithm 1 with one load knob for every group (``lambda`` times
+  :func:`envs.trees.env.lam_multiplier`), the knob of :data:`TUNING_GRID` with the highest
+  mean return over :data:`TUNING_EPISODES` tuning episodes (their own seed stream, disjoint
+  from the validation and test episodes), chosen at the policy's first episode on a fresh
+  copy of the environment. On a shared cluster a heavier load penalty than the paper's
+  leaves room for the groups to come.
+* ``lookahead`` (``smart/MulticastOverTime-v0`` only): the service nodes taken in the order
+  of their expected weight over the arriving group's stay
+  (:func:`envs.trees.timeline.expected_weights`: the known diurnal background, the current
+  groups' load, the mean holding time, not the group's own), with the load knob tuned as
+  ``algorithm1_tuned``'s. It is the strongest non-learned policy measured there.
 """
 
 from __future__ import annotations
@@ -25,9 +37,16 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from envs.seeding import rng
+from envs.seeding import derive_seed, rng
+from envs.trees.timeline import expected_weights
 
-__all__ = ["BASELINES", "TreePolicy", "baseline_policies"]
+__all__ = ["BASELINES", "TUNED", "TUNING_EPISODES", "TUNING_GRID", "TreePolicy",
+           "baseline_policies", "tune_knob"]
+
+#: the load knobs ``algorithm1_tuned`` chooses from (``a``: lambda x (1 + a) 2^a)
+TUNING_GRID = (-0.3, -0.15, 0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.45, 0.6)
+#: episodes per knob when ``algorithm1_tuned`` tunes
+TUNING_EPISODES = 8
 
 
 def _algorithm1(env: Any, g: np.random.Generator) -> np.ndarray:
@@ -69,21 +88,85 @@ BASELINES: dict[str, Callable[[Any, np.random.Generator], np.ndarray]] = {
     "algorithm1": _algorithm1, "random10": _random10, "nvp": _nvp, "binary": _binary}
 
 
+def _lookahead(env: Any, g: np.random.Generator) -> np.ndarray:
+    """The nodes with room, by their expected weight over the group's stay (module
+    docstring), knob 0."""
+    if not hasattr(env, "shared"):
+        raise ValueError("the lookahead baseline needs smart/MulticastOverTime-v0")
+    sh = env.shared
+    w = expected_weights(env.timeline, env.cluster_spec, sh.now, sh.group_load,
+                         env.timeline_spec.mean_duration)
+    ids = sh.state.available(env.group[1])
+    return env.encode(ids[np.argsort(w[ids], kind="stable")], 0.0)
+
+
+#: the baselines whose load knob is tuned (name -> the rule it tunes)
+TUNED: dict[str, Callable[[Any, np.random.Generator], np.ndarray]] = {
+    "algorithm1_tuned": _algorithm1, "lookahead": _lookahead}
+
+
+def _with_knob(knob: float, rule: Callable[[Any, np.random.Generator], np.ndarray] = _algorithm1
+               ) -> Callable[[Any, np.random.Generator], np.ndarray]:
+    def act(env: Any, g: np.random.Generator) -> np.ndarray:
+        a = rule(env, g)
+        a[-1] = knob
+        return a
+    return act
+
+
+def tune_knob(env_id: str, env_kwargs: Mapping[str, Any], grid: Sequence[float] = TUNING_GRID,
+              episodes: int = TUNING_EPISODES,
+              rule: Callable[[Any, np.random.Generator], np.ndarray] = _algorithm1
+              ) -> tuple[float, dict[float, float]]:
+    """The load knob of ``rule`` (default: Algorithm 1's order) with the highest mean return
+    over ``episodes`` tuning episodes of ``env_id`` (seeds from their own stream); returns it
+    and every knob's mean."""
+    seeds = [derive_seed(0, "multicast-tuning", i) % (2**31) for i in range(int(episodes))]
+    env = gym.make(env_id, **dict(env_kwargs))
+    means: dict[float, float] = {}
+    try:
+        for knob in grid:
+            act, total = _with_knob(float(knob), rule), 0.0
+            for s in seeds:
+                env.reset(seed=s)
+                done = False
+                while not done:
+                    _, r, term, trunc, _ = env.step(act(env.unwrapped, rng(s, "tuning")))
+                    total += float(r)
+                    done = term or trunc
+            means[float(knob)] = total / len(seeds)
+    finally:
+        env.close()
+    best = max(means, key=lambda k: (means[k], -abs(k)))  # ties: the knob nearest 0
+    return best, means
+
+
 class TreePolicy:
-    """One of :data:`BASELINES` as an ``EnvPolicy`` (``agents.episodes``)."""
+    """One of :data:`BASELINES` or :data:`TUNED` as an ``EnvPolicy`` (``agents.episodes``)."""
 
     def __init__(self, name: str) -> None:
-        if name not in BASELINES:
+        if name not in BASELINES and name not in TUNED:
             raise ValueError(f"unknown tree baseline {name!r}; known: "
-                             f"{', '.join(BASELINES)}")
+                             f"{', '.join([*BASELINES, *TUNED])}")
         self.name = name
-        self._act = BASELINES[name]
+        self._act = BASELINES.get(name)
         self._rng = rng(0, "multicast-baseline", name)
+        self.knob: float | None = None
+        self.tuning: dict[float, float] = {}
 
     def reset(self, env: gym.Env, seed: int) -> None:
         self._rng = rng(int(seed), "multicast-baseline", self.name)
+        if self._act is None:  # a tuned baseline: tune once, on a fresh copy of env
+            spec = env.spec
+            if spec is None:
+                raise ValueError(f"{self.name} needs an environment made by gym.make")
+            rule = TUNED[self.name]
+            self.knob, self.tuning = tune_knob(spec.id, spec.kwargs, rule=rule)
+            self._act = _with_knob(self.knob, rule)
 
     def act(self, obs: np.ndarray, env: gym.Env) -> np.ndarray:
+        if self._act is None:
+            raise ValueError(f"{self.name}: reset(env, seed) before act")
         return self._act(env, self._rng)
 
 

@@ -1,0 +1,179 @@
+"""``smart/MulticastOverTime-v0``: one step places one arriving multicast group on a shared
+service-node cluster where earlier groups are still active or have left, and the background
+load follows the time of day.
+
+A thin gymnasium wrapper over :mod:`envs.trees.timeline` (the arrivals, departures and
+background) with the action coding of ``smart/MulticastTree-v0``
+(:class:`envs.trees.env.MulticastTreeEnv`, which stays the per-group benchmark).
+
+## Description
+Groups arrive as a Poisson process and stay for an exponential holding time the policy does
+not know (Little's law: ``arrival_rate * mean_duration`` groups active on average). Before
+each decision the clock moves to the group's arrival: the groups that left release their
+load and every node's background follows its diurnal cycle. A group is scored over its
+lifetime, ``integral (U_g - lambda sum_i w_i(t)) dt`` over its employed service nodes
+(:mod:`envs.trees.timeline`): Algorithm 1 is optimal for the arriving group at the loads it
+sees, not over the loads its nodes will carry while it stays.
+
+## Action space
+As ``smart/MulticastTree-v0``: ``Box(-1, 1, (M + 1,), float32)``, a score per service node
+and a load knob ``a`` (``lambda_eff = lambda (1 + a) 2^a``); nodes scored at or below
+``exclude_below`` or without room are left out, the rest taken in descending score by
+Algorithm 1.
+
+## Observation space
+``Box(0, 1, (M + 7,), float32)``: each node's workload over ``Omega``; the group's hypervisor
+count and rate scaled to their ranges; the active groups over twice their steady-state mean
+(clipped); the time of day as ``(1 + sin) / 2`` and ``(1 + cos) / 2`` of its phase; the mean
+background over ``Omega``; and the fraction of the episode done.
+
+## Reward
+The value the active groups earn from this arrival to the next (to the last departure after
+the last arrival), divided by ``reward_scale`` (default: largest hypervisor count times
+largest rate times ``mean_duration``, so rewards are O(1)); the return is the sequence
+objective over ``reward_scale``. A group no node has room for is dropped and earns nothing.
+
+## Starting state
+An empty cluster (no active group) at time 0 with fresh backgrounds and a fresh sequence,
+drawn from ``self.np_random``.
+
+## Episode end
+Terminates after ``groups_per_episode`` arrivals; never truncated. The terminal ``info``
+holds ``episode_metrics``: those of ``smart/MulticastTree-v0`` (``objective_gbps`` there is
+objective (3) at each arrival, summed), ``value`` (the sequence objective, Gbps x time),
+``bound`` (:func:`envs.trees.timeline.isolation_bound`, the same unit) and ``mean_active``.
+
+## Arguments
+Those of ``smart/MulticastTree-v0`` and ``arrival_rate`` (3 groups per unit of time),
+``mean_duration`` (10), ``background_amplitude`` (0.5) and ``period`` (100).
+
+## Version history
+* v0: initial version.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from gymnasium import spaces
+
+from .env import MulticastTreeEnv
+from .errors import MulticastError
+from .groups import Placement
+from .solver import algorithm1_ordered
+from .timeline import (
+    SharedCluster,
+    Timeline,
+    TimelineSpec,
+    check_peak,
+    generate_timeline,
+    isolation_bound,
+)
+
+__all__ = ["MulticastOverTimeEnv"]
+
+
+class MulticastOverTimeEnv(MulticastTreeEnv):
+    __doc__ = __doc__
+
+    def __init__(self, num_service_nodes: int = 16, groups_per_episode: int = 60,
+                 hypervisors: Sequence[int] = (10, 100),
+                 rate_gbps: Sequence[float] = (0.05, 0.8),
+                 background_gbps: Sequence[float] = (4.0, 16.0), capacity_gbps: float = 32.0,
+                 alpha: float = 1.0, lam: float = 1.0, switch: str = "cloning_cost",
+                 variant: str = "exact", exclude_below: float = -0.9,
+                 reward_scale: float | None = None, arrival_rate: float = 3.0,
+                 mean_duration: float = 10.0, background_amplitude: float = 0.5,
+                 period: float = 100.0) -> None:
+        scale = (reward_scale if reward_scale is not None
+                 else float(hypervisors[1]) * float(rate_gbps[1]) * float(mean_duration))
+        super().__init__(num_service_nodes, groups_per_episode, hypervisors, rate_gbps,
+                         background_gbps, capacity_gbps, alpha, lam, switch, variant,
+                         exclude_below, scale)
+        self.timeline_spec = TimelineSpec(self.group_spec, float(arrival_rate),
+                                          float(mean_duration), float(background_amplitude),
+                                          float(period))
+        check_peak(self.timeline_spec, self.cluster_spec)
+        m = self.cluster_spec.num_service_nodes
+        self.observation_space = spaces.Box(0.0, 1.0, (m + 7,), np.float32)
+        self.timeline: Timeline | None = None
+        self.shared: SharedCluster | None = None
+
+    @property
+    def group(self) -> tuple[int, float]:
+        assert self.timeline is not None, "call reset() first"
+        return int(self.timeline.n[self.t]), float(self.timeline.rate_gbps[self.t])
+
+    def _get_obs(self) -> np.ndarray:
+        assert self.shared is not None and self.timeline is not None
+        tl, s, cap = self.timeline, self.group_spec, self.cluster_spec.capacity_gbps
+        t = min(self.t, len(tl) - 1)
+        (nlo, nhi), (rlo, rhi) = s.hypervisors, s.rate_gbps
+        steady = self.timeline_spec.arrival_rate * self.timeline_spec.mean_duration
+        angle = 2.0 * math.pi * self.shared.now / tl.period
+        extra = [(float(tl.n[t]) - nlo) / max(nhi - nlo, 1),
+                 (float(tl.rate_gbps[t]) - rlo) / max(rhi - rlo, 1e-12),
+                 len(self.shared.active) / (2.0 * steady),
+                 (1.0 + math.sin(angle)) / 2.0, (1.0 + math.cos(angle)) / 2.0,
+                 float(tl.background(self.shared.now).mean()) / cap, self.t / len(tl)]
+        obs = np.concatenate([self.shared.state.loads / cap, extra])
+        out: np.ndarray = np.clip(obs, 0.0, 1.0).astype(np.float32)
+        return out
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None
+              ) -> tuple[np.ndarray, dict]:
+        super(MulticastTreeEnv, self).reset(seed=seed)
+        self.timeline = generate_timeline(self.timeline_spec, self.cluster_spec,
+                                          self.np_random)
+        self.shared = SharedCluster(self.cluster_spec, self.switch, self.timeline)
+        self.shared.advance(float(self.timeline.t[0]))
+        self.cluster = self.shared.state
+        self.groups = None
+        self.t = 0
+        self._log = []
+        self._active_seen: list[int] = []
+        self._value = 0.0
+        return self._get_obs(), {}
+
+    def step(self, action: np.ndarray) -> tuple[np.ndarray, float, bool, bool, dict]:
+        if self.shared is None or self.timeline is None or self.t >= len(self.timeline):
+            raise MulticastError("step() called before reset() or after the episode ended")
+        n, r = self.group
+        order, lam_eff = self.decode(action)
+        info: dict[str, Any] = {"group": self.t, "hypervisors": n, "rate_gbps": r,
+                                "lam_eff": lam_eff, "time": self.shared.now,
+                                "active": len(self.shared.active)}
+        self._active_seen.append(len(self.shared.active))
+        placement: Placement | None
+        if len(order) == 0:
+            placement = None
+            info.update(dropped=True, k=0)
+        else:
+            res = algorithm1_ordered(n, r, order, self.shared.state.weights(), self.switch,
+                                     lam_eff, self.variant)
+            placement = self.shared.place(self.t, res.tree, r)
+            info.update(dropped=False, k=placement.k, objective_gbps=placement.objective,
+                        ratio=placement.ratio)
+        self._log.append(placement)
+        self.t += 1
+        done = self.t >= len(self.timeline)
+        before = self.shared.departed
+        value = (self.shared.drain() if done
+                 else self.shared.advance(float(self.timeline.t[self.t])))
+        self._value += value
+        info.update(value=value, departed=self.shared.departed - before)
+        if done:
+            info["episode_metrics"] = self._episode_metrics()
+        return self._get_obs(), float(value / self.reward_scale), done, False, info
+
+    def _episode_metrics(self) -> dict[str, float]:
+        assert self.timeline is not None
+        out = super()._episode_metrics()
+        out["value"] = self._value
+        out["bound"] = float(isolation_bound(self.timeline, self.cluster_spec, self.switch,
+                                             self.variant).sum())
+        out["mean_active"] = float(np.mean(self._active_seen)) if self._active_seen else 0.0
+        return out

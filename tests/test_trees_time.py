@@ -1,0 +1,197 @@
+"""``smart/MulticastOverTime-v0`` and its core (:mod:`envs.trees.timeline`): hand-computed
+lifetimes and integrals, departures that release their load, the isolation bound above every
+policy, the tuned and lookahead baselines, ``check_env`` and determinism."""
+
+from __future__ import annotations
+
+import math
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium.utils.env_checker import check_env
+
+import envs  # noqa: F401  (registers smart/*)
+from agents.episodes import episode_seeds, run_episodes
+from agents.trees.suite import TUNED, baseline_policies
+from envs.trees import CloningCostSwitch, MulticastError
+from envs.trees.groups import ClusterSpec, ClusterState, GroupSpec
+from envs.trees.solver import algorithm1
+from envs.trees.timeline import (
+    SharedCluster,
+    Timeline,
+    TimelineSpec,
+    capped_weights,
+    expected_weights,
+    generate_timeline,
+    isolation_bound,
+    lifetime_weights,
+)
+
+SMALL = {"num_service_nodes": 8, "groups_per_episode": 15, "hypervisors": [5, 40],
+         "arrival_rate": 2.0, "mean_duration": 5.0}
+SPEC = ClusterSpec(num_service_nodes=3, background_gbps=(1.0, 4.0), capacity_gbps=32.0,
+                   alpha=1.0, lam=1.0)
+
+
+def _timeline(t, duration, n, r, base, amplitude=0.0, period=100.0) -> Timeline:
+    m = len(base)
+    return Timeline(np.asarray(t, float), np.asarray(duration, float),
+                    np.asarray(n, np.int64), np.asarray(r, float), np.asarray(base, float),
+                    np.zeros(m), amplitude, period)
+
+
+def test_background_follows_its_diurnal_cycle() -> None:
+    """``b_i(t) = base_i (1 + A sin(2 pi t / P + phase_i))``, one row per time for an array."""
+    tl = Timeline(np.zeros(1), np.ones(1), np.array([3]), np.array([0.1]),
+                  np.array([2.0, 4.0]), np.array([0.0, math.pi / 2]), 0.5, 100.0)
+    assert tl.background(0.0) == pytest.approx([2.0, 6.0])
+    assert tl.background(25.0) == pytest.approx([3.0, 4.0])
+    assert np.allclose(tl.background(np.array([0.0, 25.0])), [[2.0, 6.0], [3.0, 4.0]])
+
+
+def test_a_constant_background_integrates_exactly() -> None:
+    """With no diurnal swing the lifetime integral of a weight is the weight times the stay,
+    and the survival-weighted expectation is the weight itself."""
+    tl = _timeline([0.0], [1.0], [3], [0.1], [8.0, 16.0, 0.0])
+    w = capped_weights(np.array([8.0, 16.0, 0.0]), SPEC)
+    assert w == pytest.approx([-math.log(0.75), -math.log(0.5), 0.0])
+    assert lifetime_weights(tl, SPEC, 2.0, 5.0) == pytest.approx(3.0 * w)
+    assert expected_weights(tl, SPEC, 2.0, 0.0, 7.0) == pytest.approx(w)
+
+
+def test_a_group_earns_its_lifetime_value_and_leaves_with_its_load() -> None:
+    """A group placed at t=1 for 2 time units on a constant background earns
+    ``2 (U - lambda sum w)`` by t=10, and its load is gone after it left."""
+    sw = CloningCostSwitch()
+    tl = _timeline([1.0, 10.0], [2.0, 1.0], [4, 4], [0.5, 0.5], [8.0, 16.0, 4.0])
+    sh = SharedCluster(SPEC, sw, tl)
+    assert sh.advance(1.0) == 0.0
+    res = algorithm1(4, 0.5, sh.state.weights(), sw, SPEC.lam)
+    before = sh.state.loads.copy()
+    p = sh.place(0, res.tree, 0.5)
+    ids = res.selected
+    w_after = capped_weights(sh.state.loads, SPEC)
+    expect = 2.0 * (p.throughput - SPEC.lam * float(w_after[ids].sum()))
+    assert len(sh.active) == 1
+    assert sh.advance(10.0) == pytest.approx(expect)
+    assert sh.active == [] and sh.departed == 1
+    assert sh.state.loads == pytest.approx(before)
+    with pytest.raises(MulticastError, match="time cannot go back"):
+        sh.advance(9.0)
+
+
+def test_the_isolation_bound_is_above_every_policy() -> None:
+    """No policy earns more than the isolation bound, on any episode."""
+    env = gym.make("smart/MulticastOverTime-v0", **SMALL)
+    pols = baseline_policies(["algorithm1", "random10", "nvp", "binary", "lookahead"], SMALL)
+    df = run_episodes(pols, "smart/MulticastOverTime-v0", SMALL, [0, 1, 2])
+    assert (df.value <= df.bound + 1e-6).all()
+    assert (df.value > 0).all()
+    env.close()
+
+
+def test_the_bound_of_one_group_is_algorithm1_on_its_mean_weights() -> None:
+    """One group alone on a constant background: the bound is its stay times Algorithm 1's
+    objective (3) on the current weights."""
+    sw = CloningCostSwitch()
+    tl = _timeline([0.5], [3.0], [6], [0.4], [8.0, 16.0, 4.0])
+    st = ClusterState(SPEC, sw, tl.background(0.5))
+    res = algorithm1(6, 0.4, st.weights(), sw, SPEC.lam)
+    assert isolation_bound(tl, SPEC, sw) == pytest.approx([3.0 * res.value])
+
+
+def test_bad_timelines_are_refused() -> None:
+    """A background whose diurnal peak reaches the capacity, or a rate that is not > 0."""
+    with pytest.raises(MulticastError, match="diurnal peak"):
+        gym.make("smart/MulticastOverTime-v0", background_gbps=[4.0, 24.0],
+                 background_amplitude=0.5)
+    with pytest.raises(MulticastError, match="arrival_rate must be"):
+        TimelineSpec(GroupSpec(), arrival_rate=0.0)
+    with pytest.raises(MulticastError, match="background_amplitude"):
+        TimelineSpec(GroupSpec(), background_amplitude=1.5)
+
+
+def test_check_env_and_the_same_seed_gives_the_same_episode() -> None:
+    check_env(gym.make("smart/MulticastOverTime-v0", **SMALL).unwrapped)
+    env = gym.make("smart/MulticastOverTime-v0", **SMALL)
+    pol = baseline_policies(["random10"], SMALL)[0]
+
+    def episode(seed: int) -> tuple[list, float]:
+        obs, _ = env.reset(seed=seed)
+        pol.reset(env.unwrapped, seed)
+        obs_seen, done, total = [obs], False, 0.0
+        while not done:
+            obs, r, done, _, info = env.step(pol.act(obs, env.unwrapped))
+            obs_seen.append(obs)
+            total += r
+        assert info["episode_metrics"]["value"] == pytest.approx(
+            total * env.unwrapped.reward_scale)
+        return obs_seen, total
+
+    a, b, c = episode(3), episode(3), episode(4)
+    assert a[1] == b[1] and all(np.array_equal(x, y) for x, y in zip(a[0], b[0]))
+    assert a[1] != c[1]
+    tl = generate_timeline(env.unwrapped.timeline_spec, env.unwrapped.cluster_spec,
+                           np.random.default_rng(0))
+    assert np.all(np.diff(tl.t) > 0) and np.all(tl.duration > 0)
+
+
+def test_tuned_baselines_tune_once_and_are_deterministic() -> None:
+    """``algorithm1_tuned`` and ``lookahead`` choose their knob on tuning episodes of their
+    own (the same knob every time), and unknown names are refused with the known ones."""
+    assert set(TUNED) == {"algorithm1_tuned", "lookahead"}
+    seeds = episode_seeds(0, "test", 2)
+    one = run_episodes(baseline_policies(["lookahead"], SMALL), "smart/MulticastOverTime-v0",
+                       SMALL, seeds)
+    two = baseline_policies(["lookahead"], SMALL)
+    again = run_episodes(two, "smart/MulticastOverTime-v0", SMALL, seeds)
+    assert one["return"].tolist() == again["return"].tolist()
+    assert two[0].knob in two[0].tuning and len(two[0].tuning) > 3
+    with pytest.raises(ValueError, match=r"known: .*algorithm1_tuned"):
+        baseline_policies(["algorithm2"], SMALL)
+    with pytest.raises(ValueError, match="needs smart/MulticastOverTime-v0"):
+        run_episodes(baseline_policies(["lookahead"], {}), "smart/MulticastTree-v0",
+                     {"num_service_nodes": 8, "groups_per_episode": 3}, [0])
+
+
+def test_overtime_tables_put_every_policy_beside_the_rollout_and_the_bound() -> None:
+    """``trees.py figures=[overtime]``'s tables on a small configuration: every baseline on
+    every episode, the rollout on the first, values below the bound, and the paired
+    difference against ``algorithm1_tuned`` (0 for itself)."""
+    from agents.trees.overtime import overtime_tables
+
+    t = overtime_tables(2, 1, {"groups_per_episode": 6}, say=lambda _: None)
+    df, summ = t["overtime"], t["overtime_summary"].set_index("policy")
+    assert set(df.policy) == {"algorithm1", "algorithm1_tuned", "lookahead", "random10",
+                              "nvp", "binary", "rollout"}
+    assert (df.value <= df.bound + 1e-6).all()
+    assert summ.loc["rollout", "episodes"] == 1 and summ.loc["nvp", "episodes"] == 2
+    assert summ.loc["algorithm1_tuned", "vs_algorithm1_tuned_pct"] == pytest.approx(0.0)
+    assert 0 < summ.loc["algorithm1", "of_bound"] <= 1
+
+
+def test_learned_runs_are_paired_with_the_tuned_baseline_per_seed(tmp_path) -> None:
+    """``overtime.learned``: each training run's learned policy against ``algorithm1_tuned``
+    on that run's own test episodes, then the mean over runs with its 95% interval; a
+    directory that is not a finished run is refused by name."""
+    import pandas as pd
+
+    from agents.trees.overtime import learned_table
+
+    dirs = []
+    for k, gain in enumerate((0.02, 0.04)):
+        d = tmp_path / f"run{k}"
+        d.mkdir()
+        rows = [{"policy": p, "seed": s, "value": v * (1 + gain if p == "learned" else 1)}
+                for s, v in ((1, 100.0), (2, 200.0))
+                for p in ("learned", "algorithm1", "algorithm1_tuned", "lookahead")]
+        pd.DataFrame(rows).to_csv(d / "per_episode.csv", index=False)
+        dirs.append(d)
+    t = learned_table(dirs).set_index("run")
+    assert t.loc["run0", "learned_vs_algorithm1_tuned_pct"] == pytest.approx(2.0)
+    assert t.loc["mean", "learned_vs_algorithm1_tuned_pct"] == pytest.approx(3.0)
+    assert t.loc["mean", "ci95_pct"] == pytest.approx(1.96 * np.std([2.0, 4.0], ddof=1)
+                                                      / np.sqrt(2))
+    with pytest.raises(FileNotFoundError, match=r"run9 has no per_episode\.csv"):
+        learned_table([tmp_path / "run9"])
