@@ -17,8 +17,17 @@ the runs' percentiles (min-max across runs). Also measured: the CPU cost of
 ``TenantShaper.submit`` on its fast path (nothing queued, released inline to a no-op), per
 policy, 16 classes, ``SUBMITS`` calls.
 
-Usage: ``python bench/bench_fairness.py [--quick]`` (``--quick``: one run each, a burst of
-1,000).
+With ``--map``, the same scenario over a grid instead (``--repeats`` runs per cell, the
+grid run through once per repetition; written as ``bench_fairness_map``): the burst
+(:data:`MAP_BURSTS` messages), the number of small tenants (:data:`MAP_SMALLS`, each sending
+20 messages/s) and the cap G (:data:`MAP_CAPS`); Sincon (``on``, a class per tenant) and one
+FIFO (``off``) at each cap, and the unshaped controller once per burst and tenant count. Per
+cell: each tenant kind's p50 and p95 (the small tenants' pooled; median, min-max over the
+repetitions), and the median of Sincon's p95 over the unshaped one's for both, paired by
+repetition: where shaping pays the small tenants and what it costs the bursting one.
+
+Usage: ``python bench/bench_fairness.py [--quick | --map [--repeats N]]`` (``--quick``: one
+run each, a burst of 1,000).
 """
 
 from __future__ import annotations
@@ -37,6 +46,9 @@ REPEATS = 3
 BURST = 3000
 SUBMITS = 100_000
 ARM_ORDER = ("on", "off", "unshaped")
+MAP_BURSTS = (300, 1000, 3000)
+MAP_SMALLS = (1, 3)
+MAP_CAPS = (200_000.0, 800_000.0)  # G, bytes/s of controller egress
 
 
 def bench_submit_cost() -> dict[str, Any]:
@@ -60,11 +72,92 @@ def bench_submit_cost() -> dict[str, Any]:
     return res
 
 
+def _pooled(delays: dict[int, list[float]], vpcs: list[int]) -> dict[str, float]:
+    from tests.test_fairness import percentiles
+
+    return percentiles([d for v in vpcs for d in delays[v]])
+
+
+def bench_map(repeats: int) -> None:
+    """The grid of the module docstring, ``repeats`` runs per cell."""
+    from delivery.broker import PulsarStandalone
+    from tests.test_fairness import BIG, SMALL, arm_configs, burst_scenario
+
+    t_start = time.perf_counter()
+    cells = [(b, k, g, arm) for b in MAP_BURSTS for k in MAP_SMALLS
+             for g in (*MAP_CAPS, None) for arm in (("unshaped",) if g is None else ("on", "off"))]
+    log(f"bench_fairness --map: {len(cells)} cells x {repeats} runs")
+    runs = []
+    with PulsarStandalone(progress=None) as broker, \
+            tempfile.TemporaryDirectory(prefix="bench_fairness_map_") as tmp:
+        for rep in range(repeats):
+            for i, (b, k, g, arm) in enumerate(cells):
+                cfg = arm_configs(g or 0.0, k)[arm]
+                res = burst_scenario(broker, Path(tmp) / f"{rep}-{i}", cfg, burst=b, smalls=k)
+                small = _pooled(res["delays_ms"], [SMALL + j for j in range(k)])
+                big = _pooled(res["delays_ms"], [BIG])
+                runs.append({"repeat": rep, "burst": b, "smalls": k, "cap_Bps": g, "arm": arm,
+                             "small": small, "big": big, "wall_s": res["wall_s"]})
+                log(f"  run {rep + 1} [{i + 1}/{len(cells)}] burst {b}, {k} small, G "
+                    f"{'-' if g is None else f'{g / 1e3:.0f} kB/s'}, {arm}: small p50/p95 "
+                    f"{small['p50']:.0f}/{small['p95']:.0f} ms, large p50/p95 "
+                    f"{big['p50']:.0f}/{big['p95']:.0f} ms, {res['wall_s']:.1f} s")
+
+    def of(b: int, k: int, g: float | None, arm: str) -> list[dict[str, Any]]:
+        return [r for r in runs if (r["burst"], r["smalls"], r["cap_Bps"], r["arm"])
+                == (b, k, g, arm)]
+
+    rows, verdict, summary = [], [], []
+    for b, k, g, arm in cells:
+        rs = of(b, k, g, arm)
+        s = {f"{who}_{q}_ms": stats([r[who][q] for r in rs]) for who in ("small", "big")
+             for q in ("p50", "p95")}
+        summary.append({"burst": b, "smalls": k, "cap_Bps": g, "arm": arm, **s})
+        rows.append([b, k, "-" if g is None else f"{g / 1e3:.0f}", arm,
+                     *(fmt_stats(s[c]) for c in ("small_p50_ms", "small_p95_ms",
+                                                 "big_p50_ms", "big_p95_ms"))])
+    for b in MAP_BURSTS:
+        for k in MAP_SMALLS:
+            un = of(b, k, None, "unshaped")
+            for g in MAP_CAPS:
+                on = of(b, k, g, "on")
+                ratio = {who: stats([o[who]["p95"] / u[who]["p95"] for o, u in zip(on, un)])
+                         for who in ("small", "big")}
+                verdict.append([b, k, f"{g / 1e3:.0f}", fmt_stats(ratio["small"], "{:.2f}"),
+                                fmt_stats(ratio["big"], "{:.2f}")])
+    table = md_table(["burst", "small tenants", "G kB/s", "shaping", "small p50 ms",
+                      "small p95 ms", "large p50 ms", "large p95 ms"], rows)
+    table += "\n\n" + md_table(["burst", "small tenants", "G kB/s",
+                                 "small p95, Sincon / unshaped",
+                                 "large p95, Sincon / unshaped"], verdict)
+    notes = [f"median (min-max) of {repeats} runs per cell, the grid run through once per "
+             "repetition; not pinned; the broker shared by every run",
+             "large tenant: the burst of PORT updates x 4 nodes in one send_many; each small "
+             "tenant: 20 SUBNET updates/s for 5 s to the same 4 nodes; 128-byte payloads",
+             "on: sincon, a class per tenant; off: static, 1 class (one FIFO); both at G "
+             "(payload bytes x destinations per second); unshaped: no shaper",
+             "small: the small tenants' deliveries pooled; ratios paired by repetition, "
+             "below 1: Sincon's p95 is lower than the unshaped controller's"]
+    total = time.perf_counter() - t_start
+    finish("bench_fairness_map", {"command": f"python bench/bench_fairness.py --map --repeats "
+                                             f"{repeats}",
+                                  "settings": {"bursts": MAP_BURSTS, "smalls": MAP_SMALLS,
+                                               "caps_Bps": MAP_CAPS, "repeats": repeats},
+                                  "runs": runs, "summary": summary, "total_s": total},
+           table, notes, total)
+
+
 def main() -> None:
     global REPEATS, BURST, SUBMITS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1 run each, a burst of 1,000")
+    ap.add_argument("--map", action="store_true",
+                    help="the grid of bursts, small tenants and caps")
+    ap.add_argument("--repeats", type=int, default=3, help="--map: runs per cell")
     args = ap.parse_args()
+    if args.map:
+        bench_map(args.repeats)
+        return
     if args.quick:
         REPEATS, BURST, SUBMITS = 1, 1000, 10_000
     from delivery.broker import PulsarStandalone

@@ -355,13 +355,21 @@ def test_stats_report_the_class_limits():
 BIG, SMALL = 1, 2                       # the VPCs: a large tenant bursting, a small one
 # the same cap G for both arms: one FIFO at G (off) vs Sincon over two classes (on)
 G_BPS = 400_000.0
-ARMS: dict[str, dict | None] = {
-    "off": {"enabled": True, "policy": "static", "classes": 1,
-            "global_throughput_Bps": G_BPS},
-    "on": {"enabled": True, "policy": "sincon", "classes": 2,
-           "tenant_class": {BIG: 0, SMALL: 1}, "global_throughput_Bps": G_BPS},
-    "unshaped": None,                   # shaping disabled (no TenantShaper at all)
-}
+
+
+def arm_configs(g_bps: float = G_BPS, smalls: int = 1) -> dict[str, dict | None]:
+    """The three arms at cap ``g_bps`` with ``smalls`` small tenants (VPCs ``SMALL``,
+    ``SMALL + 1``, ...): ``off`` one FIFO at G, ``on`` Sincon with a class per tenant,
+    ``unshaped`` no shaper at all."""
+    classes = {BIG: 0, **{SMALL + j: 1 + j for j in range(smalls)}}
+    return {"off": {"enabled": True, "policy": "static", "classes": 1,
+                    "global_throughput_Bps": g_bps},
+            "on": {"enabled": True, "policy": "sincon", "classes": 1 + smalls,
+                   "tenant_class": classes, "global_throughput_Bps": g_bps},
+            "unshaped": None}
+
+
+ARMS: dict[str, dict | None] = arm_configs()
 
 
 def _send_many(r: Any, type_id: int, vpc: int, config: str, resource_ids: range,
@@ -383,11 +391,12 @@ def _send_many(r: Any, type_id: int, vpc: int, config: str, resource_ids: range,
 
 def burst_scenario(broker: Any, tmp: Path, shaping: dict | None, *, burst: int = 3000,
                    size: int = 128, small_rate: float = 20.0, small_s: float = 5.0,
-                   nodes: int = 4) -> dict[str, Any]:
-    """VPC ``BIG`` sends ``burst`` RPC messages to ``nodes`` nodes in one go while VPC
-    ``SMALL`` sends ``small_rate`` messages/s for ``small_s`` s to the same nodes; every
-    message must be delivered (:func:`assert_delivered`). Returns the delays (applied_ns -
-    timestamp_ns, ms, every node's record) of each tenant and the run's wall time."""
+                   nodes: int = 4, smalls: int = 1) -> dict[str, Any]:
+    """VPC ``BIG`` sends ``burst`` RPC messages to ``nodes`` nodes in one go while each of
+    ``smalls`` small tenants (VPCs ``SMALL``, ``SMALL + 1``, ...) sends ``small_rate``
+    messages/s for ``small_s`` s to the same nodes; every message must be delivered
+    (:func:`assert_delivered`). Returns the delays (applied_ns - timestamp_ns, ms, every
+    node's record) of each tenant and the run's wall time."""
     from .delivery_rig import rig
 
     tmp.mkdir(parents=True, exist_ok=True)
@@ -403,14 +412,16 @@ def burst_scenario(broker: Any, tmp: Path, shaping: dict | None, *, burst: int =
         k = 0
         while (t := t0 + k / small_rate) < t0 + small_s:
             time.sleep(max(0.0, t - time.monotonic()))
-            r.send(0, resource_id=k, hosts=hosts, vpc=SMALL, config="SUBNET", size=size)
+            for j in range(smalls):
+                r.send(0, resource_id=k, hosts=hosts, vpc=SMALL + j, config="SUBNET",
+                       size=size)
             r.ctl.flush()
             k += 1
         big.join(60)
         assert not big.is_alive(), "the burst's send_many did not return"
         rows = r.delivered(timeout=120.0)
         wall = time.monotonic() - t0
-    delays: dict[int, list[float]] = {BIG: [], SMALL: []}
+    delays: dict[int, list[float]] = {BIG: [], **{SMALL + j: [] for j in range(smalls)}}
     for rs in rows.values():
         for row in rs:
             delays[row.vpc_id].append((row.applied_ns - row.timestamp_ns) / 1e6)

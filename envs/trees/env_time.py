@@ -44,7 +44,8 @@ objective (3) at each arrival, summed), ``value`` (the sequence objective, Gbps 
 ``bound`` (:func:`envs.trees.timeline.isolation_bound`, the same unit) and ``mean_active``.
 
 ## Arguments
-Those of ``smart/MulticastTree-v0`` and ``arrival_rate`` (3 groups per unit of time),
+Those of ``smart/MulticastTree-v0`` (here 60 groups per episode and a 4-16 Gbps background
+by default) and ``arrival_rate`` (3 groups per unit of time),
 ``mean_duration`` (10), ``background_amplitude`` (0.5) and ``period`` (100).
 
 ## Version history
