@@ -69,15 +69,18 @@ class ControllerProcess(ModuleProcess):
     def recovered(self) -> dict:
         return json.loads(self.ready.read_text())["recovered"]
 
+    # both are called while the controller serves: wait_for_ready rides out a connection
+    # attempt that timed out on a loaded machine (the TLS handshake behind other work)
+    # instead of failing at once with UNAVAILABLE
     def status(self) -> tuple[dict, dict[int, int]]:
-        s = self.stub.Status(pb.StatusRequest(), timeout=10)
+        s = self.stub.Status(pb.StatusRequest(), timeout=10, wait_for_ready=True)
         return json.loads(s.stats_json), dict(s.channels)
 
     def set_channels(self, channels: Mapping[int, int],
                      hosts: Mapping[int, Iterable[int]]) -> Any:
         return self.stub.SetChannels(pb.ChannelsRequest(types=[
             pb.TypeChannel(type_id=t, channel=c, hosts=hosts.get(t, ()))
-            for t, c in channels.items()]), timeout=60)
+            for t, c in channels.items()]), timeout=60, wait_for_ready=True)
 
 
 class IngressLedger:
