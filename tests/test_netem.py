@@ -96,9 +96,17 @@ def test_controller_rate_changes_in_place() -> None:
 
 @pytest.mark.skipif(shutil.which("nft") is None, reason="needs nftables (make nettools)")
 def test_loss_is_measured_within_ten_percent() -> None:
+    """The link's 5% loss is measured within 10% of itself. A starved machine (the parallel
+    suite on 2 cores) can only add drops outside the link (a veth's ring full while its
+    receiver waits for a CPU), never remove the link's, so the least of up to three
+    measurements is the link's."""
     with EmulatedNetwork(NetworkSpec([1, 2], loss=0.05)) as net:
-        lost = measure_loss(net, net.broker, net.node(1), node_address(1), packets=40000)
-        assert 0.045 <= lost <= 0.055, lost
+        tries = []
+        while len(tries) < 3 and not (tries and tries[-1] <= 0.055):
+            tries.append(measure_loss(net, net.broker, net.node(1), node_address(1),
+                                      packets=40000))
+        lost = min(tries)
+        assert 0.045 <= lost <= 0.055, tries
         # only the links into the nodes lose, and a new setting replaces the old one
         assert measure_loss(net, net.node(1), net.broker, BROKER_ADDRESS, packets=5000) == 0.0
         netem.set_loss(net.node(1), 0.0)
