@@ -73,6 +73,7 @@ from .groups import (
 )
 from .solver import algorithm1_ordered
 from .switch import switch_from_spec
+from .tree import MulticastTree
 
 __all__ = ["MulticastTreeEnv", "lam_multiplier"]
 
@@ -182,26 +183,39 @@ class MulticastTreeEnv(gym.Env):
     def step(self, action: np.ndarray) -> tuple[np.ndarray, float, bool, bool, dict]:
         if self.cluster is None or self.groups is None or self.t >= len(self.groups):
             raise MulticastError("step() called before reset() or after the episode ended")
-        n, r = self.group
-        order, lam_eff = self.decode(action)
-        info: dict[str, Any] = {"group": self.t, "hypervisors": n, "rate_gbps": r,
-                                "lam_eff": lam_eff}
-        if len(order) == 0:
-            placement, reward = None, 0.0
-            info.update(dropped=True, k=0)
-        else:
-            res = algorithm1_ordered(n, r, order, self.cluster.weights(), self.switch,
-                                     lam_eff, self.variant)
-            placement = self.cluster.place(res.tree, r)
-            reward = placement.objective / self.reward_scale
-            info.update(dropped=False, k=placement.k, objective_gbps=placement.objective,
-                        ratio=placement.ratio)
-        self._log.append(placement)
+        placement, info = self._place_group(action)
+        reward = 0.0 if placement is None else placement.objective / self.reward_scale
         self.t += 1
         done = self.t >= len(self.groups)
         if done:
             info["episode_metrics"] = self._episode_metrics()
         return self._get_obs(), float(reward), done, False, info
+
+    def _place_group(self, action: np.ndarray) -> tuple[Placement | None, dict[str, Any]]:
+        """The group of step ``self.t`` placed as ``action`` says (Algorithm 1 over the
+        decoded order at the current weights; None when no node has room), logged, and the
+        step's ``info`` so far."""
+        assert self.cluster is not None
+        n, r = self.group
+        order, lam_eff = self.decode(action)
+        info: dict[str, Any] = {"group": self.t, "hypervisors": n, "rate_gbps": r,
+                                "lam_eff": lam_eff}
+        placement: Placement | None = None
+        if len(order) == 0:
+            info.update(dropped=True, k=0)
+        else:
+            res = algorithm1_ordered(n, r, order, self.cluster.weights(), self.switch,
+                                     lam_eff, self.variant)
+            placement = self._place_tree(res.tree, r)
+            info.update(dropped=False, k=placement.k, objective_gbps=placement.objective,
+                        ratio=placement.ratio)
+        self._log.append(placement)
+        return placement, info
+
+    def _place_tree(self, tree: MulticastTree, r: float) -> Placement:
+        """Put ``tree`` on the cluster (its loads stay for the episode)."""
+        assert self.cluster is not None
+        return self.cluster.place(tree, r)
 
     def _episode_metrics(self) -> dict[str, float]:
         assert self.cluster is not None

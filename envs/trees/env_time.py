@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 from gymnasium import spaces
@@ -64,7 +63,6 @@ from gymnasium import spaces
 from .env import MulticastTreeEnv
 from .errors import MulticastError
 from .groups import Placement
-from .solver import algorithm1_ordered
 from .timeline import (
     SharedCluster,
     Timeline,
@@ -73,6 +71,7 @@ from .timeline import (
     generate_timeline,
     isolation_bound,
 )
+from .tree import MulticastTree
 
 __all__ = ["MulticastOverTimeEnv"]
 
@@ -142,23 +141,10 @@ class MulticastOverTimeEnv(MulticastTreeEnv):
     def step(self, action: np.ndarray) -> tuple[np.ndarray, float, bool, bool, dict]:
         if self.shared is None or self.timeline is None or self.t >= len(self.timeline):
             raise MulticastError("step() called before reset() or after the episode ended")
-        n, r = self.group
-        order, lam_eff = self.decode(action)
-        info: dict[str, Any] = {"group": self.t, "hypervisors": n, "rate_gbps": r,
-                                "lam_eff": lam_eff, "time": self.shared.now,
-                                "active": len(self.shared.active)}
-        self._active_seen.append(len(self.shared.active))
-        placement: Placement | None
-        if len(order) == 0:
-            placement = None
-            info.update(dropped=True, k=0)
-        else:
-            res = algorithm1_ordered(n, r, order, self.shared.state.weights(), self.switch,
-                                     lam_eff, self.variant)
-            placement = self.shared.place(self.t, res.tree, r)
-            info.update(dropped=False, k=placement.k, objective_gbps=placement.objective,
-                        ratio=placement.ratio)
-        self._log.append(placement)
+        now, active = self.shared.now, len(self.shared.active)
+        self._active_seen.append(active)
+        _, info = self._place_group(action)
+        info.update(time=now, active=active)
         self.t += 1
         done = self.t >= len(self.timeline)
         before = self.shared.departed
@@ -169,6 +155,11 @@ class MulticastOverTimeEnv(MulticastTreeEnv):
         if done:
             info["episode_metrics"] = self._episode_metrics()
         return self._get_obs(), float(value / self.reward_scale), done, False, info
+
+    def _place_tree(self, tree: MulticastTree, r: float) -> Placement:
+        """Put ``tree`` on the shared cluster until the group's departure."""
+        assert self.shared is not None
+        return self.shared.place(self.t, tree, r)
 
     def _episode_metrics(self) -> dict[str, float]:
         assert self.timeline is not None
