@@ -22,7 +22,8 @@ from _common import RESULTS_DIR, ROOT, log, machine_info
 BENCHMARKS = ("bench_env", "bench_trace", "bench_exact", "bench_replay", "bench_pendulum",
               "bench_throughput", "bench_serving", "bench_testbed", "bench_trees",
               "bench_shaping", "bench_online", "bench_dataset", "bench_outbox",
-              "bench_failover", "bench_fairness", "bench_announce", "bench_security_grpc",
+              "bench_failover", "bench_fairness", "bench_fairness_fidelity",
+              "bench_announce", "bench_security_grpc",
               "bench_security_server", "bench_security_testbed", "bench_netem",
               "bench_switch_cost", "bench_rpc_patterns", "bench_server_abuse")
 

@@ -194,7 +194,17 @@ def _plots(summary: pd.DataFrame, traces: dict[str, Any], out: Path, fig5_tenant
 
 
 def run_shaping(cfg: DictConfig) -> dict[str, Any]:
-    """The whole reproduction (see the module docstring); returns tables, plots, headline."""
+    """The whole reproduction (see the module docstring); returns tables, plots, headline.
+    ``model=controller`` runs it on the controller's sending path instead
+    (:func:`agents.shaping.path_experiment.run_path`)."""
+    model = str(cfg.get("model", "switches"))
+    if model == "controller":
+        from .path_experiment import run_path
+
+        return run_path(cfg)
+    if model != "switches":
+        raise ShapingError(f"model={model!r}: known models are 'switches' (the SDN-NV "
+                           "control channels) and 'controller' (the sending path)")
     out = output_dir(cfg)
     out.mkdir(parents=True, exist_ok=True)
     sim = to_dict(cfg.sim) or {}
