@@ -37,9 +37,11 @@ round, waiting for it (a closed loop: a round that waits delays the next round's
 timestamps, as the benchmark's sending loop does). At the end everything left is flushed.
 Delay = applied - timestamp for every (node, message) (:class:`PathRecords`).
 
-The four cost constants live in ``delivery/sending_costs.json`` with their source: fitted on
+The five cost constants live in ``delivery/sending_costs.json`` with their source: fitted on
 the unshaped cells of the committed fairness map (``bench/bench_fairness_fidelity.py
---fit``); the shaped cells are the validation.
+--fit``); the shaped cells are the validation. ``link_Bps`` (:class:`PathSimulation`) adds a
+link between the controller and the nodes that push rounds cross in order (a modelling
+choice, not part of the validated path, which has none).
 """
 
 from __future__ import annotations
@@ -60,8 +62,8 @@ from envs.shaping.sincon import ShapingError
 
 from .fairness import TenantShaper, TenantShapingConfig
 
-__all__ = ["BIG", "BURST", "COSTS_PATH", "SMALL", "STREAM", "PathRecords", "PathWorkload",
-           "SendingCosts", "percentiles", "simulate_path"]
+__all__ = ["BIG", "BURST", "COSTS_PATH", "SMALL", "STREAM", "PathRecords", "PathSimulation",
+           "PathWorkload", "SendingCosts", "percentiles", "simulate_path"]
 
 BIG, SMALL = 1, 2  # the VPCs of bench_fairness: the bursting tenant, the first small one
 BURST, STREAM = 0, 1  # the kinds of message: handed over in a burst, sent by the loop
@@ -231,11 +233,15 @@ class _Engine:
         elif w.event is None:
             raise RuntimeError("a process waits for nothing")
 
-    def run(self) -> None:
-        while self._heap:
+    def run(self, until: float = math.inf) -> None:
+        """Process the events due up to ``until`` (all of them by default); the clock then
+        reads ``until`` when that is finite."""
+        while self._heap and self._heap[0][0] <= until:
             t, _, fn = heapq.heappop(self._heap)
             self.now = max(self.now, t)
             fn()
+        if math.isfinite(until):
+            self.now = max(self.now, until)
 
 
 class _Lock:
@@ -407,61 +413,128 @@ class PathRecords:
         return float(self.applied.max()) if self.applied.size else 0.0
 
 
-def simulate_path(workload: PathWorkload, shaping: Mapping[str, Any] | None,
-                  costs: SendingCosts | None = None) -> PathRecords:
+class PathSimulation:
     """``workload`` through the sending path with ``shaping`` (a ``controller.shaping``
-    mapping, as :func:`tests.test_fairness.arm_configs` gives; None: no shaper).
-    Deterministic."""
-    costs = costs or SendingCosts.load()
-    eng = _Engine()
-    rec: list[tuple[int, int, float, float]] = []
-    path = _SendingPath(eng, costs, shaping,
-                        lambda tag, ts, applied: rec.append((*tag, ts, applied)))
-    hosts = tuple(range(workload.nodes))
-    state = {"bursts_left": sum(1 for b in workload.bursts if b[1]), "streaming": bool(
-        workload.streams), "rounds": 0}
+    mapping, as :func:`tests.test_fairness.arm_configs` gives; None: no shaper), steppable:
+    :meth:`run_until` advances the clock, :meth:`run` to the end. ``link_Bps``: a link of
+    that many payload bytes/s between the controller and the nodes (None: none; the
+    measured path has none), which push rounds cross in their order: a delivery then takes
+    at least ``size / link_Bps`` of its round. Deterministic."""
 
-    def burst(vpc: int, n: int, at_s: float) -> _Proc:
-        if at_s > eng.now:
-            yield _Wait(at_s - eng.now)
-        yield from path.send_many([((vpc, BURST), at_s, hosts)] * n, workload.size,
-                                  f"burst-{vpc}-{at_s}")
-        state["bursts_left"] -= 1
+    def __init__(self, workload: PathWorkload, shaping: Mapping[str, Any] | None,
+                 costs: SendingCosts | None = None, *, link_Bps: float | None = None) -> None:
+        costs = costs or SendingCosts.load()
+        if link_Bps is not None:
+            if isinstance(link_Bps, bool) or not isinstance(link_Bps, int | float) \
+                    or not (link_Bps > 0 and math.isfinite(link_Bps)):
+                raise ShapingError(f"link_Bps must be a positive number of bytes/s, got "
+                                   f"{link_Bps!r}")
+            per = max(costs.push_per_message_s, workload.size / float(link_Bps))
+            costs = SendingCosts(**{**costs.to_dict(), "push_per_message_s": per})
+        self.workload, self.costs = workload, costs
+        self.eng = eng = _Engine()
+        self._rec: list[tuple[int, int, float, float]] = []
+        self.created: list[tuple[int, int, float]] = []   # (vpc, kind, ts), one per delivery
+        self.path = path = _SendingPath(eng, costs, shaping,
+                                        lambda tag, ts, applied: self._rec.append(
+                                            (*tag, ts, applied)))
+        self.submitted_bytes: dict[int, int] = defaultdict(int)   # class -> bytes submitted
+        hosts = tuple(range(workload.nodes))
+        self.state: dict[str, Any] = {"bursts_left": sum(1 for b in workload.bursts if b[1]),
+                                      "streaming": bool(workload.streams), "rounds": 0,
+                                      "closed": False}
+        state = self.state
 
-    def sender() -> _Proc:
-        k = 0
-        while (t := k / workload.rate_hz) < workload.duration_s:
-            if t > eng.now:
-                yield _Wait(t - eng.now)
-            for v in workload.streams:
-                yield from path.send_many([((v, STREAM), eng.now, hosts)], workload.size,
-                                          "sender")
+        def created(vpc: int, kind: int, ts: float, n: int) -> None:
+            self.created.extend([(vpc, kind, ts)] * (n * len(hosts)))
+            if path.shaper is not None:
+                self.submitted_bytes[path.shaper.class_of(vpc)] += n * workload.size * len(
+                    hosts)
+
+        def burst(vpc: int, n: int, at_s: float) -> _Proc:
+            if at_s > eng.now:
+                yield _Wait(at_s - eng.now)
+            created(vpc, BURST, at_s, n)
+            yield from path.send_many([((vpc, BURST), at_s, hosts)] * n, workload.size,
+                                      f"burst-{vpc}-{at_s}")
+            state["bursts_left"] -= 1
+
+        def sender() -> _Proc:
+            k = 0
+            while (t := k / workload.rate_hz) < workload.duration_s:
+                if t > eng.now:
+                    yield _Wait(t - eng.now)
+                for v in workload.streams:
+                    created(v, STREAM, eng.now, 1)
+                    yield from path.send_many([((v, STREAM), eng.now, hosts)], workload.size,
+                                              "sender")
+                yield from path.flush("sender")
+                k += 1
+            state["rounds"] = k
+            state["streaming"] = False
+
+        def closer() -> _Proc:  # the end of the run: join the threads, flush what is left
+            while state["bursts_left"] or state["streaming"]:
+                yield _Wait(0.001)
             yield from path.flush("sender")
-            k += 1
-        state["rounds"] = k
-        state["streaming"] = False
+            state["closed"] = True
 
-    def closer() -> _Proc:  # the end of the run: join the threads, then flush what is left
-        while state["bursts_left"] or state["streaming"]:
-            yield _Wait(0.001)
-        yield from path.flush("sender")
-        state["closed"] = True
+        for vpc, n, at_s in workload.bursts:
+            if n:
+                eng.spawn(burst(vpc, n, float(at_s)))
+        if workload.streams:
+            eng.spawn(sender())
+        eng.spawn(closer())
+        if path.shaper is not None:
+            eng.spawn(path.pump(lambda: bool(state["closed"])))
 
-    for vpc, n, at_s in workload.bursts:
-        if n:
-            eng.spawn(burst(vpc, n, float(at_s)))
-    if workload.streams:
-        eng.spawn(sender())
-    eng.spawn(closer())
-    if path.shaper is not None:
-        eng.spawn(path.pump(lambda: bool(state.get("closed"))))
-    eng.run()
-    if any(path.outbox.values()) or (path.shaper is not None and path.shaper.backlog()):
-        raise RuntimeError("sending-path simulation ended with messages undelivered")
-    a = np.asarray(rec, dtype=np.float64).reshape(-1, 4)
-    return PathRecords(vpc=a[:, 0].astype(np.int64), kind=a[:, 1].astype(np.int64),
-                       ts=a[:, 2], applied=a[:, 3], rounds=int(state["rounds"]),
-                       pushes=path.pushes)
+    @property
+    def now(self) -> float:
+        return self.eng.now
+
+    @property
+    def shaper(self) -> TenantShaper[Any] | None:
+        """The tenant shaper (None: unshaped); its ``limits.policy`` may be replaced."""
+        return self.path.shaper
+
+    def run_until(self, t: float) -> None:
+        """Process every event up to clock time ``t``."""
+        self.eng.run(until=t)
+
+    def run(self) -> PathRecords:
+        """Run to the end (everything delivered) and return the records."""
+        self.eng.run()
+        p = self.path
+        if any(p.outbox.values()) or (p.shaper is not None and p.shaper.backlog()):
+            raise RuntimeError("sending-path simulation ended with messages undelivered")
+        return self.records()
+
+    def records(self) -> PathRecords:
+        """The deliveries recorded so far (a push round records its messages when it
+        starts, with their application times)."""
+        a = np.asarray(self._rec, dtype=np.float64).reshape(-1, 4)
+        return PathRecords(vpc=a[:, 0].astype(np.int64), kind=a[:, 1].astype(np.int64),
+                           ts=a[:, 2], applied=a[:, 3], rounds=int(self.state["rounds"]),
+                           pushes=self.path.pushes)
+
+    def waiting_s(self, t0: float, t1: float, kind: int | None = None) -> float:
+        """Delivery-seconds of waiting accrued between ``t0`` and ``t1`` (<= now) by the
+        deliveries of ``kind`` (None: all): for each, the part of ``[t0, t1]`` after its
+        timestamp and before its application (Little's law: the sum of their delays)."""
+        c = np.asarray(self.created, dtype=np.float64).reshape(-1, 3)
+        r = np.asarray(self._rec, dtype=np.float64).reshape(-1, 4)
+        if kind is not None:
+            c, r = c[c[:, 1] == kind], r[r[:, 1] == kind]
+        started = np.clip(t1 - np.maximum(c[:, 2], t0), 0.0, None).sum()
+        done = np.clip(t1 - np.maximum(r[:, 3], t0), 0.0, None).sum()
+        return float(started - done)
+
+
+def simulate_path(workload: PathWorkload, shaping: Mapping[str, Any] | None,
+                  costs: SendingCosts | None = None, *,
+                  link_Bps: float | None = None) -> PathRecords:
+    """``workload`` through the sending path (:class:`PathSimulation`), to the end."""
+    return PathSimulation(workload, shaping, costs, link_Bps=link_Bps).run()
 
 
 def percentiles(xs: Sequence[float] | np.ndarray) -> dict[str, float]:

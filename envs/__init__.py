@@ -14,6 +14,8 @@ id                             what
                                that follows the time of day (:mod:`envs.trees.timeline`)
 ``smart/Shaping-v0``           per-channel rate limits of the controller's control
                                channels (:mod:`envs.shaping`)
+``smart/PathShaping-v0``       per-class limits of the tenant shaper on the
+                               controller's sending path (:mod:`envs.shaping.path_env`)
 =============================  ===================================================
 """
 
@@ -26,7 +28,7 @@ __all__ = ["DSMD_ENV_IDS", "ENV_IDS"]
 
 DSMD_ENV_IDS = ("smart/DSMD-v0", "smart/DSMDDiscrete-v0")
 ENV_IDS = (*DSMD_ENV_IDS, "smart/DSMDOnline-v0", "smart/MulticastTree-v0",
-           "smart/MulticastOverTime-v0", "smart/Shaping-v0")
+           "smart/MulticastOverTime-v0", "smart/Shaping-v0", "smart/PathShaping-v0")
 
 if registry is not None and "smart/DSMD-v0" not in registry:
     register(id="smart/DSMD-v0", entry_point="envs.dsmd.env:DSMDEnv")
@@ -37,3 +39,4 @@ if registry is not None and "smart/DSMD-v0" not in registry:
     register(id="smart/MulticastOverTime-v0",
              entry_point="envs.trees.env_time:MulticastOverTimeEnv")
     register(id="smart/Shaping-v0", entry_point="envs.shaping.env:ShapingEnv")
+    register(id="smart/PathShaping-v0", entry_point="envs.shaping.path_env:PathShapingEnv")

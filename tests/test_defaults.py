@@ -28,6 +28,8 @@ NOT_CONSTRUCTOR = {
                "eval_windows", "baselines", "static_params", "tune", "oracle", "stress",
                "train.demo_traces", "train.val_traces", "train.reward_cost", "observation"},
     "shaping": {"id", "suite", "baselines", "eval_episodes", "val_episodes", "observation"},
+    "path_shaping": {"id", "suite", "baselines", "eval_episodes", "val_episodes",
+                     "observation"},
     "trees": {"id", "suite", "baselines", "eval_episodes", "val_episodes", "observation"},
     "trees_time": {"id", "suite", "baselines", "eval_episodes", "val_episodes", "observation"},
 }
@@ -89,6 +91,10 @@ def _constructor(name: str):
         from envs.shaping.env import ShapingEnv
 
         return ShapingEnv
+    if name == "path_shaping":
+        from envs.shaping.path_env import PathShapingEnv
+
+        return PathShapingEnv
     if name == "trees":
         from envs.trees.env import MulticastTreeEnv
 
@@ -110,6 +116,10 @@ def _nested_defaults(name: str, key: str) -> dict[str, Any]:
         from envs.shaping.env import REWARD_DEFAULTS
 
         return dict(REWARD_DEFAULTS)
+    if key == "reward" and name == "path_shaping":
+        from envs.shaping.path_env import PATH_REWARD_DEFAULTS
+
+        return dict(PATH_REWARD_DEFAULTS)
     if key == "cost" and name == "online":
         from envs.dsmd.online import OnlineCost
 

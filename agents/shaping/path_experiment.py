@@ -23,6 +23,11 @@ delay and drain time, and Fig. 5's spread: the std across tenants of each tenant
 bytes per ``period_s`` bin, averaged over the bins from the last tenant's start to the end
 of the streams. Outputs: ``path_runs.csv``, ``path_summary.csv``, ``path_headline.json``,
 plots ``path_fig6_setup_time.png`` and ``path_fig5_throughput_std.png``, one MLflow run.
+
+With ``path.learned`` (``train.py env=path_shaping`` output directories) it also writes
+``path_learned.csv`` (:func:`learned_table`): the learned policy of ``smart/PathShaping-v0``
+per training seed against the baselines, and with ``path.baselines`` (``train.py
+env=path_shaping agent=baselines`` directories) the hindsight value on the same episodes.
 """
 
 from __future__ import annotations
@@ -243,6 +248,52 @@ def _plots(summary: pd.DataFrame, out: Path, tenants: int) -> list[Path]:
     return paths
 
 
+def learned_table(run_dirs: list[str], baseline_dirs: list[str] | None = None) -> pd.DataFrame:
+    """``smart/PathShaping-v0``'s learned policy per training run (its ``per_episode.csv``
+    and ``learning_curve.csv``): the mean return of ``learned`` and of every baseline on the
+    run's test episodes (with the baselines of any run in ``baseline_dirs`` on the same
+    episodes, e.g. ``hindsight``), the learned policy's paired difference against ``none``
+    (percent of ``none``'s return magnitude, 95% interval over the episodes) and the
+    training step whose weights validation selected; then a ``mean`` row over the runs."""
+    from ..online_eval import ci95
+
+    extra = []
+    for d in baseline_dirs or []:
+        f = Path(d) / "per_episode.csv"
+        if not f.is_file():
+            raise FileNotFoundError(f"path.baselines: {d} has no per_episode.csv")
+        extra.append(pd.read_csv(f))
+    more = pd.concat(extra) if extra else pd.DataFrame(columns=["policy", "seed", "return"])
+    rows = []
+    for d in run_dirs:
+        f, lc = Path(d) / "per_episode.csv", Path(d) / "learning_curve.csv"
+        if not f.is_file() or not lc.is_file():
+            raise FileNotFoundError(f"path.learned: {d} is not a finished train.py "
+                                    "env=path_shaping run (per_episode.csv, learning_curve.csv)")
+        df = pd.read_csv(f)
+        if "learned" not in set(df.policy) or "none" not in set(df.policy):
+            raise ValueError(f"path.learned: {f} lacks the learned policy or none")
+        df = pd.concat([df, more[more.seed.isin(df.seed) & ~more.policy.isin(df.policy)]])
+        v = df.pivot_table(index="seed", columns="policy", values="return")
+        diff = (v["learned"] - v["none"]) / v["none"].abs() * 100.0
+        curve = pd.read_csv(lc).dropna(subset=["val/return"])
+        row = {"run": Path(d).name, "episodes": len(v),
+               **{f"return_{p}": float(v[p].mean()) for p in v.columns},
+               "learned_vs_none_pct": float(diff.mean()),
+               "learned_vs_none_ci95": ci95(diff.to_numpy()),
+               "selected_step": int(curve.loc[curve["val/return"].idxmax(), "steps"])}
+        rows.append(row)
+    out = pd.DataFrame(rows)
+    if len(out):
+        mean = {"run": "mean", "episodes": int(out.episodes.sum())}
+        for c in out.columns:
+            if c.startswith("return_") or c == "learned_vs_none_pct":
+                mean[c] = float(out[c].mean())
+        mean["learned_vs_none_ci95"] = ci95(out.learned_vs_none_pct.to_numpy())
+        out = pd.concat([out, pd.DataFrame([mean])], ignore_index=True)
+    return out
+
+
 def run_path(cfg: DictConfig) -> dict[str, Any]:
     """The sending-path reproduction (see the module docstring)."""
     out = output_dir(cfg)
@@ -261,6 +312,11 @@ def run_path(cfg: DictConfig) -> dict[str, Any]:
         plots = _plots(summary, out, max(tenants))
         for f in plots:
             mlog.artifact(f, "plots")
+        learned = [str(x) for x in p.get("learned") or []]
+        if learned:
+            lt = learned_table(learned, [str(x) for x in p.get("baselines") or []])
+            mlog.table(lt, out / "path_learned.csv")
+            _say(lt.to_string(index=False))
         head = _headline(runs, max(tenants))
         (out / "path_headline.json").write_text(json.dumps(head, indent=2))
         mlog.text(json.dumps(head, indent=2), "path_headline.json")
