@@ -509,6 +509,11 @@ class PathSimulation:
             raise RuntimeError("sending-path simulation ended with messages undelivered")
         return self.records()
 
+    @property
+    def delivered(self) -> int:
+        """Deliveries recorded so far (see :meth:`records`)."""
+        return len(self._rec)
+
     def records(self) -> PathRecords:
         """The deliveries recorded so far (a push round records its messages when it
         starts, with their application times)."""

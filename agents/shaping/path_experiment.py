@@ -43,6 +43,7 @@ from omegaconf import DictConfig
 
 from delivery.sending_sim import BURST, STREAM, PathRecords, PathWorkload, simulate_path
 from envs.seeding import derive_seed, rng
+from envs.shaping.path_env import SETUP_VPC
 from envs.shaping.sincon import ShapingError
 
 from ..config import output_dir, to_dict
@@ -54,7 +55,6 @@ __all__ = ["PATH_POLICIES", "WORKLOADS", "path_shaping", "path_workload", "run_p
 PATH_POLICIES = ("none", "fifo", "static", "sincon")
 WORKLOADS = ("same", "split")
 _COLORS = {"none": "tab:red", "fifo": "tab:orange", "static": "tab:blue", "sincon": "tab:green"}
-_SETUP_VPC = 100  # split workload: tenant k's setups come from VPC 100 + k
 
 
 def _say(text: str) -> None:
@@ -75,7 +75,7 @@ def path_workload(p: dict[str, Any], tenants: int, workload: str, seed: int
               for k in range(tenants)]
     mean = int(p["burst_messages"])
     sizes = [int(g.integers(max(1, mean // 2), mean + mean // 2 + 1)) for _ in range(tenants)]
-    setup = [k + 1 if workload == "same" else _SETUP_VPC + k for k in range(tenants)]
+    setup = [k + 1 if workload == "same" else SETUP_VPC + k for k in range(tenants)]
     wl = PathWorkload(bursts=tuple((k + 1, sizes[k], starts[k]) for k in range(tenants)),
                       streams=tuple(setup), rate_hz=float(p["rate_hz"]),
                       duration_s=float(p["duration_s"]), size=int(p["size"]),

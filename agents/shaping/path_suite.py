@@ -82,9 +82,9 @@ class PriorityPolicy:
         return None
 
     def act(self, obs: np.ndarray, env: Any) -> np.ndarray:
-        _, queued = env._class_bytes()
+        _, queued = env.class_bytes()
         bursts = len(env.burst_vpcs)
-        setup_Bps = env.setup_rate * env._template.size
+        setup_Bps = env.setup_rate * env.size
         rest = max(env.g - (setup_Bps if env.workload == "split" else 0.0), env.eps * env.g)
         busy = [c for c in range(bursts) if queued[c] > 0]
         lim = np.full(env.n, env.g)

@@ -68,9 +68,23 @@ from gymnasium import spaces
 from .simulator import DIRECTIONS, ShapingSimulator, SimConfig
 from .sincon import ExternalLimits, ShapingError
 
-__all__ = ["REWARD_DEFAULTS", "ShapingEnv", "jain_index"]
+__all__ = ["REWARD_DEFAULTS", "ShapingEnv", "jain_index", "limit_code", "limits_of_action"]
 
 REWARD_DEFAULTS = {"setup_weight": 0.5, "setup_ref_s": 0.1, "max_penalty": 5.0}
+
+
+def limits_of_action(a: np.ndarray, g: float, eps: float) -> np.ndarray:
+    """The log-scale limit of each action value: ``G * eps ** (1 - (a + 1) / 2)`` (``a``
+    clipped to ``[-1, 1]``: -1 gives ``eps * G``, +1 gives ``G``)."""
+    u = (np.clip(np.asarray(a, dtype=np.float64), -1.0, 1.0) + 1.0) / 2.0
+    return np.asarray(g * eps ** (1.0 - u), dtype=np.float64)
+
+
+def limit_code(limits: np.ndarray, g: float, eps: float) -> np.ndarray:
+    """``(a + 1) / 2`` of each limit (clipped to ``[eps G, G]``): the inverse of
+    :func:`limits_of_action` on ``[0, 1]``, also the observation's limit block."""
+    lim = np.clip(np.asarray(limits, dtype=np.float64), eps * g, g)
+    return np.asarray(1.0 - np.log(lim / g) / math.log(eps), dtype=np.float64)
 
 
 def jain_index(x: np.ndarray) -> float:
@@ -124,8 +138,7 @@ class ShapingEnv(gym.Env):
         if a.shape != (2 * self.n,) or not np.all(np.isfinite(a)):
             raise ShapingError(f"ShapingEnv: action must be {2 * self.n} finite values, got "
                                f"shape {np.shape(action)}")
-        u = (np.clip(a, -1.0, 1.0) + 1.0) / 2.0
-        return (self.g * self.eps ** (1.0 - u)).reshape(2, self.n)
+        return limits_of_action(a, self.g, self.eps).reshape(2, self.n)
 
     def encode_limits(self, limits: np.ndarray) -> np.ndarray:
         """The action that sets ``limits`` ``[2, N]`` (clipped to ``[eps G, G]``; ``inf``
@@ -134,8 +147,7 @@ class ShapingEnv(gym.Env):
         if lim.shape != (2 * self.n,):
             raise ShapingError(f"ShapingEnv.encode_limits: expected {2 * self.n} limits, got "
                                f"shape {np.shape(limits)}")
-        lim = np.clip(lim, self.eps * self.g, self.g)
-        u = 1.0 - np.log(lim / self.g) / math.log(self.eps)
+        u = limit_code(lim, self.g, self.eps)
         return np.clip(2.0 * u - 1.0, -1.0, 1.0).astype(np.float32)
 
     # ---- gymnasium -----------------------------------------------------------------------
@@ -189,8 +201,7 @@ class ShapingEnv(gym.Env):
             parts.append(np.clip(usage / self.fair, 0, self.usage_cap) / self.usage_cap)
             waiting = L.qbytes if L.pool is None else L.qbytes + L.pool.ready_bytes
             parts.append(np.clip(waiting / (self.fair * self.queue_ref_s), 0, 1))
-            lim = np.clip(self.policies[d].limits, self.eps * self.g, self.g)
-            parts.append(1.0 - np.log(lim / self.g) / math.log(self.eps))
+            parts.append(limit_code(self.policies[d].limits, self.g, self.eps))
         parts.append(np.array([self.t / self.steps]))
         return np.clip(np.concatenate(parts), 0.0, 1.0).astype(np.float32)
 

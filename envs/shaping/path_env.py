@@ -75,7 +75,7 @@ from gymnasium import spaces
 
 from delivery.sending_sim import BURST, STREAM, PathSimulation, PathWorkload, SendingCosts
 
-from .env import jain_index
+from .env import jain_index, limit_code, limits_of_action
 from .sincon import ExternalLimits, ShapingError
 
 __all__ = ["PATH_REWARD_DEFAULTS", "PathShapingEnv"]
@@ -154,8 +154,7 @@ class PathShapingEnv(gym.Env):
         if a.shape != (self.n,) or not np.all(np.isfinite(a)):
             raise ShapingError(f"PathShapingEnv: action must be {self.n} finite values, got "
                                f"shape {np.shape(action)}")
-        u = (np.clip(a, -1.0, 1.0) + 1.0) / 2.0
-        return np.asarray(self.g * self.eps ** (1.0 - u), dtype=np.float64)
+        return limits_of_action(a, self.g, self.eps)
 
     def encode_limits(self, limits: np.ndarray) -> np.ndarray:
         """The action that sets ``limits`` (clipped to ``[eps G, G]``)."""
@@ -163,8 +162,7 @@ class PathShapingEnv(gym.Env):
         if lim.shape != (self.n,):
             raise ShapingError(f"PathShapingEnv.encode_limits: expected {self.n} limits, got "
                                f"shape {np.shape(limits)}")
-        lim = np.clip(lim, self.eps * self.g, self.g)
-        u = 1.0 - np.log(lim / self.g) / math.log(self.eps)
+        u = limit_code(lim, self.g, self.eps)
         return np.clip(2.0 * u - 1.0, -1.0, 1.0).astype(np.float32)
 
     # ---- the episode's workload ----------------------------------------------------------
@@ -201,7 +199,12 @@ class PathShapingEnv(gym.Env):
         self._pen_sum = 0.0
         return self._obs(), {"bursts": len(self.current.bursts)}
 
-    def _class_bytes(self) -> tuple[np.ndarray, np.ndarray]:
+    @property
+    def size(self) -> int:
+        """Payload bytes per message."""
+        return self._template.size
+
+    def class_bytes(self) -> tuple[np.ndarray, np.ndarray]:
         """(bytes released so far, bytes queued in the shaper) per class."""
         assert self.sim is not None and self.sim.shaper is not None
         st = self.sim.shaper.stats()
@@ -231,7 +234,7 @@ class PathShapingEnv(gym.Env):
         penalty = (rc["setup_weight"] * w_setup + w_burst) / (
             self.period * self.setup_rate * rc["delay_ref_s"])
         self._pen_sum += penalty
-        rel, _ = self._class_bytes()
+        rel, _ = self.class_bytes()
         self._last_released, self._released = rel - self._released, rel
         info: dict[str, Any] = {"setup_waiting_s": w_setup, "burst_waiting_s": w_burst}
         if terminated:
@@ -241,15 +244,13 @@ class PathShapingEnv(gym.Env):
     def _obs(self) -> np.ndarray:
         sim = self.sim
         assert sim is not None
-        _, queued = self._class_bytes()
+        _, queued = self.class_bytes()
         usage = self._last_released / (self.g * self.period)
         q = np.clip(queued / (self.g * self.queue_ref_s), 0.0, 1.0)
-        lim = np.clip(self.limits.limits, self.eps * self.g, self.g)
-        lim_u = 1.0 - np.log(lim / self.g) / math.log(self.eps)
-        pending = len(sim.created) - sim.records().vpc.size
-        size = self._template.size
-        pend = min(1.0, pending * size / (self.g * self.queue_ref_s))
-        parts = [np.clip(usage, 0.0, 1.0), q, lim_u, [pend, self.t / self.steps]]
+        lim_u = limit_code(self.limits.limits, self.g, self.eps)
+        pending = len(sim.created) - sim.delivered
+        pend = min(1.0, pending * self.size / (self.g * self.queue_ref_s))
+        parts = [np.clip(usage, 0.0, 1.0), q, lim_u, np.array([pend, self.t / self.steps])]
         return np.asarray(np.clip(np.concatenate(parts), 0.0, 1.0), dtype=np.float32)
 
     def _episode_metrics(self) -> dict[str, float]:
