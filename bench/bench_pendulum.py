@@ -36,6 +36,7 @@ def evaluate(module, seed: int, episodes: int = 10) -> float:
 
     env = gym.make("Pendulum-v1")
     low, high = env.action_space.low, env.action_space.high
+    dev = next(module.parameters()).device  # the learner's: the CPU or a GPU
     returns = []
     for i in range(episodes):
         obs, _ = env.reset(seed=10_000 * (seed + 1) + i)
@@ -43,8 +44,8 @@ def evaluate(module, seed: int, episodes: int = 10) -> float:
         while not done:
             with torch.no_grad():
                 a = module.forward_inference(
-                    {Columns.OBS: torch.as_tensor(obs[None], dtype=torch.float32)}
-                )[Columns.ACTIONS].numpy()[0]
+                    {Columns.OBS: torch.as_tensor(obs[None], dtype=torch.float32, device=dev)}
+                )[Columns.ACTIONS].cpu().numpy()[0]
             obs, r, term, trunc, _ = env.step(low + (a + 1.0) * 0.5 * (high - low))
             total += r
             done = term or trunc
@@ -52,7 +53,10 @@ def evaluate(module, seed: int, episodes: int = 10) -> float:
     return float(np.mean(returns))
 
 
-def run_seed(seed: int, steps: int, every: int) -> dict:
+def run_seed(seed: int, steps: int, every: int, gpus: float = 0.0, batch: int = 256,
+             utd: float = 1.0, max_seconds: float | None = None) -> dict:
+    """One seed's curve; ``gpus`` per learner (1: on the GPU), ``batch`` rows per update,
+    ``utd`` updates per env step; stops at ``steps`` or after ``max_seconds``."""
     import ray
     from ray.rllib.core import DEFAULT_MODULE_ID
 
@@ -60,11 +64,13 @@ def run_seed(seed: int, steps: int, every: int) -> dict:
     from envs.quiet import quiet
 
     quiet()  # known third-party log noise off (envs/quiet.py)
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+    ray.init(num_cpus=1, num_gpus=1 if gpus else 0, include_dashboard=False,
+             log_to_driver=False, logging_level="WARNING")
     cfg = (DDPGConfig().environment("Pendulum-v1")
            .env_runners(num_env_runners=0, rollout_fragment_length=8)
-           .training(train_batch_size_per_learner=256, random_warmup_steps=1000,
-                     num_steps_sampled_before_learning_starts=1000,
+           .learners(num_gpus_per_learner=gpus)
+           .training(train_batch_size_per_learner=batch, random_warmup_steps=1000,
+                     num_steps_sampled_before_learning_starts=1000, updates_per_step=utd,
                      per_beta_steps=steps)
            .td3().debugging(seed=seed))
     algo = cfg.build_algo()
@@ -81,7 +87,8 @@ def run_seed(seed: int, steps: int, every: int) -> dict:
             if reached is None and ret >= TARGET:
                 reached = n
             next_eval += every
-        if n >= steps:
+        if n >= steps or (max_seconds is not None
+                          and time.perf_counter() - t0 >= max_seconds):
             break
     wall = time.perf_counter() - t0
     algo.stop()
@@ -96,12 +103,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20_000)
     ap.add_argument("--every", type=int, default=2_000)
     ap.add_argument("--parallel", type=int, default=1)
+    ap.add_argument("--gpus", type=float, default=0.0, help="GPUs per learner (1: on the GPU)")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--utd", type=float, default=1.0, help="updates per env step")
+    ap.add_argument("--max-seconds", type=float, default=None)
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker is not None:
         import json
 
-        print("RESULT " + json.dumps(run_seed(args.worker, args.steps, args.every)), flush=True)
+        print("RESULT " + json.dumps(run_seed(args.worker, args.steps, args.every, args.gpus,
+                                              args.batch, args.utd, args.max_seconds)),
+              flush=True)
         return
     import json
 

@@ -488,6 +488,14 @@ class DDPG(SAC):
         self._update_credit += new * cfg.updates_per_step
         n_updates = int(self._update_credit)
         self._update_credit -= n_updates
+        self.run_updates(n_updates, steps)
+
+    def run_updates(self, n_updates: int, steps: int) -> None:
+        """``n_updates`` gradient updates of ``train_batch_size_per_learner`` rows each
+        (prioritized samples, the learner's update, the new priorities written back), then
+        the actor's weights to the env runners; ``steps``: env steps sampled so far (the PER
+        beta schedule and the learner's timesteps)."""
+        cfg = self.config
         batch_size = int(cfg.train_batch_size_per_learner)
         done = 0
         while done < n_updates:
