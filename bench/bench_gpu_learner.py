@@ -85,9 +85,10 @@ class ShapesEnv(gym.Env):
         return self.observation_space.sample(), 0.0, False, self._t >= 100, {}
 
 
-def agent_config(net: str, batch: int, gpus: float) -> dict[str, Any]:
+def agent_config(net: str, batch: int, gpus: float, graphs: bool = True) -> dict[str, Any]:
     """``configs/agent/ddpg.yaml`` (with ``configs/env/online.yaml``'s agent overrides for
-    ``online``), the network of ``net``, ``batch`` rows per update, ``gpus`` per learner."""
+    ``online``), the network of ``net``, ``batch`` rows per update, ``gpus`` per learner,
+    CUDA graphs on or off."""
     from omegaconf import OmegaConf
 
     agent = OmegaConf.load(ROOT / "configs" / "agent" / "ddpg.yaml")
@@ -98,6 +99,7 @@ def agent_config(net: str, batch: int, gpus: float) -> dict[str, Any]:
     agent.training.per_beta_steps = 100_000  # ${agent.total_steps} outside Hydra
     agent.training.train_batch_size_per_learner = int(batch)
     agent.training.critic_warmup_updates = 0  # every other update moves the actor (TD3)
+    agent.training.cuda_graphs = bool(graphs)
     agent.num_gpus_per_learner = float(gpus)
     return OmegaConf.to_container(agent, resolve=True)  # type: ignore[return-value]
 
@@ -148,15 +150,17 @@ def measure_speed(batches: list[int], seconds: float, repeats: int, nets: list[s
     from envs.quiet import quiet
 
     quiet()
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-    ray.init(num_cpus=2, num_gpus=1 if "cuda" in devices else 0, include_dashboard=False,
+    cuda = torch.cuda.is_available()
+    devices = ["cpu"] + (["cuda eager", "cuda graphs"] if cuda else [])
+    ray.init(num_cpus=2, num_gpus=1 if cuda else 0, include_dashboard=False,
              log_to_driver=False, logging_level="WARNING", ignore_reinit_error=True)
     register_env(ENV, ShapesEnv)
     rows = []
     for net in nets:
         shape = NETWORKS[net]
         for dev in devices:
-            agent = agent_config(net, batches[0], 1.0 if dev == "cuda" else 0.0)
+            agent = agent_config(net, batches[0], 0.0 if dev == "cpu" else 1.0,
+                                 graphs=dev == "cuda graphs")
             t = time.perf_counter()
             try:
                 algo = algorithm_config(agent, ENV, {"obs": shape["obs"], "act": shape["act"]},
@@ -196,12 +200,17 @@ def speed_table(rows: list[dict[str, Any]]) -> str:
             cells.setdefault((r["net"], r["batch"]), {})[r["device"]] = r["updates_per_s"]
     out = []
     for (net, b), d in cells.items():
-        cpu, gpu = d.get("cpu"), d.get("cuda")
-        out.append([net, f"{b:,}", fmt_stats(cpu) if cpu else "-", fmt_stats(gpu) if gpu else "-",
-                    f"{gpu['median'] / cpu['median']:.1f}x" if cpu and gpu else "-",
-                    f"{gpu['median'] * b:,.0f}" if gpu else f"{cpu['median'] * b:,.0f}"])
-    return md_table(["network", "batch", "CPU learner updates/s", "GPU learner updates/s",
-                     "GPU / CPU", "rows/s (GPU, else CPU)"], out)
+        cpu, eager, graphs = d.get("cpu"), d.get("cuda eager"), d.get("cuda graphs")
+        best = graphs or eager
+
+        ratios = [f"{x['median'] / cpu['median']:.1f}x" if cpu and x else "-"
+                  for x in (eager, graphs)]
+        out.append([net, f"{b:,}", *(fmt_stats(x) if x else "-" for x in (cpu, eager, graphs)),
+                    *ratios,
+                    f"{best['median'] * b:,.0f}" if best else "-"])
+    return md_table(["network", "batch", "CPU learner updates/s", "GPU eager updates/s",
+                     "GPU CUDA graphs updates/s", "eager / CPU", "graphs / CPU",
+                     "GPU rows/s"], out)
 
 
 CURVES = [("cpu settings", 256, 1.0), ("larger batch and UTD", 1024, 4.0)]

@@ -133,6 +133,12 @@ class DDPGConfig(SACConfig):
         in place of RLlib's default pipelines (same samples, fewer calls per step), where
         they apply
 
+    Learner
+
+    :param cuda_graphs: on a GPU learner (``num_gpus_per_learner=1``), each update replays a
+        captured CUDA graph of the eager update (:mod:`agents.ddpg.graphed`); off: eager
+        updates. No effect on a CPU learner
+
     Other fields of ``SACConfig`` (its entropy settings, its replay buffer config) are not
     read. ``grad_clip``, torch learning-rate schedulers and gradient scalers are refused by
     :meth:`validate`, as is more than one learner (``num_learners > 1``).
@@ -177,6 +183,7 @@ class DDPGConfig(SACConfig):
         self.rollout_fragment_length = 32
         self.n_step = 1
         self.fast_connectors = True
+        self.cuda_graphs = True
 
     @override(SACConfig)
     def training(self, *, twin_q=NotProvided, policy_delay=NotProvided,
@@ -192,7 +199,8 @@ class DDPGConfig(SACConfig):
                  per_alpha=NotProvided, per_beta=NotProvided, per_beta_final=NotProvided,
                  per_beta_steps=NotProvided, per_eps=NotProvided, buffer_capacity=NotProvided,
                  random_warmup_steps=NotProvided, updates_per_step=NotProvided,
-                 fast_connectors=NotProvided, **kwargs) -> DDPGConfig:
+                 fast_connectors=NotProvided, cuda_graphs=NotProvided,
+                 **kwargs) -> DDPGConfig:
         super().training(**kwargs)
         settings = {"twin_q": twin_q, "policy_delay": policy_delay, "noise_type": noise_type,
                     "ou_theta": ou_theta, "ou_sigma": ou_sigma, "architecture": architecture,
@@ -209,7 +217,8 @@ class DDPGConfig(SACConfig):
                     "per_beta": per_beta, "per_beta_final": per_beta_final,
                     "per_beta_steps": per_beta_steps, "per_eps": per_eps,
                     "buffer_capacity": buffer_capacity, "random_warmup_steps": random_warmup_steps,
-                    "updates_per_step": updates_per_step, "fast_connectors": fast_connectors}
+                    "updates_per_step": updates_per_step, "fast_connectors": fast_connectors,
+                    "cuda_graphs": cuda_graphs}
         for k, v in settings.items():
             if v is not NotProvided:
                 setattr(self, k, v)

@@ -19,6 +19,7 @@ Two ways in, one update:
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
@@ -29,18 +30,26 @@ from ray.rllib.core.learner.torch.torch_learner import TorchLearner
 from ray.rllib.utils.annotations import override
 from ray.rllib.utils.metrics import TD_ERROR_KEY
 
-from .update import UpdateParams, ddpg_update
+from .graphed import GraphedUpdate
+from .update import UpdateParams
 
 __all__ = ["DDPGTorchLearner"]
+
+logger = logging.getLogger(__name__)
 
 
 def _adam(params, weight_decay: float) -> torch.optim.Adam:
     """Adam with its fused kernel (CPU and CUDA, torch >= 2.4): one call per step instead of
-    a Python loop over parameters; same update rule as the default implementation."""
+    a Python loop over parameters; same update rule as the default implementation. On a GPU
+    it is capturable (its step counters on the device), so a CUDA graph can hold the step
+    (:mod:`agents.ddpg.graphed`)."""
+    params = list(params)
+    cuda = bool(params) and params[0].is_cuda
     try:
-        return torch.optim.Adam(params, weight_decay=weight_decay, fused=True)
+        return torch.optim.Adam(params, weight_decay=weight_decay, fused=True, capturable=cuda)
     except (RuntimeError, TypeError):  # a device or dtype without the fused kernel
-        return torch.optim.Adam(params, weight_decay=weight_decay, foreach=True)
+        return torch.optim.Adam(params, weight_decay=weight_decay, foreach=True,
+                                capturable=cuda)
 
 
 class DDPGTorchLearner(TorchLearner):
@@ -50,6 +59,10 @@ class DDPGTorchLearner(TorchLearner):
         self.module.foreach_module(lambda mid, module: module.make_target_networks())
         self._updates: dict[str, int] = defaultdict(int)
         self._update_params: dict[str, UpdateParams] = {}
+        graphs = bool(getattr(self.config, "cuda_graphs", True))
+        self._graphed: dict[str, GraphedUpdate] = defaultdict(lambda: GraphedUpdate(graphs))
+        # optimizer steps a GPU skipped for nan/inf gradients, on the device until read
+        self._nonfinite: dict[str, torch.Tensor] = {}
 
     @override(Learner)
     def configure_optimizers_for_module(self, module_id, config=None) -> None:
@@ -91,9 +104,14 @@ class DDPGTorchLearner(TorchLearner):
                 target_noise_clip=cfg.target_noise_clip, bc_weight=cfg.bc_weight)
         actor = self.actor_turn(module_id)
         self._updates[module_id] += 1
-        stats = ddpg_update(self.module[module_id].unwrapped(), columns, hp,
-                            self.get_optimizer(module_id, "qf"),
-                            self.get_optimizer(module_id, "policy"), actor_step=actor)
+        stats = self._graphed[module_id](self.module[module_id].unwrapped(), columns, hp,
+                                         self.get_optimizer(module_id, "qf"),
+                                         self.get_optimizer(module_id, "policy"),
+                                         actor_step=actor)
+        if stats.nonfinite is not None:
+            acc = self._nonfinite.get(module_id)
+            self._nonfinite[module_id] = (stats.nonfinite if acc is None
+                                          else acc + stats.nonfinite)
         self.metrics.log_value((module_id, TD_ERROR_KEY), stats.priorities,
                                reduce="item_series")
         logs = {"critic_loss": stats.critic_loss, "q_mean": stats.q_mean}
@@ -105,6 +123,32 @@ class DDPGTorchLearner(TorchLearner):
             logs["bc_loss"] = stats.bc_loss
         self.metrics.log_dict(logs, key=module_id, window=1)
         return loss
+
+    def report_nonfinite(self) -> int:
+        """Log (a warning) and return the optimizer steps skipped on the GPU for nan/inf
+        gradients since the last call: one host read, once per learner call."""
+        total = 0
+        for mid, acc in list(self._nonfinite.items()):
+            n = int(acc.item())
+            if n:
+                logger.warning(f"{mid}: {n} optimizer step(s) skipped on the GPU for nan/inf "
+                               "gradients")
+            total += n
+        self._nonfinite.clear()
+        return total
+
+    @override(TorchLearner)
+    def after_gradient_based_update(self, *, timesteps: dict[str, Any]) -> None:
+        super().after_gradient_based_update(timesteps=timesteps)
+        self.report_nonfinite()
+
+    @override(Learner)
+    def set_state(self, state) -> None:
+        """RLlib's restore, then the CUDA graphs dropped: the optimizers' state tensors were
+        replaced, and the graphs hold the old ones."""
+        super().set_state(state)
+        for g in self._graphed.values():
+            g.reset()
 
     # ------------------------------------------------------------------ RLlib's update hooks
     @override(Learner)

@@ -78,6 +78,10 @@ class UpdateStats:
     priorities: torch.Tensor
     actor_loss: torch.Tensor | None = None
     bc_loss: torch.Tensor | None = None
+    #: on a GPU with fused Adam: how many of this update's optimizer steps the device skipped
+    #: for nan/inf gradients (a tensor, read by the learner once per call); None elsewhere
+    #: (there a skipped step is logged as it happens)
+    nonfinite: torch.Tensor | None = None
 
 
 def ddpg_update(nets: DDPGNetworks, batch: Mapping[str, torch.Tensor], hp: UpdateParams,
@@ -137,9 +141,10 @@ def ddpg_update(nets: DDPGNetworks, batch: Mapping[str, torch.Tensor], hp: Updat
     _backward(critic_opt, critic_loss)
     if actor_loss is not None:
         _backward(actor_opt, actor_loss)
-    _step(critic_opt, "critic")
+    skipped = [_step(critic_opt, "critic")]
     if actor_loss is not None:
-        _step(actor_opt, "actor")
+        skipped.append(_step(actor_opt, "actor"))
+    on_device = [f for f in skipped if f is not None]
 
     # 7. Polyak averaging of every target network, with the actor: target += tau (main - target)
     if actor_step:
@@ -151,7 +156,8 @@ def ddpg_update(nets: DDPGNetworks, batch: Mapping[str, torch.Tensor], hp: Updat
     return UpdateStats(critic_loss=critic_loss.detach(), q_mean=q.detach().mean(),
                        priorities=priorities,
                        actor_loss=None if actor_loss is None else actor_loss.detach(),
-                       bc_loss=None if bc is None else bc.detach())
+                       bc_loss=None if bc is None else bc.detach(),
+                       nonfinite=torch.stack(on_device).sum() if on_device else None)
 
 
 @contextmanager
@@ -176,13 +182,25 @@ def _backward(opt: torch.optim.Optimizer, loss: torch.Tensor) -> None:
     loss.backward()
 
 
-def _step(opt: torch.optim.Optimizer, name: str) -> None:
-    """``opt.step()`` unless a gradient is nan or inf (one fused norm per optimizer, one host
-    sync): a non-finite step is skipped, keeping Adam's moments clean, with a warning."""
+def _step(opt: torch.optim.Optimizer, name: str) -> torch.Tensor | None:
+    """``opt.step()`` unless a gradient is nan or inf (one fused norm per optimizer): a
+    non-finite step is skipped, keeping Adam's moments clean. On a GPU with fused Adam the
+    skip happens on the device (the kernel's ``found_inf``, as in AMP's gradient scaler): no
+    host sync, and the flag is returned for the caller to count; elsewhere the check syncs
+    and a skip is logged at once (returns None)."""
     grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
     if not grads:
-        return
-    if bool(torch.isfinite(torch.stack(torch._foreach_norm(grads))).all()):
-        opt.step()
-    else:
+        return None
+    bad = ~torch.isfinite(torch.stack(torch._foreach_norm(grads))).all()
+    if grads[0].is_cuda and opt.defaults.get("fused"):
+        opt.found_inf = bad.float()  # type: ignore[attr-defined]
+        try:
+            opt.step()
+        finally:
+            opt.found_inf = None  # type: ignore[attr-defined]
+        return bad.float()
+    if bool(bad):
         logger.warning(f"{name}: nan/inf gradients, optimizer step skipped")
+    else:
+        opt.step()
+    return None
