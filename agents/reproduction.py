@@ -678,6 +678,8 @@ def benchmark_section(name: str, doc: Mapping[str, Any] | None, rc: int = 0) -> 
     if m.get("affinity") is not None:
         cpu += f", affinity {m['affinity']}"
     cpu += ")"
+    if doc.get("gpu"):
+        cpu += f" with an {doc['gpu']} GPU"
     lines += [f"Measured {m.get('timestamp', '?')} on {cpu}; commit {m.get('git_commit', '?')}"
               + ("; **quick settings, not representative**" if quick else "") + ".", "",
               f"Command: `{cmd}`", "", str(doc.get("table_md", "")), ""]

@@ -97,8 +97,9 @@ def machine_info() -> dict[str, Any]:
         "loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()],  # other work on the box
         "thread_env": {v: os.environ.get(v) for v in _THREAD_VARS},
         "versions": versions,
-        # BENCH_GIT_COMMIT: the commit of a copy of the tree without its .git (a GPU machine)
-        "git_commit": _git("rev-parse", "--short", "HEAD") or os.environ.get("BENCH_GIT_COMMIT"),
+        # BENCH_GIT_COMMIT: the commit of a copy of the tree run elsewhere (a GPU machine),
+        # whose .git, if any, is not this one's
+        "git_commit": os.environ.get("BENCH_GIT_COMMIT") or _git("rev-parse", "--short", "HEAD"),
         # tracked files with uncommitted changes: the measured code may differ from the commit
         "git_modified": [ln.strip() for ln in (_git("status", "--porcelain",
                                                       "--untracked-files=no") or "").splitlines()],

@@ -33,7 +33,8 @@ ratio, each for ``--curve-steps`` env steps or ``--curve-seconds``, whichever en
 
 Usage: ``python bench/bench_gpu_learner.py [--part speed curve] [--quick]``. Without a GPU
 the speed part measures the CPU learner alone and the curve part is skipped (the result
-says so).
+says so). Not in ``run_all.py``: its numbers need a GPU machine; the committed result is
+``results/bench/bench_gpu_learner.json``.
 """
 
 from __future__ import annotations
