@@ -99,7 +99,11 @@ def algorithm_config(agent: dict, env_name: str, env_config: dict, seed: int):
     cfg.environment(env=env_name, env_config=env_config)
     cfg.env_runners(num_env_runners=int(agent.get("num_env_runners", 0)),
                     rollout_fragment_length=agent.get("rollout_fragment_length", "auto"))
-    cfg.learners(num_learners=0,
+    num_learners = int(agent.get("num_learners", 0))
+    if num_learners not in (0, 1):
+        raise DSMDError(f"agent.num_learners must be 0 (the learner in the driver) or 1 (a "
+                        f"remote learner), got {num_learners}")
+    cfg.learners(num_learners=num_learners,
                  num_gpus_per_learner=float(agent.get("num_gpus_per_learner", 0)))
     try:
         cfg.training(**training)

@@ -199,6 +199,19 @@ def _rate_text(steps: int, elapsed: float, algo: Any) -> str:
     return f"{steps / elapsed:6.1f} steps/s  {rate}"
 
 
+def _layout_text(algo: Any) -> str:
+    """Where the run samples and learns: the Ray nodes, the env runners, the learner."""
+    import ray
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    runners = algo.env_runner_group.num_remote_env_runners()
+    c = algo.config
+    learner = ("in the driver" if algo.learner_group.is_local else "1 remote learner")
+    learner += " on a GPU" if c.num_gpus_per_learner else " on a CPU"
+    return (f"Ray: {len(nodes)} node(s), {runners or 'no'} remote env runner(s)"
+            f"{'' if runners else ' (sampling in the driver)'}, {learner}")
+
+
 def run_training(cfg: DictConfig) -> dict[str, Any]:
     import ray
     from ray.rllib.core import DEFAULT_MODULE_ID
@@ -221,7 +234,11 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
     algo = algorithm_config(to_dict(a), task.rllib_env, task.env_config, seed).build_algo()
     stopped = False
     try:
-        module = local_learner(algo).module[DEFAULT_MODULE_ID]
+        print(f"[train] {_layout_text(algo)}", flush=True)
+        # the weights validated and exported: the local learner's, or with a remote learner
+        # the local env runner's copy (synced after every batch of updates)
+        module = (local_learner(algo).module[DEFAULT_MODULE_ID] if algo.learner_group.is_local
+                  else algo.get_module(DEFAULT_MODULE_ID))
         scores = score_module(name, module, task.act_dim)
         policy = task.policy(scores)
         demo = a.get("demonstrations")

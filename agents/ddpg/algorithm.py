@@ -333,6 +333,25 @@ class DDPGConfig(SACConfig):
             "channel_blocks": self.channel_blocks}
 
 
+def clone_actor(learner: Any, obs: np.ndarray, actions: np.ndarray, rows: np.ndarray,
+                lr: float) -> float:
+    """The behaviour-cloning steps of :meth:`DDPG.pretrain_actor` on ``learner``'s module:
+    one Adam step per row of ``rows`` (indices into the demonstrations ``obs``, ``actions``),
+    then the target actor set to the actor. Returns the last loss."""
+    module = learner.module[DEFAULT_MODULE_ID]
+    dev = next(module.pi.parameters()).device
+    opt = torch.optim.Adam(module.pi.parameters(), lr=lr)
+    loss = torch.zeros(())
+    for idx in rows:
+        out = module.pi(torch.as_tensor(obs[idx], device=dev))
+        loss = (out - torch.as_tensor(actions[idx], device=dev)).pow(2).sum(-1).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    module.target_pi.load_state_dict(module.pi.state_dict())
+    return float(loss.detach())
+
+
 class DDPG(SAC):
     """DDPG / TD3 with fast prioritized replay (see the module docstring)."""
 
@@ -347,9 +366,10 @@ class DDPG(SAC):
     def setup(self, config) -> None:
         super().setup(config)
         cfg = self.config
-        obs_space = self.env_runner.env.single_observation_space if self.env_runner else None
-        act_space = self.env_runner.env.single_action_space if self.env_runner else None
-        if obs_space is None:  # remote runners only: read the spaces from the module spec
+        env = self.env_runner.env if self.env_runner else None
+        obs_space = env.single_observation_space if env is not None else None
+        act_space = env.single_action_space if env is not None else None
+        if obs_space is None:  # remote runners sample: read the spaces from the module spec
             spaces = self.env_runner_group.get_spaces()
             obs_space, act_space = spaces["__env_single__"]
         self._act_low = np.asarray(act_space.low, dtype=np.float32)
@@ -366,6 +386,8 @@ class DDPG(SAC):
             seed = int(cfg.seed)
 
             def seed_spaces(runner) -> None:
+                if runner.env is None:  # the driver's runner when remote runners sample
+                    return
                 i = int(getattr(runner, "worker_index", 0))
                 runner.env.action_space.seed(seed + i)
                 runner.env.single_action_space.seed(seed + i)
@@ -411,28 +433,23 @@ class DDPG(SAC):
     def pretrain_actor(self, steps: int | None = None, lr: float | None = None) -> float:
         """Behaviour cloning before reinforcement learning: ``steps`` Adam steps of the
         actor on the demonstrations (squared error to the demonstrated action), then the
-        target actor and the env runners get the new weights. Returns the last loss."""
-        import torch
-
+        target actor and the env runners get the new weights. Returns the last loss. The
+        batches are drawn here; the steps run where the learner is, in this process or in a
+        remote learner (``LearnerGroup.foreach_learner``)."""
         if self.demos is None:
             raise ValueError("pretrain_actor() needs add_demonstrations() first")
         steps = int(self.config.bc_pretrain_steps if steps is None else steps)
-        module = local_learner(self).module[DEFAULT_MODULE_ID]
-        dev = next(module.pi.parameters()).device
-        opt = torch.optim.Adam(module.pi.parameters(), lr=lr or self.config.actor_lr)
-        loss = torch.zeros(())
         bs = int(self.config.train_batch_size_per_learner)
-        for _ in range(steps):
-            d = self.demos.sample(bs)  # uniform: no priorities to write back
-            out = module.pi(torch.as_tensor(d.obs, device=dev))
-            loss = (out - torch.as_tensor(d.actions, device=dev)).pow(2).sum(-1).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        module.target_pi.load_state_dict(module.pi.state_dict())
+        rows = [self.demos.sample(bs).indices for _ in range(steps)]  # uniform: nothing back
+        n = self.demos.count
+        args = (self.demos.obs[:n], self.demos.actions[:n], np.stack(rows) if rows else
+                np.zeros((0, bs), np.int64), float(lr or self.config.actor_lr))
+        # the local learner, or the remote one (the call's error, if any, raised here)
+        loss = float(next(iter(self.learner_group.foreach_learner(
+            lambda learner: clone_actor(learner, *args)))).get())
         self.env_runner_group.sync_weights(from_worker_or_learner_group=self.learner_group,
                                            policies=[DEFAULT_MODULE_ID], inference_only=True)
-        return float(loss.detach())
+        return loss
 
     def _batch(self, batch_size: int, beta: float, n: int = 1
                ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
