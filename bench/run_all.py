@@ -25,7 +25,8 @@ BENCHMARKS = ("bench_env", "bench_trace", "bench_exact", "bench_replay", "bench_
               "bench_failover", "bench_fairness", "bench_fairness_fidelity",
               "bench_announce", "bench_security_grpc",
               "bench_security_server", "bench_security_testbed", "bench_netem",
-              "bench_switch_cost", "bench_rpc_patterns", "bench_server_abuse")
+              "bench_switch_cost", "bench_rpc_patterns", "bench_server_abuse",
+              "bench_runners")
 
 
 def run(name: str, extra: list[str]) -> tuple[int, float]:
