@@ -122,18 +122,15 @@ def _fill(algo: Any, obs: int, act: int, seed: int) -> None:
 
 def speed_cell(algo: Any, batch: int, seconds: float, repeats: int) -> dict[str, Any]:
     """Updates/s of ``algo.run_updates`` at ``batch`` rows: ``repeats`` windows."""
-    algo.config._is_frozen = False
-    algo.config.train_batch_size_per_learner = int(batch)
-    algo.config.freeze()
     t = time.perf_counter()
-    algo.run_updates(2, REPLAY_ROWS)  # warm-up: kernels, allocator, the fused Adam state
+    algo.run_updates(2, REPLAY_ROWS, batch)  # warm-up: kernels, allocator, the fused Adam state
     per = max((time.perf_counter() - t) / 2, 1e-5)
     chunk = int(min(max(0.2 / per, 1), 64))
     rates = []
     for _ in range(repeats):
         n, t0 = 0, time.perf_counter()
         while (el := time.perf_counter() - t0) < seconds:
-            algo.run_updates(chunk, REPLAY_ROWS)  # ends with the priorities on the host
+            algo.run_updates(chunk, REPLAY_ROWS, batch)  # ends with the priorities on the host
             n += chunk
         rates.append(n / el)
     return stats(rates)

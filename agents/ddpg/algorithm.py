@@ -516,13 +516,12 @@ class DDPG(SAC):
         self._update_credit -= n_updates
         self.run_updates(n_updates, steps)
 
-    def run_updates(self, n_updates: int, steps: int) -> None:
-        """``n_updates`` gradient updates of ``train_batch_size_per_learner`` rows each
-        (prioritized samples, the learner's update, the new priorities written back), then
-        the actor's weights to the env runners; ``steps``: env steps sampled so far (the PER
-        beta schedule and the learner's timesteps)."""
-        cfg = self.config
-        batch_size = int(cfg.train_batch_size_per_learner)
+    def run_updates(self, n_updates: int, steps: int, batch_size: int | None = None) -> None:
+        """``n_updates`` gradient updates of ``batch_size`` rows each (default
+        ``train_batch_size_per_learner``: prioritized samples, the learner's update, the new
+        priorities written back), then the actor's weights to the env runners; ``steps``: env
+        steps sampled so far (the PER beta schedule and the learner's timesteps)."""
+        batch_size = int(batch_size or self.config.train_batch_size_per_learner)
         done = 0
         while done < n_updates:
             # up to MAX_UPDATES_PER_CALL updates in one learner call, one minibatch each (in

@@ -68,9 +68,30 @@ from gymnasium import spaces
 from .simulator import DIRECTIONS, ShapingSimulator, SimConfig
 from .sincon import ExternalLimits, ShapingError
 
-__all__ = ["REWARD_DEFAULTS", "ShapingEnv", "jain_index", "limit_code", "limits_of_action"]
+__all__ = ["REWARD_DEFAULTS", "ShapingEnv", "episode_settings", "jain_index", "limit_code",
+           "limits_of_action"]
 
 REWARD_DEFAULTS = {"setup_weight": 0.5, "setup_ref_s": 0.1, "max_penalty": 5.0}
+
+
+def episode_settings(env: str, reward: dict | None, defaults: dict[str, float],
+                     duration_s: float, period_s: float, min_limit_share: float
+                     ) -> tuple[dict[str, float], int]:
+    """What both shaping environments check and derive alike: ``min_limit_share`` in (0, 1),
+    ``reward``'s keys among ``defaults`` (the reward settings, defaults filled in), and the
+    number of steps, ``duration_s`` a positive multiple of ``period_s``. ``env`` names the
+    environment in the errors."""
+    if not 0 < min_limit_share < 1:
+        raise ShapingError(f"{env}: min_limit_share must be in (0, 1), got "
+                           f"{min_limit_share!r}")
+    unknown = sorted(set(reward or {}) - set(defaults))
+    if unknown:
+        raise ShapingError(f"{env}: unknown reward keys {unknown}; known: {sorted(defaults)}")
+    steps = round(duration_s / period_s)
+    if steps < 1 or not math.isclose(steps * period_s, duration_s):
+        raise ShapingError(f"{env}: duration_s {duration_s} must be a positive multiple of "
+                           f"period_s {period_s}")
+    return {**defaults, **dict(reward or {})}, steps
 
 
 def limits_of_action(a: np.ndarray, g: float, eps: float) -> np.ndarray:
@@ -107,20 +128,10 @@ class ShapingEnv(gym.Env):
         self.cfg = SimConfig.from_dict(sim, tenants=tenants,
                                        switches_per_tenant=switches_per_tenant,
                                        duration_s=duration_s, period_s=period_s)
-        if not 0 < min_limit_share < 1:
-            raise ShapingError(f"ShapingEnv: min_limit_share must be in (0, 1), got "
-                               f"{min_limit_share!r}")
         if not (usage_cap > 0 and queue_ref_s > 0):
             raise ShapingError("ShapingEnv: usage_cap and queue_ref_s must be > 0")
-        unknown = sorted(set(reward or {}) - set(REWARD_DEFAULTS))
-        if unknown:
-            raise ShapingError(f"ShapingEnv: unknown reward keys {unknown}; known: "
-                               f"{sorted(REWARD_DEFAULTS)}")
-        self.reward_cfg = {**REWARD_DEFAULTS, **dict(reward or {})}
-        self.steps = round(duration_s / period_s)
-        if self.steps < 1 or not math.isclose(self.steps * period_s, duration_s):
-            raise ShapingError(f"ShapingEnv: duration_s {duration_s} must be a positive "
-                               f"multiple of period_s {period_s}")
+        self.reward_cfg, self.steps = episode_settings(
+            "ShapingEnv", reward, REWARD_DEFAULTS, duration_s, period_s, min_limit_share)
         self.n = self.cfg.num_channels
         self.g = self.cfg.global_throughput
         self.fair = self.g / self.n

@@ -75,7 +75,7 @@ from gymnasium import spaces
 
 from delivery.sending_sim import BURST, STREAM, PathSimulation, PathWorkload, SendingCosts
 
-from .env import jain_index, limit_code, limits_of_action
+from .env import episode_settings, jain_index, limit_code, limits_of_action
 from .sincon import ExternalLimits, ShapingError
 
 __all__ = ["PATH_REWARD_DEFAULTS", "PathShapingEnv"]
@@ -112,18 +112,9 @@ class PathShapingEnv(gym.Env):
                 or burst_messages < 1:
             raise ShapingError(f"PathShapingEnv: burst_messages must be a whole number >= 1, "
                                f"got {burst_messages!r}")
-        if not 0 < min_limit_share < 1:
-            raise ShapingError(f"PathShapingEnv: min_limit_share must be in (0, 1), got "
-                               f"{min_limit_share!r}")
-        unknown = sorted(set(reward or {}) - set(PATH_REWARD_DEFAULTS))
-        if unknown:
-            raise ShapingError(f"PathShapingEnv: unknown reward keys {unknown}; known: "
-                               f"{sorted(PATH_REWARD_DEFAULTS)}")
-        self.reward_cfg = {**PATH_REWARD_DEFAULTS, **dict(reward or {})}
-        self.steps = round(duration_s / period_s)
-        if self.steps < 1 or not math.isclose(self.steps * period_s, duration_s):
-            raise ShapingError(f"PathShapingEnv: duration_s {duration_s} must be a positive "
-                               f"multiple of period_s {period_s}")
+        self.reward_cfg, self.steps = episode_settings(
+            "PathShapingEnv", reward, PATH_REWARD_DEFAULTS, duration_s, period_s,
+            min_limit_share)
         # validates rate_hz, duration_s, size and nodes
         self._template = PathWorkload(rate_hz=rate_hz, duration_s=duration_s, size=size,
                                       nodes=nodes)
