@@ -4,7 +4,10 @@ Served over HTTPS by default (uvicorn's own TLS: ``ssl_certfile``/``ssl_keyfile`
 ``policy-server`` identity (``security.pki_dir``, :mod:`security.pki`) or the files of
 ``tls.certfile``/``tls.keyfile``; ``security.insecure=true`` serves plain HTTP and warns.
 Every bundle it loads must be signed by a key of ``bundle_trust`` (``keys``: public key
-files, ``pki_key``: the PKI's ``bundle-signing.pub`` too; :mod:`serving.signing`)."""
+files, ``pki_key``: the PKI's ``bundle-signing.pub`` too; :mod:`serving.signing`).
+``bundle`` and ``online_bundle`` take a directory or a registered model of ``registry``'s
+MLflow server (``models:/<name>@<alias>``, followed while ``watch``;
+:mod:`serving.model_registry`)."""
 
 import logging
 
@@ -55,6 +58,10 @@ def settings_from(cfg: DictConfig):
     failures = block("auth_failures") if "auth_failures" in cfg else {
         "requests_per_s": DEFAULT_AUTH_FAILURES.requests_per_s,
         "burst": DEFAULT_AUTH_FAILURES.burst}
+    registry = block("registry") or {}
+    if not isinstance(registry, dict) or set(registry) - {"tracking_uri", "cache_dir"}:
+        raise ValueError(f"registry: expected {{tracking_uri, cache_dir}} (null or a string "
+                         f"each), got {registry!r}")
     security = Security.from_mapping(block("security"))
     # ``main`` warns once for the whole server, bundle verification included
     trust = BundleTrust.from_mapping(block("bundle_trust"), security, warn=False)
@@ -78,7 +85,9 @@ def settings_from(cfg: DictConfig):
                           else int(cfg.batch_threads),
                           announce_url=ann.get("url"),
                           announce_topic=ann.get("topic", DEFAULT_TOPIC),
-                          announce_send_timeout_s=send_timeout_s)
+                          announce_send_timeout_s=send_timeout_s,
+                          registry_uri=registry.get("tracking_uri") or None,
+                          registry_cache_dir=registry.get("cache_dir") or None)
 
 
 def transport_limits(cfg: DictConfig):

@@ -120,6 +120,7 @@ class DSMDTask:
         from serving.bundle import BUNDLE_FILES
 
         from .bundle_export import export_bundle
+        from .model_registration import register_bundle
 
         bundle_dir = Path(str(cfg.paths.checkpoint_dir)) / self.run_name
         export_bundle(scores, self.layout, ps.signature(), bundle_dir, overwrite=True,
@@ -132,5 +133,7 @@ class DSMDTask:
         for f in BUNDLE_FILES:
             log.artifact(bundle_dir / f, "policy_bundle")
         print(f"[train] exported the policy bundle to {bundle_dir}", flush=True)
+        registered = register_bundle(cfg, log, bundle_dir)
         return {"summary": summary, "per_window": per_window, "bundle_dir": bundle_dir,
+                "registered": registered,
                 "layout": self.layout, "problems": ps}

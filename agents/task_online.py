@@ -235,6 +235,7 @@ class OnlineTask:
         from serving.online_bundle import online_bundle_files
 
         from .bundle_export import export_online_bundle
+        from .model_registration import register_bundle
 
         cfg = self.cfg
         if ray.is_initialized() and not (cfg.get("ray") or {}).get("address"):
@@ -259,5 +260,6 @@ class OnlineTask:
         spec = DeciderSpec.make(self.name, "learned", bundle=str(bundle_dir),
                                 **({"signing_key": str(key)} if key else {}))
         res = test_online(cfg, self.tuning, log, self.out, [spec], vpt)
-        return {**res, "bundle_dir": bundle_dir}
+        registered = register_bundle(cfg, log, bundle_dir)  # last: with the test metrics
+        return {**res, "bundle_dir": bundle_dir, "registered": registered}
 

@@ -3,7 +3,10 @@ hyperparameter table, metrics, tables (CSV) and plots (PNG), and is closed even 
 
 The tracking URI is local by default (``sqlite:///<repo>/mlruns/mlflow.db``, artifacts in
 ``<repo>/mlruns/artifacts``); set ``logger.tracking_uri`` (or ``MLFLOW_TRACKING_URI``) to use
-any MLflow server. ``logger.enabled=false`` turns tracking off (nothing is written).
+any MLflow server (``logger.artifact_location`` then does not apply: the server stores the
+artifacts where it is configured to). ``logger.enabled=false`` turns tracking off (nothing
+is written). A trained policy's bundle is registered in the same server's model registry
+(:mod:`agents.model_registration`).
 """
 
 from __future__ import annotations
@@ -90,6 +93,11 @@ def _hydra_tags() -> dict[str, str]:
     return out
 
 
+def _is_server(uri: str) -> bool:
+    """Whether ``uri`` names a tracking server (not a local database or directory)."""
+    return uri.split(":", 1)[0] in ("http", "https", "databricks")
+
+
 @contextlib.contextmanager
 def tracked_run(cfg: DictConfig, *, run_name: str, tags: Mapping[str, str] | None = None
                 ) -> Iterator[RunLogger]:
@@ -110,7 +118,9 @@ def tracked_run(cfg: DictConfig, *, run_name: str, tags: Mapping[str, str] | Non
     client = MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name(str(lcfg.experiment_name))
     if exp is None:
-        loc = lcfg.get("artifact_location")
+        # a server keeps artifacts where it is configured to (e.g. proxied through it): a
+        # local directory is only the local store's
+        loc = None if _is_server(uri) else lcfg.get("artifact_location")
         if loc:
             Path(str(loc)).mkdir(parents=True, exist_ok=True)
             loc = Path(str(loc)).resolve().as_uri()

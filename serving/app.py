@@ -67,6 +67,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
@@ -111,6 +112,14 @@ from .limits import (
     static_session_bytes,
 )
 from .metrics import MetricsMiddleware, ServerMetrics
+from .model_registry import (
+    ModelRegistry,
+    RegistryError,
+    RegistryRef,
+    RegistryWatcher,
+    ResolvedVersion,
+    is_registry_uri,
+)
 from .online_api import add_online_routes
 from .online_policy import OnlinePolicyStore
 from .policy_store import BundleError, BundleWatcher, LoadedPolicy, PolicyStore
@@ -204,6 +213,12 @@ class ServerSettings:
     #: PKI's ``bundle-signing.pub`` of ``security`` (unsigned bundles accepted, warned, when
     #: ``security.insecure``)
     bundle_trust: BundleTrust | None = None
+    #: the MLflow tracking server whose model registry ``models:/`` URIs (``bundle``,
+    #: ``online_bundle``, a swap's path) are looked up in (``registry.tracking_uri``; None:
+    #: ``MLFLOW_TRACKING_URI`` or MLflow's default), and where their files are cached
+    #: (``registry.cache_dir``; None: ``~/.cache/smart-dsmd/registry``)
+    registry_uri: str | None = None
+    registry_cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         self.security = TransportSecurity.from_mapping(self.security)
@@ -220,6 +235,12 @@ class ServerSettings:
                              f"got {type(self.bundle_trust).__name__}")
         if self.fallback not in FALLBACKS:
             raise ValueError(f"fallback must be one of {FALLBACKS}, got {self.fallback!r}")
+        for k in ("bundle", "online_bundle"):
+            if is_registry_uri(getattr(self, k)):
+                try:
+                    RegistryRef.parse(getattr(self, k))
+                except RegistryError as e:
+                    raise ValueError(f"{k}: {e}") from None
         if self.auth and not self.api_keys:
             raise ValueError("auth is on but no api_keys are configured (set serve.api_keys, "
                              "e.g. SMART_API_KEYS=key1,key2, or auth=false for local use)")
@@ -371,16 +392,44 @@ def create_app(settings: ServerSettings | None = None, *,
         return check
 
     check = check_for(None)
+    registries: list[ModelRegistry] = []  # created on first use: MLflow loads only then
 
-    def load(path: str, force: bool = False, owner: str | None = None) -> LoadedPolicy:
+    def registry() -> ModelRegistry:
+        if not registries:
+            registries.append(ModelRegistry(cfg.registry_uri, cfg.registry_cache_dir))
+        return registries[0]
+
+    def load(path: str, force: bool = False, owner: str | None = None,
+             origin: str | None = None) -> LoadedPolicy:
+        """Install the bundle at ``path``, or the registry version a ``models:/`` path
+        names (downloaded first; ``origin`` set)."""
         try:
-            p = store.load(path, check_for(owner), force)
+            if is_registry_uri(path):
+                local, rv = registry().fetch(path)
+                path, origin = str(local), rv.origin
+            p = store.load(path, check_for(owner), force, origin=origin)
         except BundleError:
             metrics.swaps.labels("refused").inc()
             raise
         metrics.swaps.labels("loaded").inc()
         metrics.policy_version.set(p.version)
         return p
+
+    def load_online(path: str, origin: str | None = None) -> Any:
+        """Install the online bundle at ``path`` or of a ``models:/`` path (as :func:`load`)."""
+        if is_registry_uri(path):
+            local, rv = registry().fetch(path)
+            path, origin = str(local), rv.origin
+        return online_store.load(path, origin=origin)
+
+    def follow(uri: str, what: str, install: Callable[[Path, ResolvedVersion], Any]
+               ) -> RegistryWatcher:
+        """The first load of a ``models:/`` bundle setting, and its alias followed."""
+        w = RegistryWatcher(registry(), RegistryRef.parse(uri), install, cfg.watch_period_s,
+                            what)
+        if w.poll() is None:
+            log.error("no %s loaded: %s", what, w.errors[-1] if w.errors else uri)
+        return w
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -398,19 +447,32 @@ def create_app(settings: ServerSettings | None = None, *,
         # fresh install) before the first request, not inside it
         await asyncio.to_thread(kernels.warm_up)
         await asyncio.to_thread(online_greedy.warm_up)
-        if cfg.bundle:
+        followers: list[RegistryWatcher] = []
+        if is_registry_uri(cfg.bundle):
+            followers.append(await asyncio.to_thread(
+                follow, str(cfg.bundle), "policy",
+                lambda path, rv: load(str(path), origin=rv.origin)))
+        elif cfg.bundle:
             try:
                 load(cfg.bundle)
             except BundleError as e:  # start anyway: heuristic decisions, not ready if required
                 log.error("no policy loaded: %s", e)
             if cfg.watch:
                 watcher = BundleWatcher(store, cfg.bundle, cfg.watch_period_s, check).start()
-        if cfg.online_bundle:
+        if is_registry_uri(cfg.online_bundle):
+            followers.append(await asyncio.to_thread(
+                follow, str(cfg.online_bundle), "online policy",
+                lambda path, rv: online_store.load(path, origin=rv.origin)))
+        elif cfg.online_bundle:
             try:
                 await asyncio.to_thread(online_store.load, cfg.online_bundle)
             except BundleError as e:  # start anyway: online plans refused until a swap
                 log.error("no online policy loaded: %s", e)
-        app.state.watcher = watcher
+        if cfg.watch:  # an alias is followed; a version number never changes
+            for f in followers:
+                if f.ref.alias is not None:
+                    f.start()
+        app.state.watcher, app.state.registry_watchers = watcher, followers
         sweeper = asyncio.create_task(sweep_forever())
         if cfg.freeze_gc:
             gc.collect()  # garbage first: only what is alive is frozen
@@ -421,6 +483,8 @@ def create_app(settings: ServerSettings | None = None, *,
             await sweeper
         if watcher is not None:
             watcher.stop()
+        for f in followers:
+            await asyncio.to_thread(f.stop)
         if app.state.announcer is not None:
             store.remove_listener(app.state.announcer.policy)
             await asyncio.to_thread(app.state.announcer.close)
@@ -627,7 +691,7 @@ def create_app(settings: ServerSettings | None = None, *,
         if p is None:
             return PolicyOut(loaded=False, version=0, hash=None, fallback=cfg.fallback)
         return PolicyOut(loaded=True, version=p.version, hash=p.hash, name=p.path.name,
-                         loaded_at=p.loaded_at, scenario_signature=p.metadata.get(
+                         loaded_at=p.loaded_at, origin=p.origin, scenario_signature=p.metadata.get(
                              "scenario_signature", {}),
                          observation=p.layout.to_dict(), decoding=p.decoding,
                          decision_order=p.order,
@@ -921,7 +985,7 @@ def create_app(settings: ServerSettings | None = None, *,
                 "policy_hash": p.hash if p is not None else None,
                 "session_version": s.version}
 
-    add_online_routes(app, store=online_store, controller=controller, admin=admin,
+    add_online_routes(app, store=online_store, load=load_online, controller=controller, admin=admin,
                       owned=owned, max_sessions=cfg.max_sessions,
                       max_sessions_per_key=cfg.max_sessions_per_key, max_batch=cfg.max_batch,
                       limits=limits, budget=budget, sweepers=sweepers, slots=slots)

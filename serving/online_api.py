@@ -157,6 +157,7 @@ def _scenario(body: OnlineSessionCreate) -> ScenarioSpec:
 
 def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Callable,
                       admin: Callable, max_sessions: int, max_batch: int,
+                      load: Callable[[str], LoadedOnlinePolicy] | None = None,
                       max_sessions_per_key: int | None = None,
                       owned: Callable[[str, str, str | None, Caller, str], None] | None = None,
                       limits: ResourceLimits | None = None,
@@ -167,9 +168,11 @@ def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Cal
     ``admin`` are the key dependencies of the endpoints that need no caller (those that do
     take :data:`~serving.access.ControllerCaller` / :data:`~serving.access.AdminCaller`);
     ``owned(what, session_id, owner, caller, action)`` raises the 404 for a session the
-    caller may not use. ``limits`` and ``budget`` bound what sessions hold (shared with
-    the static sessions'); the online sessions' expiry is appended to ``sweepers``;
-    ``slots`` caps the worker threads of one key (shared with the static sessions)."""
+    caller may not use. ``load(path)`` installs a swap's bundle (default ``store.load``;
+    the app's also takes ``models:/`` URIs, :mod:`serving.model_registry`). ``limits`` and
+    ``budget`` bound what sessions hold (shared with the static sessions'); the online
+    sessions' expiry is appended to ``sweepers``; ``slots`` caps the worker threads of one
+    key (shared with the static sessions)."""
     sessions: dict[str, OnlineEntry] = {}
     check_owner = owned or (lambda what, sid, owner, caller, action: None)
     lim = limits or ResourceLimits()
@@ -245,7 +248,8 @@ def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Cal
             return OnlinePolicyOut(loaded=False, version=0, hash=None)
         m = p.bundle.metadata
         return OnlinePolicyOut(loaded=True, version=p.version, hash=p.hash, name=p.path.name,
-                               loaded_at=p.loaded_at, features=list(m.get("features", [])),
+                               loaded_at=p.loaded_at, origin=p.origin,
+                               features=list(m.get("features", [])),
                                knob_map=m.get("knob_map"), cost=m.get("cost"),
                                dataset=m.get("dataset"))
 
@@ -285,7 +289,7 @@ def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Cal
              responses=_errors(400, 401, 403, 409, 422))
     async def swap_online_policy(body: PolicySwap, caller: AdminCaller) -> OnlinePolicyOut:
         try:
-            p = await asyncio.to_thread(store.load, body.path)
+            p = await asyncio.to_thread(load or store.load, body.path)
         except BundleError as e:
             audit(caller.key_id, "online_policy.load", body.path, "failed", f"409: {e}",
                   level=logging.WARNING)

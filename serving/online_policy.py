@@ -49,6 +49,9 @@ class LoadedOnlinePolicy:
     bundle: OnlineBundle
     version: int
     loaded_at: float
+    #: where it came from when not a directory named by the caller: the registry version
+    #: (``models:/<name>/<version> (alias ...)``, :mod:`serving.model_registry`)
+    origin: str | None = None
 
     @property
     def hash(self) -> str:
@@ -93,16 +96,22 @@ class OnlinePolicyStore:
     def current(self) -> LoadedOnlinePolicy | None:
         return self._current
 
-    def load(self, path: str | Path) -> LoadedOnlinePolicy:
+    def load(self, path: str | Path, origin: str | None = None) -> LoadedOnlinePolicy:
         """Load, verify and install the online bundle at ``path`` (``BundleError`` if
-        refused; the current one stays)."""
+        refused; the current one stays). ``origin``: where ``path`` came from (a registry
+        version), named in messages and kept on the policy."""
         with self._lock:
-            bundle = load_online_bundle(path, self.trust)
-            cand = LoadedOnlinePolicy(bundle, self._version + 1, time.time())
+            try:
+                bundle = load_online_bundle(path, self.trust)
+            except BundleError as e:
+                if origin is None:
+                    raise
+                raise type(e)(f"{origin}: {e}") from None
+            cand = LoadedOnlinePolicy(bundle, self._version + 1, time.time(), origin)
             self._version = cand.version
             self._current = cand  # one reference assignment: atomic for readers
-            log.info("online policy v%d loaded from %s (actor %s...)", cand.version, path,
-                     cand.hash[:12])
+            log.info("online policy v%d loaded from %s (actor %s...)", cand.version,
+                     origin or path, cand.hash[:12])
             return cand
 
 

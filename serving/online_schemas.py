@@ -286,6 +286,9 @@ class OnlinePolicyOut(BaseModel):
     name: str | None = Field(default=None, description="The bundle's name (its directory's "
                              "name on the server; never a path).")
     loaded_at: float | None = None
+    origin: str | None = Field(default=None, description="The registry version it was "
+                               "loaded from (models:/<name>/<version>, and the alias); null "
+                               "for a directory.")
     features: list[str] | None = None
     knob_map: dict | None = None
     cost: dict | None = None

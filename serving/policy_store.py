@@ -39,6 +39,9 @@ class LoadedPolicy:
     bundle: PolicyBundle
     version: int
     loaded_at: float
+    #: where it came from when not a directory named by the caller: the registry version
+    #: (``models:/<name>/<version> (alias ...)``, :mod:`serving.model_registry`)
+    origin: str | None = None
 
     @property
     def layout(self) -> ObservationLayout:
@@ -109,19 +112,26 @@ class PolicyStore:
 
     def load(self, path: str | Path,
              check: Callable[[LoadedPolicy], list[str]] | None = None,
-             force: bool = False) -> LoadedPolicy:
+             force: bool = False, origin: str | None = None) -> LoadedPolicy:
         """Load, verify and install the bundle at ``path``. ``check`` returns the problems
         the candidate would cause (e.g. live sessions it does not fit); any problem refuses
-        it (``BundleError``) unless ``force``."""
+        it (``BundleError``) unless ``force``. ``origin``: where ``path`` came from (a
+        registry version), named in messages and kept on the policy."""
+        where = origin or str(path)
         with self._lock:
-            bundle = load_bundle(path, batch_threads=self.batch_threads, trust=self.trust)
-            cand = LoadedPolicy(bundle, self._version + 1, time.time())
+            try:
+                bundle = load_bundle(path, batch_threads=self.batch_threads, trust=self.trust)
+            except BundleError as e:
+                if origin is None:
+                    raise
+                raise type(e)(f"{origin}: {e}") from None
+            cand = LoadedPolicy(bundle, self._version + 1, time.time(), origin)
             problems = check(cand) if check is not None else []
             if problems and not force:
-                raise BundleError(f"{path}: refused: " + "; ".join(problems))
+                raise BundleError(f"{where}: refused: " + "; ".join(problems))
             self._version = cand.version
             self._current = cand  # one reference assignment: atomic for readers
-            log.info("policy v%d loaded from %s (actor %s...)", cand.version, path,
+            log.info("policy v%d loaded from %s (actor %s...)", cand.version, where,
                      cand.hash[:12])
             for listener in list(self._listeners):
                 try:

@@ -255,7 +255,8 @@ class DecideBatchRequest(BaseModel):
 class PolicySwap(BaseModel):
     model_config = _STRICT
     path: str = Field(min_length=1, max_length=4096, description="Bundle directory on the "
-                      "server.")
+                      "server, or a registered model: models:/<name>@<alias> or "
+                      "models:/<name>/<version> (in the server's registry).")
     force: JsonBool = Field(default=False, description="Load even if live sessions do not match "
                         "it (they then get heuristic decisions).")
 
@@ -268,6 +269,9 @@ class PolicyOut(BaseModel):
     name: str | None = Field(default=None, description="The bundle's name (its directory's "
                              "name on the server; never a path).")
     loaded_at: float | None = Field(default=None, description="Unix time of the load.")
+    origin: str | None = Field(default=None, description="The registry version it was "
+                               "loaded from (models:/<name>/<version>, and the alias); null "
+                               "for a directory.")
     scenario_signature: dict = Field(default_factory=dict)
     observation: dict = Field(default_factory=dict, description="Observation layout.")
     decoding: str | None = None

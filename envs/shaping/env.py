@@ -74,7 +74,8 @@ __all__ = ["REWARD_DEFAULTS", "ShapingEnv", "episode_settings", "jain_index", "l
 REWARD_DEFAULTS = {"setup_weight": 0.5, "setup_ref_s": 0.1, "max_penalty": 5.0}
 
 
-def episode_settings(env: str, reward: dict | None, defaults: dict[str, float],
+def episode_settings(env: str, reward: Mapping[str, float] | None,
+                     defaults: Mapping[str, float],
                      duration_s: float, period_s: float, min_limit_share: float
                      ) -> tuple[dict[str, float], int]:
     """What both shaping environments check and derive alike: ``min_limit_share`` in (0, 1),
