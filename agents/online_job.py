@@ -334,8 +334,23 @@ def stress_test(cfg: DictConfig, tuning: Tuning, log: Any, out: Path,
     return res
 
 
+def learned_bundles(cfg: DictConfig) -> list[DeciderSpec]:
+    """``env.learned`` (name -> online bundle directory): policies trained elsewhere (e.g.
+    on another dataset or scale, for transfer) evaluated beside the baselines; each bundle
+    must verify against the PKI's key (:func:`serving.online_bundle.load_online_bundle`)."""
+    out = []
+    for name, path in (cfg.env.get("learned") or {}).items():
+        p = Path(str(path)).expanduser()
+        if not (p / "metadata.json").is_file():
+            raise DSMDError(f"env.learned.{name}: {p} is not an online policy bundle "
+                            "(no metadata.json)")
+        out.append(DeciderSpec.make(str(name), "learned", bundle=str(p.resolve())))
+    return out
+
+
 def run_online_main(cfg: DictConfig) -> dict[str, Any]:
-    """``train.py env=online agent=baselines``: the yardstick without a learned policy."""
+    """``train.py env=online agent=baselines``: the yardstick, with the policies of
+    ``env.learned`` (trained elsewhere) if any."""
     seed_everything(int(cfg.seed))
     out = output_dir(cfg)
     t0 = time.perf_counter()
@@ -344,8 +359,9 @@ def run_online_main(cfg: DictConfig) -> dict[str, Any]:
     tags = {"scenario": ds.scenario.name, "dataset": ds.spec.name, "task": "online_baselines",
             "seed": str(cfg.seed)}
     with tracked_run(cfg, run_name=run_name, tags=tags) as log:
+        learned = learned_bundles(cfg)  # before the tuning: a wrong path fails at once
         tuning = tune_online(cfg, ds)
-        res = test_online(cfg, tuning, log, out)
+        res = test_online(cfg, tuning, log, out, learned)
     print(f"[online] done in {time.perf_counter() - t0:.0f}s; wrote {out}/summary.csv, "
           "summary.txt, per_interval.csv, tuning.csv, pareto.csv, bounds.csv, pareto.png, "
           "timeline.png" + (f"; MLflow run {log.run_id}" if log.run_id else ""), flush=True)

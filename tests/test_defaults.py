@@ -25,7 +25,7 @@ ENV_CONFIGS = sorted(p.stem for p in (ROOT / "configs" / "env").glob("*.yaml"))
 NOT_CONSTRUCTOR = {
     "dsmd": {"id"},
     "online": {"id", "name", "dataset", "dataset_overrides", "workers", "cache", "eval_traces",
-               "eval_windows", "baselines", "static_params", "tune", "oracle", "stress",
+               "eval_windows", "baselines", "learned", "static_params", "tune", "oracle", "stress",
                "train.demo_traces", "train.val_traces", "train.reward_cost", "observation"},
     "shaping": {"id", "suite", "baselines", "eval_episodes", "val_episodes", "observation"},
     "path_shaping": {"id", "suite", "baselines", "eval_episodes", "val_episodes",

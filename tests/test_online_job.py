@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 from agents.config import CONFIG_DIR
 from agents.online_job import run_online_main
 from envs.dsmd.errors import DSMDError
+from envs.dsmd.online import OnlineCost
 
 GRID = ["env.tune.grid={online_greedy:{forecast:[last],headroom:[0.0,0.2],horizon:[inf,1.0]},"
         "forecast_greedy:{forecast:[ewma],alpha:[0.5],headroom:[0.1],horizon:[2.0]}}"]
@@ -31,12 +32,31 @@ def _cfg(tmp_path: Path, overrides: list[str]):
             "env.workers=1", "env.tune.windows=null", *tracking, *overrides])
 
 
+def test_a_learned_bundle_that_is_not_one_is_named(tmp_path):
+    from agents.online_job import learned_bundles
+
+    cfg = _cfg(tmp_path, [f"+env.learned.elsewhere={tmp_path / 'nothing'}"])
+    with pytest.raises(DSMDError, match=r"env\.learned\.elsewhere: .*nothing is not an online"):
+        learned_bundles(cfg)
+
+
 def test_online_yardstick_end_to_end(tmp_path, capsys):
+    import torch
+
+    from agents.bundle_export import export_online_bundle
+    from envs.dsmd.online_control import OBS_SIZE, KnobMap
+
+    # a policy trained elsewhere (here: a seeded untrained actor), evaluated beside them
+    torch.manual_seed(0)
+    export_online_bundle(torch.nn.Sequential(torch.nn.Linear(OBS_SIZE, 3), torch.nn.Tanh()),
+                         KnobMap(), OnlineCost(), tmp_path / "elsewhere")
     res = run_online_main(_cfg(tmp_path, [*GRID, "run_name=test-online",
-                                          "env.stress.datasets=[tiny_online]"]))
+                                          "env.stress.datasets=[tiny_online]",
+                                          f"+env.learned.transfer={tmp_path / 'elsewhere'}"]))
     s = res["summary"].set_index("policy")
     assert {"rpc", "vita", "idcs", "alcor", "greedy", "online_greedy", "forecast_greedy",
-            "forecast_drop", "oracle"} <= set(s.index)  # the default grid's forecaster family
+            "forecast_drop", "oracle", "transfer"} <= set(s.index)  # the default grid's
+    # forecaster family, and the bundle
     assert s.loc["oracle", "regret_pct"] == 0.0
     # the hindsight greedy plans with a reserve too, and chooses it interval by interval
     assert {"oracle_greedy[headroom=0.2,horizon=inf]",
@@ -50,7 +70,7 @@ def test_online_yardstick_end_to_end(tmp_path, capsys):
     assert set(res["per_interval"]["trace"]) == {r.id for r in res["dataset"].traces("test")}
     assert tuned and res["best"]["online_greedy"].startswith("online_greedy[")
     out = capsys.readouterr().out
-    assert "Online yardstick" in out and "headroom" in out
+    assert "Online yardstick" in out and "headroom" in out and "transfer closes" in out
     # every method against the best tuned heuristic, paired by trace; the tuning's margins
     best = s.loc[res["headroom"]["best_online"]]
     assert best.vs_reference == 0.0 and "vs best" in out
