@@ -228,14 +228,20 @@ def test_an_error_in_a_chunk_reaches_the_caller(tmp_path, tiny_problems, monkeyp
     main = threading.get_ident()
     x = np.random.default_rng(7).uniform(-1, 1, (30, layout.size)).astype(np.float32)
 
-    helper_in = threading.Event()
+    helper_in, main_in = threading.Event(), threading.Event()
 
     def fill(lo, hi, out):
+        # each side waits for the other to hold a chunk before the one meant to fail does, so
+        # a thread that starts first cannot take every chunk and leave the other none
         on_main = threading.get_ident() == main
         if not on_main:
             helper_in.set()
-        elif where == "helper":  # leave the helper a chunk to fail on
-            helper_in.wait(10)
+            if where == "caller":
+                main_in.wait(10)
+        else:
+            main_in.set()
+            if where == "helper":
+                helper_in.wait(10)
         if on_main == (where == "caller"):
             raise RuntimeError(f"bad chunk at {lo}")
         out[...] = x[lo:hi]
