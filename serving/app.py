@@ -399,14 +399,20 @@ def create_app(settings: ServerSettings | None = None, *,
             registries.append(ModelRegistry(cfg.registry_uri, cfg.registry_cache_dir))
         return registries[0]
 
+    def materialize(path: str, origin: str | None) -> tuple[str, str | None]:
+        """``(path, origin)`` of a bundle setting: a directory as it is, a ``models:/`` path
+        as its registry version's local copy (downloaded first) and that version's name."""
+        if not is_registry_uri(path):
+            return path, origin
+        local, rv = registry().fetch(path)
+        return str(local), rv.origin
+
     def load(path: str, force: bool = False, owner: str | None = None,
              origin: str | None = None) -> LoadedPolicy:
         """Install the bundle at ``path``, or the registry version a ``models:/`` path
         names (downloaded first; ``origin`` set)."""
         try:
-            if is_registry_uri(path):
-                local, rv = registry().fetch(path)
-                path, origin = str(local), rv.origin
+            path, origin = materialize(path, origin)
             p = store.load(path, check_for(owner), force, origin=origin)
         except BundleError:
             metrics.swaps.labels("refused").inc()
@@ -417,10 +423,7 @@ def create_app(settings: ServerSettings | None = None, *,
 
     def load_online(path: str, origin: str | None = None) -> Any:
         """Install the online bundle at ``path`` or of a ``models:/`` path (as :func:`load`)."""
-        if is_registry_uri(path):
-            local, rv = registry().fetch(path)
-            path, origin = str(local), rv.origin
-        return online_store.load(path, origin=origin)
+        return online_store.load(*materialize(path, origin))
 
     def follow(uri: str, what: str, install: Callable[[Path, ResolvedVersion], Any]
                ) -> RegistryWatcher:

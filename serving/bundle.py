@@ -38,7 +38,8 @@ import os
 import queue
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -115,6 +116,18 @@ def _batch_pool(workers: int) -> Any:
 class BundleError(ValueError):
     """A policy bundle that cannot be used (missing, corrupted, of another format or version,
     or mismatched)."""
+
+
+@contextmanager
+def origin_named(origin: str | None) -> Iterator[None]:
+    """A :class:`BundleError` raised inside, re-raised with ``origin`` (where the bundle came
+    from: a registry version) in front of its message; unchanged when ``origin`` is None."""
+    try:
+        yield
+    except BundleError as e:
+        if origin is None:
+            raise
+        raise type(e)(f"{origin}: {e}") from None
 
 
 def sha256_file(path: Path) -> str:

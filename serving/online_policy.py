@@ -21,7 +21,7 @@ from pathlib import Path
 
 from envs.dsmd.online_control import KnobPolicy
 
-from .bundle import BundleError
+from .bundle import BundleError, origin_named
 from .online_bundle import (
     ONLINE_BUNDLE_FILES,
     ONLINE_BUNDLE_OPTIONAL,
@@ -101,12 +101,8 @@ class OnlinePolicyStore:
         refused; the current one stays). ``origin``: where ``path`` came from (a registry
         version), named in messages and kept on the policy."""
         with self._lock:
-            try:
+            with origin_named(origin):
                 bundle = load_online_bundle(path, self.trust)
-            except BundleError as e:
-                if origin is None:
-                    raise
-                raise type(e)(f"{origin}: {e}") from None
             cand = LoadedOnlinePolicy(bundle, self._version + 1, time.time(), origin)
             self._version = cand.version
             self._current = cand  # one reference assignment: atomic for readers

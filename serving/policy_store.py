@@ -24,7 +24,7 @@ import numpy as np
 
 from envs.dsmd.observation import ObservationLayout
 
-from .bundle import BUNDLE_FILES, BundleError, PolicyBundle, load_bundle
+from .bundle import BUNDLE_FILES, BundleError, PolicyBundle, load_bundle, origin_named
 from .signing import BundleTrust, SignatureError
 
 __all__ = ["BundleError", "BundleWatcher", "LoadedPolicy", "PolicyStore"]
@@ -119,12 +119,8 @@ class PolicyStore:
         registry version), named in messages and kept on the policy."""
         where = origin or str(path)
         with self._lock:
-            try:
+            with origin_named(origin):
                 bundle = load_bundle(path, batch_threads=self.batch_threads, trust=self.trust)
-            except BundleError as e:
-                if origin is None:
-                    raise
-                raise type(e)(f"{origin}: {e}") from None
             cand = LoadedPolicy(bundle, self._version + 1, time.time(), origin)
             problems = check(cand) if check is not None else []
             if problems and not force:
