@@ -126,63 +126,104 @@ def _audit(record_dir: Path, ledger: Ledger) -> dict[str, Any]:
             "sent": sum(len(v) for v in sent.values())}
 
 
-def one_run(mode: str, run: int, work: Path) -> dict[str, Any]:
+def start_delivery(service_url: str, admin_url: str, tmp: Path, failover: dict[str, Any]
+                   ) -> tuple[Any, Any, Path, str]:
+    """The real controller (its store in ``tmp``, a fresh topic prefix) and the agents of
+    ``NODES`` in process on the broker or cluster at ``service_url``: ``(controller, agent
+    host, record directory, topic prefix)``."""
     from delivery.agent import AgentConfig
     from delivery.agent_host import AgentHost
-    from delivery.broker import PulsarStandalone
     from delivery.controller import Controller, ControllerConfig
-    from envs.dsmd.message import Message
     from envs.netutil import free_ports
 
-    tmp = work / f"{mode}-{run}"
-    tmp.mkdir(parents=True)
     store_url = f"sqlite:///{tmp / 'meta.db'}"
     record_dir = tmp / "records"
     prefix = f"persistent://public/default/bf-{uuid.uuid4().hex[:8]}"
+    ports = dict(zip(NODES, free_ports(len(NODES))))
+    ctl = Controller(ControllerConfig(service_url, store_url, topic_prefix=prefix,
+                                      collect_period_s=0.3, reprogram_period_s=0.2,
+                                      failover=failover, pulsar_admin_url=admin_url),
+                     {n: f"127.0.0.1:{p}" for n, p in ports.items()}).start()
+    try:
+        host = AgentHost([AgentConfig(n, store_url, record_dir, pulsar_url=service_url,
+                                      controller=ctl.reply_address, port=p, pack_period_s=0.1)
+                          for n, p in ports.items()], service_url).start()
+    except BaseException:
+        ctl.close()
+        raise
+    return ctl, host, record_dir, prefix
+
+
+def set_channels(ctl: Any, host: Any, channels: dict[int, int],
+                 hosts: dict[int, tuple[int, ...]], timeout: float = 90.0) -> None:
+    """Apply ``channels`` and wait until every agent is subscribed to its topics."""
+    ctl.set_channels(channels, hosts)
+    want = {n: sum(1 for t, c in channels.items() if c and n in hosts[t]) for n in NODES}
+    deadline = time.monotonic() + timeout
+    while any(len(host.agents[n].topics()) != want[n] for n in NODES):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"agents did not subscribe within {timeout:.0f} s")
+        time.sleep(0.05)
+
+
+def sender(ctl: Any, ledger: Ledger, stop: threading.Event, errors: list[BaseException],
+           hosts: dict[int, tuple[int, ...]], resources: int, rate: float) -> None:
+    """Send ``rate`` messages/s round-robin over the types of ``hosts`` (``resources`` per
+    type, type ``t`` as VPC ``t + 1``), each followed by a non-waiting flush, until
+    ``stop``; every message in ``ledger``; an error ends it and is kept in ``errors``."""
+    from envs.dsmd.message import Message
+
+    ids = itertools.count(1)
+    t0, k = time.monotonic(), 0
+    try:
+        while not stop.is_set():
+            t = k % len(hosts)
+            mid = next(ids)
+            m = Message(mid, mid, t + 1, "SUBNET", "UPDATE", (k // len(hosts)) % resources,
+                        SIZE, hosts[t], ctl.timestamp())
+            with ledger.lock:
+                for n in hosts[t]:
+                    ledger.sent[(n, (t + 1, "SUBNET", m.resource_id))].append(
+                        (m.timestamp_ns, mid))
+            ctl.send(m, t)
+            ctl.flush(wait=False)
+            k += 1
+            time.sleep(max(0.0, t0 + k / rate - time.monotonic()))
+    except BaseException as e:  # reported, and the run fails
+        errors.append(e)
+
+
+def drain(ctl: Any, record_dir: Path, ledger: Ledger, res: dict[str, Any],
+          timeout: float = 180.0) -> dict[str, Any]:
+    """Once the sender stopped: flush until every node's record holds the newest message of
+    each of its resources (or ``timeout``); the last audit, with ``res["drained_s"]`` and
+    ``res["complete"]`` set."""
+    t0, deadline = time.monotonic(), time.monotonic() + timeout
+    while True:
+        ctl.flush(wait=False)
+        a = _audit(record_dir, ledger)
+        done = a["not_applied"] == 0 and a["resources_behind"] == 0
+        if done or time.monotonic() > deadline:
+            res["drained_s"], res["complete"] = time.monotonic() - t0, done
+            return a
+        time.sleep(0.5)
+
+
+def one_run(mode: str, run: int, work: Path) -> dict[str, Any]:
+    from delivery.broker import PulsarStandalone
+
+    tmp = work / f"{mode}-{run}"
+    tmp.mkdir(parents=True)
     failover = {"enabled": mode == "enabled", **CAPACITY}
     res: dict[str, Any] = {"mode": mode, "run": run}
     with PulsarStandalone(progress=None, work_dir=tmp / "broker") as broker:
-        ports = dict(zip(NODES, free_ports(len(NODES))))
-        ctl = Controller(ControllerConfig(broker.service_url, store_url, topic_prefix=prefix,
-                                          collect_period_s=0.3, reprogram_period_s=0.2,
-                                          failover=failover,
-                                          pulsar_admin_url=broker.admin_url),
-                         {n: f"127.0.0.1:{p}" for n, p in ports.items()}).start()
-        host = AgentHost([AgentConfig(n, store_url, record_dir, pulsar_url=broker.service_url,
-                                      controller=ctl.reply_address, port=p, pack_period_s=0.1)
-                          for n, p in ports.items()], broker.service_url).start()
+        ctl, host, record_dir, _ = start_delivery(broker.service_url, broker.admin_url, tmp,
+                                                  failover)
         ledger = Ledger()
         stop = threading.Event()
-        ids = itertools.count(1)
         errors: list[BaseException] = []
         try:
-            ctl.set_channels(CHANNELS, HOSTS)
-            want = {n: sum(1 for t, c in CHANNELS.items() if c and n in HOSTS[t])
-                    for n in NODES}
-            deadline = time.monotonic() + 60
-            while any(len(host.agents[n].topics()) != want[n] for n in NODES):
-                if time.monotonic() > deadline:
-                    raise RuntimeError("agents did not subscribe within 60 s")
-                time.sleep(0.05)
-
-            def sender() -> None:
-                t0, k = time.monotonic(), 0
-                try:
-                    while not stop.is_set():
-                        t = k % 3
-                        mid = next(ids)
-                        m = Message(mid, mid, t + 1, "SUBNET", "UPDATE", (k // 3) % 10, SIZE,
-                                    HOSTS[t], ctl.timestamp())
-                        with ledger.lock:
-                            for n in HOSTS[t]:
-                                ledger.sent[(n, (t + 1, "SUBNET", m.resource_id))].append(
-                                    (m.timestamp_ns, mid))
-                        ctl.send(m, t)
-                        ctl.flush(wait=False)
-                        k += 1
-                        time.sleep(max(0.0, t0 + k / RATE - time.monotonic()))
-                except BaseException as e:  # reported, and the run fails
-                    errors.append(e)
+            set_channels(ctl, host, CHANNELS, HOSTS, timeout=60)
 
             down_ns: list[int] = []
 
@@ -193,7 +234,9 @@ def one_run(mode: str, run: int, work: Path) -> dict[str, Any]:
                         down_ns.append(int(h["since_ns"]))
                     time.sleep(0.02)
 
-            threads = [threading.Thread(target=f, daemon=True) for f in (sender, watch)]
+            send = threading.Thread(target=sender, daemon=True,
+                                    args=(ctl, ledger, stop, errors, HOSTS, 10, RATE))
+            threads = [send, threading.Thread(target=watch, daemon=True)]
             for th in threads:
                 th.start()
             time.sleep(WARM_S)
@@ -221,16 +264,7 @@ def one_run(mode: str, run: int, work: Path) -> dict[str, Any]:
             if errors:
                 raise RuntimeError(f"sender failed: {errors[0]!r}") from errors[0]
             end_ns = time.time_ns()
-            deadline = time.monotonic() + 180
-            while True:
-                ctl.flush(wait=False)
-                a = _audit(record_dir, ledger)
-                if (a["not_applied"] == 0 and a["resources_behind"] == 0) \
-                        or time.monotonic() > deadline:
-                    break
-                time.sleep(0.5)
-            res["drained_s"] = (time.time_ns() - end_ns) / 1e9
-            res["complete"] = a["not_applied"] == 0 and a["resources_behind"] == 0
+            a = drain(ctl, record_dir, ledger, res)
             stats_ = ctl.stats.as_dict()
             events = list(ctl.stats.health_events)
         finally:

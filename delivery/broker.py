@@ -498,6 +498,44 @@ def _terminate(proc: subprocess.Popen[bytes], grace_s: float) -> None:
 # --------------------------------------------------------------------------- broker
 
 
+def broker_security_conf(security: Security, port: int | None, web_port: int | None
+                         ) -> dict[str, str | int | bool]:
+    """A broker's TLS settings (``standalone.conf`` or ``broker.conf`` keys): TLS-only
+    ports ``port`` and ``web_port``, mutual-TLS authentication, authorisation, and the
+    broker's own internal clients (admin calls of the starter, system topics, lookups and
+    admin calls it forwards to another broker of a cluster) presenting the PKI's ``broker``
+    identity. Shared by :class:`PulsarStandalone` and
+    :class:`delivery.pulsar_cluster.PulsarCluster`."""
+    ident = security.identity("broker")
+    ca, cert, key = str(ident.ca), str(ident.cert), str(ident.key)
+    return {
+        # no plain-text port: TLS only, and a client certificate the CA signed required
+        # in the handshake (before any Pulsar command is read)
+        "brokerServicePort": "", "brokerServicePortTls": port or "",
+        "webServicePort": "", "webServicePortTls": web_port or "",
+        "tlsCertificateFilePath": cert, "tlsKeyFilePath": key,
+        "tlsTrustCertsFilePath": ca,
+        "tlsRequireTrustedClientCertOnConnect": True,
+        "tlsAllowInsecureConnection": False,
+        "authenticationEnabled": True,
+        "authenticationProviders":
+            "org.apache.pulsar.broker.authentication.AuthenticationProviderTls",
+        "authorizationEnabled": True,
+        # agent-* (one grant for every node's agent), see security.pulsar
+        "authorizationAllowWildcardsMatching": True,
+        "superUserRoles": ",".join(pulsar_security.SUPER_USERS),
+        # the announcement topic's grant is made before anyone produces on it
+        "allowAclChangesOnNonExistentTopics": True,
+        "brokerClientTlsEnabled": True,
+        "brokerClientAuthenticationPlugin":
+            "org.apache.pulsar.client.impl.auth.AuthenticationTls",
+        "brokerClientAuthenticationParameters": json.dumps(
+            {"tlsCertFile": cert, "tlsKeyFile": key}),
+        "brokerClientTrustCertsFilePath": ca,
+        "tlsHostnameVerificationEnabled": True,
+    }
+
+
 class PulsarStandalone:
     """One real Pulsar standalone broker (broker + one bookie + RocksDB metadata) in a JVM.
 
@@ -822,37 +860,7 @@ class PulsarStandalone:
         return path
 
     def _security_conf(self) -> dict[str, str | int | bool]:
-        """TLS-only ports, mutual-TLS authentication, authorisation, and the broker's own
-        internal clients (admin calls of the starter, system topics) presenting its
-        identity."""
-        ident = self.security.identity("broker")
-        ca, cert, key = str(ident.ca), str(ident.cert), str(ident.key)
-        return {
-            # no plain-text port: TLS only, and a client certificate the CA signed required
-            # in the handshake (before any Pulsar command is read)
-            "brokerServicePort": "", "brokerServicePortTls": self.port or "",
-            "webServicePort": "", "webServicePortTls": self.web_port or "",
-            "tlsCertificateFilePath": cert, "tlsKeyFilePath": key,
-            "tlsTrustCertsFilePath": ca,
-            "tlsRequireTrustedClientCertOnConnect": True,
-            "tlsAllowInsecureConnection": False,
-            "authenticationEnabled": True,
-            "authenticationProviders":
-                "org.apache.pulsar.broker.authentication.AuthenticationProviderTls",
-            "authorizationEnabled": True,
-            # agent-* (one grant for every node's agent), see security.pulsar
-            "authorizationAllowWildcardsMatching": True,
-            "superUserRoles": ",".join(pulsar_security.SUPER_USERS),
-            # the announcement topic's grant is made before anyone produces on it
-            "allowAclChangesOnNonExistentTopics": True,
-            "brokerClientTlsEnabled": True,
-            "brokerClientAuthenticationPlugin":
-                "org.apache.pulsar.client.impl.auth.AuthenticationTls",
-            "brokerClientAuthenticationParameters": json.dumps(
-                {"tlsCertFile": cert, "tlsKeyFile": key}),
-            "brokerClientTrustCertsFilePath": ca,
-            "tlsHostnameVerificationEnabled": True,
-        }
+        return broker_security_conf(self.security, self.port, self.web_port)
 
     def command(self, java: str, lib: Path, conf: Path) -> list[str]:
         """The JVM command line (the standalone starter's flags, this instance's heap and dirs)."""

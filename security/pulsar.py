@@ -131,7 +131,8 @@ class PulsarAdmin:
         """One call (``path`` below the admin URL, JSON ``body``): the decoded JSON answer
         (``None`` if empty). An HTTP status in ``ok`` counts as success (e.g. 409 for
         "already exists"); any other error is a :class:`PulsarAdminError` naming the call,
-        the status and the broker's reason."""
+        the status and the broker's reason. A redirect (307 or 308: in a cluster, another
+        broker owns the topic) is followed, up to three hops."""
         what = f"{method} {self.admin_url}{path} as {self.principal!r}"
         data = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json", "Accept": "application/json"}
@@ -153,6 +154,12 @@ class PulsarAdmin:
                     self._conn = None
                     if fresh or attempt:  # (else: a kept-alive connection the server closed)
                         raise PulsarAdminError(f"{what}: {exc}") from None
+        for _ in range(3):  # a cluster's broker redirects a topic's call to its owner
+            location = resp.getheader("Location")
+            if resp.status not in (307, 308) or not location:
+                break
+            what = f"{method} {location} as {self.principal!r} (redirected)"
+            resp, text = self._follow(location, method, data, headers, what)
         if resp.status in set(ok):
             return None
         if resp.status >= 300:
@@ -161,6 +168,28 @@ class PulsarAdmin:
             return json.loads(text) if text.strip() else None
         except ValueError:
             return text
+
+    def _follow(self, url: str, method: str, data: bytes | None, headers: dict[str, str],
+                what: str) -> tuple[http.client.HTTPResponse, str]:
+        """The same call on a redirect's ``url`` (another broker), on a connection of its
+        own presenting the same certificate."""
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise PulsarAdminError(f"{what}: redirect to {url!r}, not an http(s) URL")
+        conn = (http.client.HTTPSConnection(parts.hostname, parts.port, timeout=self.timeout,
+                                            context=self._ctx) if parts.scheme == "https"
+                else http.client.HTTPConnection(parts.hostname, parts.port,
+                                                timeout=self.timeout))
+        target = parts.path + (f"?{parts.query}" if parts.query else "")
+        try:
+            conn.request(method, target, body=data, headers=headers)
+            resp = conn.getresponse()
+            return resp, resp.read().decode(errors="replace")
+        except (http.client.HTTPException, OSError) as exc:
+            raise PulsarAdminError(f"{what}: {exc}") from None
+        finally:
+            conn.close()
+
 
 
 def admin_call(admin_url: str, method: str, path: str, body: Any = None, *,

@@ -182,8 +182,10 @@ def admin_subscriptions(broker: PulsarStandalone, topic: str) -> set[str]:
 
 
 class Rig:
-    """A controller and in-process agents (one AgentHost) on a broker, with a fresh store,
-    record directory and topic prefix; ``security`` (default: secure) for all of them."""
+    """A controller and in-process agents (one AgentHost) on a broker (a standalone one, or a
+    :class:`delivery.pulsar_cluster.PulsarCluster`: the rig uses its service and admin URLs
+    and its security), with a fresh store, record directory and topic prefix; ``security``
+    (default: secure) for all of them."""
 
     def __init__(self, broker: PulsarStandalone, tmp: Path, nodes: Iterable[int], *,
                  ctl_kw: dict | None = None, agent_kw: dict | None = None,
