@@ -188,8 +188,7 @@ def test_online(cfg: DictConfig, tuning: Tuning, log: Any, out: Path,
             f"headroom (best online heuristic on validation: "
             f"{best_test}) = {headroom['headroom_pct']:+.2f}% ± "
             f"{headroom['headroom_ci95']:.2f}% over the oracle\n"
-            + "".join(f"{k} closes {v['closed_pct']:+.1f}% of it (of the summed gaps)\n"
-                      for k, v in closed.items())
+            + closed_text(headroom, closed)
             + _bound_text(bounds, pt, best_test, int(ex.horizon)))
     if tuning.margins is not None and len(tuning.margins):
         text += "tuning on validation:\n" + margins_text(tuning.margins) + "\n"
@@ -278,6 +277,18 @@ def _verdict(df: pd.DataFrame, best: str, learned: Sequence[DeciderSpec]
     return summary, headroom, closed
 
 
+def closed_text(headroom: dict[str, Any], closed: dict[str, Any]) -> str:
+    """One line per learned policy: the share of the headroom it closes, or, when the
+    headroom's 95% interval includes 0 (the best heuristic is within the noise of the
+    oracle), that the share is not defined (a ratio over a gap of about 0 says nothing; the
+    'vs best' column is the comparison then)."""
+    if headroom["headroom_pct"] <= headroom["headroom_ci95"]:
+        return "".join(f"{k}: no share of the headroom (the headroom's 95% interval includes "
+                       f"0); compare 'vs best'\n" for k in closed)
+    return "".join(f"{k} closes {v['closed_pct']:+.1f}% of it (of the summed gaps)\n"
+                   for k, v in closed.items())
+
+
 def stress_specs(cfg: DictConfig, ds: TraceDataset) -> list[DatasetSpec]:
     """The specs of ``env.stress.datasets``, refused (naming the dataset and the key) unless
     each describes the same cloud as ``ds``: the same scenario with the same overrides. A
@@ -318,8 +329,7 @@ def stress_test(cfg: DictConfig, tuning: Tuning, log: Any, out: Path,
                 f"minus {best}'s, paired by trace)\n\n{format_online_table(summary)}\n\n"
                 f"headroom ({best}) = {headroom['headroom_pct']:+.2f}% ± "
                 f"{headroom['headroom_ci95']:.2f}% over the oracle\n"
-                + "".join(f"{k} closes {v['closed_pct']:+.1f}% of it (of the summed gaps)\n"
-                          for k, v in closed.items()))
+                + closed_text(headroom, closed))
         print("\n" + text, flush=True)
         d = out / "stress" / str(name)
         d.mkdir(parents=True, exist_ok=True)

@@ -49,6 +49,24 @@ CERN_WINDOWS = 10
 CERN_SKIP = 2  # intervals that fill the trace's caches
 
 
+class SimulatorOnly:
+    """Plans nothing, places every type on RPC: the simulator's own work."""
+
+    name = "simulator only"
+
+    def reset(self, seed: int | None = None) -> None:
+        pass
+
+    def plan(self, view: Any) -> tuple[Any, Any, Any]:
+        import numpy as np
+
+        z = np.zeros(0, np.int64)
+        return z, z.copy(), z.copy()
+
+    def place(self, view: Any, new: Any, placement: Any) -> int:
+        return 0
+
+
 def measure(dataset: str, windows: int, repeats: int, cern: bool) -> dict[str, Any]:
     """Every row of the module docstring, for the code this process imports."""
     import numpy as np
@@ -57,21 +75,6 @@ def measure(dataset: str, windows: int, repeats: int, cern: bool) -> dict[str, A
     from envs.dsmd.dataset import build_dataset, load_dataset_spec
     from envs.dsmd.online import OnlineCost, OnlineSimulator, OnlineTrace
     from envs.dsmd.online_env import DSMDOnlineEnv
-
-    class SimulatorOnly:
-        """Plans nothing, places every type on RPC: the simulator's own work."""
-
-        name = "simulator only"
-
-        def reset(self, seed: int | None = None) -> None:
-            pass
-
-        def plan(self, view: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-            z = np.zeros(0, np.int64)
-            return z, z.copy(), z.copy()
-
-        def place(self, view: Any, new: Any, placement: Any) -> int:
-            return 0
 
     out: dict[str, Any] = {}
     ds = build_dataset(load_dataset_spec(dataset))

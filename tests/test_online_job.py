@@ -70,7 +70,8 @@ def test_online_yardstick_end_to_end(tmp_path, capsys):
     assert set(res["per_interval"]["trace"]) == {r.id for r in res["dataset"].traces("test")}
     assert tuned and res["best"]["online_greedy"].startswith("online_greedy[")
     out = capsys.readouterr().out
-    assert "Online yardstick" in out and "headroom" in out and "transfer closes" in out
+    assert "Online yardstick" in out and "headroom" in out
+    assert "transfer closes" in out or "transfer: no share of the headroom" in out
     # every method against the best tuned heuristic, paired by trace; the tuning's margins
     best = s.loc[res["headroom"]["best_online"]]
     assert best.vs_reference == 0.0 and "vs best" in out
@@ -151,7 +152,8 @@ def test_train_online_end_to_end(tmp_path, capsys):
     assert hist[0]["steps"] == 0 and "val/cost" in hist[0]  # the cloned start
     assert len(hist) >= 3 and res["algo_steps"] >= 60
     out = capsys.readouterr().out
-    assert "Online yardstick" in out and "ddpg closes" in out
+    assert "Online yardstick" in out
+    assert "ddpg closes" in out or "ddpg: no share of the headroom" in out
     for f in ("learning_curve.png", "learning_curve.csv", "pareto.png", "timeline.png"):
         assert (tmp_path / "out" / f).stat().st_size > 0, f
     client = MlflowClient(tracking_uri=str(res["cfg"].logger.tracking_uri))
@@ -247,3 +249,18 @@ def test_paired_margins_by_hand():
     g = tuning_margins(pt, {"f": "f[a]"}).set_index("setting")
     assert g.loc["f[b]", "distinct"] and not g.loc["f[c]", "distinct"]  # c: 0, +0.5, -0.4
     assert list(g.index) == ["f[c]", "f[b]"]  # by margin: c (+0.033) before b (+0.11)
+
+
+def test_the_share_closed_is_not_claimed_on_a_headroom_within_the_noise():
+    """A learned policy's share of the headroom is printed only when the headroom's 95%
+    interval excludes 0; a ratio over a gap of about 0 (-183,975% on a +0.4% ± 4.5%
+    headroom) says nothing, and the line says to compare 'vs best' instead."""
+    from agents.online_job import closed_text
+
+    closed = {"ddpg": {"closed_pct": -183975.0}}
+    noisy = closed_text({"headroom_pct": 0.36, "headroom_ci95": 4.51}, closed)
+    assert noisy == "ddpg: no share of the headroom (the headroom's 95% interval includes 0); " \
+                    "compare 'vs best'\n"
+    clear = closed_text({"headroom_pct": 12.0, "headroom_ci95": 3.0},
+                        {"ddpg": {"closed_pct": 40.0}})
+    assert clear == "ddpg closes +40.0% of it (of the summed gaps)\n"
