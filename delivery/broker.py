@@ -977,13 +977,19 @@ class PulsarStandalone:
                                    ) from None
 
     def _namespace_ready(self) -> bool:
-        url = f"{self.admin_url}/admin/v2/namespaces/public"
-        try:
-            ctx = None if not self.secure else pulsar_security.ssl_context(self.security)
-            with urllib.request.urlopen(url, timeout=2.0, context=ctx) as resp:
-                return "public/default" in json.loads(resp.read().decode())
-        except (OSError, ValueError, urllib.error.URLError):
-            return False
+        return namespace_ready(self.admin_url, self.security)
+
+
+def namespace_ready(admin_url: str, security: Security) -> bool:
+    """Whether the broker at ``admin_url`` lists the ``public/default`` namespace (a
+    producer there fails before it does); False while it does not answer."""
+    url = f"{admin_url}/admin/v2/namespaces/public"
+    try:
+        ctx = None if security.insecure else pulsar_security.ssl_context(security)
+        with urllib.request.urlopen(url, timeout=2.0, context=ctx) as resp:
+            return "public/default" in json.loads(resp.read().decode())
+    except (OSError, ValueError, urllib.error.URLError):
+        return False
 
 
 # --------------------------------------------------------------------------- CLI

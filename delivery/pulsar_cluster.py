@@ -34,7 +34,6 @@ Use::
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -42,8 +41,6 @@ import subprocess
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -63,6 +60,7 @@ from .broker import (
     BrokerStartError,
     Progress,
     _can_connect,
+    _first_error,
     _pdeathsig_prefix,
     _stderr_progress,
     _tail,
@@ -71,6 +69,7 @@ from .broker import (
     default_cache_dir,
     fetch_pulsar,
     find_java,
+    namespace_ready,
 )
 
 ZOOKEEPER_MAIN = "org.apache.zookeeper.server.ZooKeeperServerMain"
@@ -142,10 +141,8 @@ class ClusterProcess:
         return _can_connect(self.port)
 
     def failure(self, why: str) -> BrokerStartError:
-        text = self.log_since_start()
-        first = next((ln for ln in text.splitlines() if " ERROR " in ln or "Exception" in ln),
-                     None)
-        cause = f"\nfirst error: {first[:400]}" if first else ""
+        first = _first_error(self.log_since_start())
+        cause = f"\nfirst error: {first}" if first else ""
         return BrokerStartError(f"{self.name}: {why}{cause}\nlog tail ({self.log_path}):\n"
                                 f"{_tail(self.log_path, 30)}")
 
@@ -486,15 +483,7 @@ class PulsarCluster:
             time.sleep(0.2)
 
     def _wait_namespace(self, deadline: float) -> None:
-        ctx = pulsar_security.ssl_context(self.security) if self.secure else None
-        url = f"{self.admin_url}/admin/v2/namespaces/public"
-        while True:
-            try:
-                with urllib.request.urlopen(url, timeout=2.0, context=ctx) as resp:
-                    if "public/default" in json.loads(resp.read().decode()):
-                        return
-            except (OSError, ValueError, urllib.error.URLError):
-                pass
+        while not namespace_ready(self.admin_url, self.security):
             if time.monotonic() >= deadline:
                 raise self.brokers[0].failure("serves, but its admin API does not list the "
                                               "public/default namespace")
