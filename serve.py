@@ -10,6 +10,7 @@ MLflow server (``models:/<name>@<alias>``, followed while ``watch``;
 :mod:`serving.model_registry`)."""
 
 import logging
+import sys
 
 import hydra
 from omegaconf import DictConfig
@@ -24,7 +25,7 @@ def settings_from(cfg: DictConfig):
     from omegaconf import OmegaConf
 
     from security.tls import Security
-    from serving.access import RateLimit
+    from serving.access import RateLimit, read_key_file
     from serving.announce import DEFAULT_TOPIC
     from serving.app import DEFAULT_AUTH_FAILURES, DEFAULT_RATE_LIMIT, ServerSettings
     from serving.limits import ResourceLimits
@@ -35,6 +36,14 @@ def settings_from(cfg: DictConfig):
             return []
         items = v.split(",") if isinstance(v, str) else list(v)
         return [str(k).strip() for k in items if str(k).strip()]
+
+    def all_keys(name: str) -> list[str]:
+        """``<name>`` and the keys of ``<name>_file``, in that order, each once."""
+        got = keys(cfg.get(name))
+        path = cfg.get(f"{name}_file")
+        if path:
+            got += read_key_file(str(path), f"{name}_file")
+        return list(dict.fromkeys(got))
 
     ann = cfg.get("announce") or {}
     unknown = sorted(set(ann) - {"url", "topic", "send_timeout_s"})
@@ -72,8 +81,11 @@ def settings_from(cfg: DictConfig):
                           auth_failures=RateLimit.from_mapping(failures),
                           limits=ResourceLimits.from_mapping(block("limits")),
                           bundle=cfg.bundle, online_bundle=cfg.get("online_bundle"),
-                          api_keys=keys(cfg.api_keys),
-                          admin_keys=keys(cfg.admin_keys), auth=bool(cfg.auth),
+                          api_keys=all_keys("api_keys"),
+                          admin_keys=all_keys("admin_keys"),
+                          metrics_keys=all_keys("metrics_keys"),
+                          min_key_chars=int(cfg.get("min_key_chars", 32)),
+                          auth=bool(cfg.auth),
                           fallback=cfg.fallback, max_body_bytes=int(cfg.max_body_bytes),
                           max_batch=int(cfg.max_batch), max_sessions=int(cfg.max_sessions),
                           max_sessions_per_key=int(cfg.get("max_sessions_per_key", 100)),
@@ -104,6 +116,18 @@ def transport_limits(cfg: DictConfig):
     return TransportLimits.from_mapping(block)
 
 
+def keys_on_command_line(argv: list[str]) -> list[str]:
+    """The key settings (``api_keys``, ``admin_keys``, ``metrics_keys``) given a value on
+    the command line, which every local user can read (``ps``, ``/proc/<pid>/cmdline``)."""
+    found = []
+    for a in argv[1:]:
+        name, eq, value = a.lstrip("+~").partition("=")
+        if eq and name in ("api_keys", "admin_keys", "metrics_keys") and value.strip(
+                " []'\"") not in ("", "null"):
+            found.append(name)
+    return found
+
+
 @hydra.main(config_path="configs", config_name="serve", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     import uvicorn
@@ -121,6 +145,12 @@ def main(cfg: DictConfig) -> None:
         logging.getLogger("smart.security").warning(
             "SECURITY OFF: policy server runs without API keys (auth=false): every caller is "
             "one anonymous admin, sessions have no owner and no rate limit applies")
+    on_argv = keys_on_command_line(sys.argv)
+    if on_argv:
+        logging.getLogger("smart.security").warning(
+            "keys given on the command line (%s): every local user can read them (ps); put "
+            "them in a key file only you can read (api_keys_file, chmod 600) or the "
+            "environment (SMART_API_KEYS)", ", ".join(on_argv))
     tls = settings.tls_files()
     app = create_app(settings)
     ssl = {} if tls is None else {"ssl_certfile": tls[0], "ssl_keyfile": tls[1]}

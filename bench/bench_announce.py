@@ -44,7 +44,7 @@ from _common import finish, fmt_stats, log, md_table, stats
 
 ADAPTERS, RUNS, PERIOD_S, POLL_S = 20, 5, 0.05, 5.0
 QUICK = {"adapters": 8, "runs": 3}
-KEY, ADMIN = "bench-key", "bench-admin"
+KEY, ADMIN = "bench-key-k7Qx2mW9pL4vR8nT3sY6bZ1cF5hJ0", "bench-admin-k7Qx2mW9pL4vR8nT3sY6bZ1cF5hJ0"
 
 
 def export_bundles(root: Path, problems: Any) -> dict[str, Path]:
@@ -149,7 +149,8 @@ def run_mode(mode: str, server: Any, problems: Any, bundles: dict[str, Path], ur
                 drv.expect(int(cur["version"]) + 1)
                 time.sleep(random.uniform(0.0, 1.0))
                 t0 = time.perf_counter()
-                resp = c.put("/v1/policy", json={"path": str(bundles[other])})
+                resp = c.put("/v1/policy", json={"path": str(bundles[other]),
+                                                 "allow_rollback": True})
                 put_s = time.perf_counter() - t0
                 if resp.status_code != 200 or resp.json()["version"] != drv.want:
                     raise RuntimeError(f"swap refused: {resp.text}")

@@ -40,7 +40,7 @@ ALLOWED = sorted(os.sched_getaffinity(0))
 from _common import finish, fmt_stats, log, md_table, stats  # noqa: E402
 
 REPEATS, WARMUP, DECIDE, CREATE, CONNECT = 5, 200, 2000, 200, 100
-KEY = "bench-security-key"
+KEY = "bench-security-key-k7Qx2mW9pL4vR8nT3sY6bZ1cF5hJ0"
 SERVER_CORE = ALLOWED[0]
 CLIENT_CORE = ALLOWED[1] if len(ALLOWED) > 1 else ALLOWED[0]
 

@@ -49,7 +49,8 @@ from _common import ROOT, finish, log, md_table
 sys.path.insert(0, str(ROOT))
 from envs.netutil import free_ports
 
-ATTACKER, VICTIM = "bench-abuse-attacker", "bench-abuse-victim"
+ATTACKER, VICTIM = (f"{n}-k7Qx2mW9pL4vR8nT3sY6bZ1cF5hJ0"
+                    for n in ("bench-abuse-attacker", "bench-abuse-victim"))
 DURATION = 30.0
 RSS_STOP_MB = 8000.0
 PROBE_S = 0.05
@@ -74,10 +75,12 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log_dir / f"server-{self.port}.log"
         cmd = [sys.executable, str(root / "serve.py"), f"port={self.port}", "bundle=null",
-               f"api_keys=['{ATTACKER}','{VICTIM}']", "admin_keys=[]", "watch=false",
+               "watch=false",
                "log_level=warning", "security.insecure=true", "rate_limit=null",
                f"hydra.run.dir={log_dir / 'hydra'}"]
-        env = os.environ | {"PYTHONPATH": str(root)}
+        # keys from the environment, never the command line (any local user may read it)
+        env = os.environ | {"PYTHONPATH": str(root), "SMART_API_KEYS": f"{ATTACKER},{VICTIM}",
+                            "SMART_ADMIN_KEYS": ""}
         with open(self.log, "a") as err:
             self.proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.DEVNULL, stderr=err,
                                          env=env)

@@ -143,7 +143,7 @@ TRUST = BundleTrust.from_security(keys=[ROOT / "configs" / "keys" / "example-bun
 # the HTTP phase's server and adapters: plain HTTP (the module docstring's Security)
 PLAIN = Security(insecure=True)
 REPEATS = 3
-KEY, ADMIN = "bench-key", "bench-admin"
+KEY, ADMIN = "bench-key-k7Qx2mW9pL4vR8nT3sY6bZ1cF5hJ0", "bench-admin-k7Qx2mW9pL4vR8nT3sY6bZ1cF5hJ0"
 BATCH_TYPES = 1000
 RATES = (100, 1000)  # open-loop requests/s
 CONNS = 16  # keep-alive connections of the load generator
@@ -610,7 +610,7 @@ class Server(LocalServer):
 
 def route_time(client: httpx.Client, route: str) -> tuple[float, float]:
     """(sum of seconds, count) of the server's latency histogram for POST ``route``."""
-    text = client.get("/v1/metrics").text
+    text = client.get("/v1/metrics", headers={"X-API-Key": ADMIN}).text
     tot = cnt = 0.0
     for line in text.splitlines():
         if f'route="{route}"' in line and 'method="POST"' in line:

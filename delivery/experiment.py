@@ -153,7 +153,7 @@ def _policy_server(cfg: DictConfig, out: Path, sec: Security
         raise ValueError("the learned policy needs `bundle=<policy bundle directory>`")
     from serving.local import LocalServer
 
-    key = secrets.token_hex(8)
+    key = secrets.token_urlsafe(32)
     with LocalServer(str(cfg.bundle), out / "server", api_key=key, security=sec,
                      overrides=_server_overrides(cfg)) as srv:
         yield srv.url, key

@@ -15,11 +15,24 @@ resource.
   as ``audit who=<key id> action=<action> target=<target> outcome=<outcome>[ detail=...]``
   (INFO when done, WARNING when refused or failed). Refused session accesses (another
   key's session) are logged there too, at WARNING.
-* **Rate limit.** One token bucket per key (``requests_per_s`` refill, ``burst`` capacity):
-  a key over its limit gets 429 with ``Retry-After`` (whole seconds, at least 1) while the
+* **Rate limit.** One token bucket per key (``requests_per_s`` refill, ``burst`` capacity),
+  charged by work: a request takes ``1 + body bytes // bytes_per_token`` tokens (at most
+  ``burst``), so a batch of 20,000 types costs what its size says, not what one type does.
+  A key over its limit gets 429 with ``Retry-After`` (whole seconds, at least 1) while the
   other keys are served as before; counted in ``smart_rate_limited_total{key}``; the first
   refusal of a run of refusals is logged (WARNING), and how many there were at the first
   request served a second or more after the run's last refusal (INFO).
+* **Key strength.** Every configured key has at least ``min_key_chars`` characters (32 by
+  default, what ``secrets.token_urlsafe(24)`` gives) and at least
+  :data:`MIN_DISTINCT_CHARS` distinct ones: a key id (12 hex digits of an unsalted digest)
+  then says nothing an attacker can search offline. :func:`check_key_strength` names the
+  weak key by its list and index, never by its text.
+* **Key files.** Keys are read from files (``api_keys_file``, ``admin_keys_file``,
+  ``metrics_keys_file``; :func:`read_key_file`), one per line, that other users cannot
+  read: a key on a command line is visible to every local user (``ps``).
+* **Roles.** A controller key (``api_keys``) uses sessions and decisions; an admin key
+  (``admin_keys``) also swaps policies and reads the metrics; a metrics key
+  (``metrics_keys``, a Prometheus scraper's) reads ``/v1/metrics`` and nothing else.
 """
 
 from __future__ import annotations
@@ -27,9 +40,11 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import os
 import re
+import stat
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Protocol
 
@@ -39,10 +54,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .logsafe import log_field
 
-__all__ = ["ANONYMOUS", "API_KEY_HEADER", "AUDIT", "AdminCaller", "AllowMiddleware", "Caller",
-           "ControllerCaller", "RateLimit", "RateLimiter", "allowed_methods", "audit",
-           "caller_for", "document_contract", "key_id", "log_field", "require_admin",
-           "require_controller"]
+__all__ = ["ANONYMOUS", "API_KEY_HEADER", "AUDIT", "DEFAULT_MIN_KEY_CHARS", "MIN_DISTINCT_CHARS",
+           "MIN_KEY_CHARS_FLOOR", "AdminCaller", "AllowMiddleware", "Caller", "ControllerCaller",
+           "RateLimit", "RateLimiter", "allowed_methods", "audit", "caller_for",
+           "check_key_strength", "document_contract", "key_id", "log_field", "read_key_file",
+           "require_admin", "require_controller", "require_metrics", "write_key_file"]
 
 AUDIT = logging.getLogger("smart.audit")
 API_KEY_HEADER = "X-API-Key"
@@ -57,26 +73,92 @@ def key_id(key: str) -> str:
     return "key-" + _digest(key)[:12]
 
 
+#: the fewest characters a configured key may have (``min_key_chars``'s default)
+DEFAULT_MIN_KEY_CHARS = 32
+#: ``min_key_chars`` may not be set below this
+MIN_KEY_CHARS_FLOOR = 16
+#: the fewest distinct characters a configured key may have ("aaaa...", "0101..." refused)
+MIN_DISTINCT_CHARS = 10
+_MAKE_KEY = "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+
+
+def check_key_strength(keys: Sequence[str], setting: str,
+                       min_chars: int = DEFAULT_MIN_KEY_CHARS) -> None:
+    """Raise ValueError naming the first key of ``keys`` (``setting[i]`` and its key id,
+    never its text) shorter than ``min_chars`` or with fewer than
+    :data:`MIN_DISTINCT_CHARS` distinct characters."""
+    for i, k in enumerate(keys):
+        if len(k) < min_chars:
+            why = f"has {len(k)} characters, fewer than min_key_chars={min_chars}"
+        elif len(set(k)) < MIN_DISTINCT_CHARS:
+            why = (f"has {len(set(k))} distinct characters, fewer than "
+                   f"{MIN_DISTINCT_CHARS}")
+        else:
+            continue
+        raise ValueError(f"{setting}[{i}] ({key_id(k)}) is too weak: it {why}; make one "
+                         f"with {_MAKE_KEY}")
+
+
+def read_key_file(path: str | os.PathLike[str], setting: str) -> list[str]:
+    """The keys of a key file: one per line, blank lines and ``#`` comments skipped. The
+    file must be a regular file that neither its group nor other users can read or write
+    (``chmod 600``): ValueError naming ``setting``, the path and what is wrong."""
+    p = os.fspath(path)
+    try:
+        st = os.stat(p)
+    except OSError as e:
+        raise ValueError(f"{setting}: cannot read {p}: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"{setting}: {p} is not a regular file")
+    if st.st_mode & 0o077:
+        raise ValueError(f"{setting}: {p} has mode {stat.S_IMODE(st.st_mode):o}, so other "
+                         f"users may read or change its keys; run chmod 600 {p}")
+    try:
+        with open(p, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{setting}: cannot read {p}: {e}") from None
+    return [line.strip() for line in text.splitlines()
+            if line.strip() and not line.lstrip().startswith("#")]
+
+
+def write_key_file(path: str | os.PathLike[str], keys: Sequence[str]) -> str:
+    """Write ``keys`` (one per line) to a file only its owner can read or write (mode 600,
+    whether or not it existed), the form :func:`read_key_file` takes; returns the path."""
+    p = os.fspath(path)
+    for k in keys:
+        if not k or k != k.strip() or "\n" in k or "\r" in k or k.lstrip().startswith("#"):
+            raise ValueError(f"key {key_id(k)} cannot be written to a key file: empty, "
+                             "surrounded by blanks, starting with '#' or holding a line break")
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.write("".join(k + "\n" for k in keys))
+    return p
+
+
 @dataclass(frozen=True)
 class Caller:
     """An authenticated caller: ``owner`` (the SHA-256 of its key, stored on its sessions),
-    ``key_id`` (its name in logs) and whether it holds an admin key."""
+    ``key_id`` (its name in logs), whether it holds an admin key, and whether it holds a
+    metrics key (``scraper``: it may read ``/v1/metrics`` and nothing else)."""
 
     owner: str
     key_id: str
     admin: bool
+    scraper: bool = False
 
     def __repr__(self) -> str:
-        return f"Caller({self.key_id}, admin={self.admin})"
+        return f"Caller({self.key_id}, admin={self.admin}, scraper={self.scraper})"
 
 
 #: the caller of a server without authentication (``auth=false``): one caller, admin
 ANONYMOUS = Caller("anonymous", "anonymous", True)
 
 
-def caller_for(key: str, admin: bool) -> Caller:
+def caller_for(key: str, admin: bool, scraper: bool = False) -> Caller:
     d = _digest(key)
-    return Caller(d, "key-" + d[:12], admin)
+    return Caller(d, "key-" + d[:12], admin, scraper)
 
 
 def audit(who: str, action: str, target: object, outcome: str, detail: object = None, *,
@@ -97,13 +179,22 @@ class Gate(Protocol):
     """What an app keeps in ``app.state.access`` (``serving.app.create_app``): the caller of
     a request, or the HTTPException refusing it."""
 
-    def controller(self, request: Request, key: str | None) -> Caller: ...
+    def controller(self, request: Request, key: str | None, body_bytes: int = 0
+                   ) -> Caller: ...
 
-    def admin(self, request: Request, key: str | None) -> Caller: ...
+    def admin(self, request: Request, key: str | None, body_bytes: int = 0) -> Caller: ...
+
+    def metrics(self, request: Request, key: str | None) -> Caller: ...
 
 
 api_key_header = APIKeyHeader(name=API_KEY_HEADER, auto_error=False,
                               description="A controller's API key")
+
+
+async def _body_bytes(request: Request) -> int:
+    """The request body's size, what the rate limit charges for (FastAPI has read and
+    cached the body before it solves the dependencies)."""
+    return len(await request.body())
 
 
 async def require_controller(request: Request,
@@ -111,13 +202,25 @@ async def require_controller(request: Request,
     """The dependency of every endpoint that takes a key (``app.dependency_overrides`` may
     replace it)."""
     gate: Gate = request.app.state.access
-    return gate.controller(request, key)
+    return gate.controller(request, key, await _body_bytes(request))
 
 
 async def require_admin(request: Request, key: str | None = Security(api_key_header)) -> Caller:
     """The dependency of the admin endpoints (a policy swap)."""
     gate: Gate = request.app.state.access
-    return gate.admin(request, key)
+    return gate.admin(request, key, await _body_bytes(request))
+
+
+async def require_metrics(request: Request,
+                          key: str | None = Security(api_key_header)) -> Caller:
+    """The dependency of ``/v1/metrics``: an admin or metrics key, in ``X-API-Key`` or as
+    ``Authorization: Bearer <key>`` (Prometheus's ``authorization`` scrape setting)."""
+    if key is None:
+        scheme, _, cred = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and cred.strip():
+            key = cred.strip()
+    gate: Gate = request.app.state.access
+    return gate.metrics(request, key)
 
 
 #: an endpoint parameter: the caller, any valid key
@@ -132,10 +235,13 @@ AdminCaller = Annotated[Caller, Depends(require_admin)]
 @dataclass(frozen=True)
 class RateLimit:
     """``requests_per_s``: tokens added per second to each key's bucket; ``burst``: its
-    capacity (the requests a key may send at once after a quiet period)."""
+    capacity (the requests a key may send at once after a quiet period);
+    ``bytes_per_token``: a request takes one token and one more per this many body bytes
+    (:meth:`cost`)."""
 
     requests_per_s: float
     burst: int
+    bytes_per_token: int = 4096
 
     def __post_init__(self) -> None:
         if (isinstance(self.requests_per_s, bool) or not isinstance(self.requests_per_s,
@@ -145,23 +251,34 @@ class RateLimit:
                              f"{self.requests_per_s!r}")
         if isinstance(self.burst, bool) or not isinstance(self.burst, int) or self.burst < 1:
             raise ValueError(f"rate_limit.burst must be an integer >= 1, got {self.burst!r}")
+        if (isinstance(self.bytes_per_token, bool) or not isinstance(self.bytes_per_token, int)
+                or self.bytes_per_token < 1):
+            raise ValueError(f"rate_limit.bytes_per_token must be an integer >= 1, got "
+                             f"{self.bytes_per_token!r}")
+
+    def cost(self, body_bytes: int) -> float:
+        """The tokens a request with a body of ``body_bytes`` takes: ``1 + body_bytes //
+        bytes_per_token``, at most ``burst`` (so any request the body limit lets through
+        can be served from a full bucket)."""
+        return float(min(self.burst, 1 + max(0, body_bytes) // self.bytes_per_token))
 
     @classmethod
     def from_mapping(cls, m: Mapping[str, Any] | RateLimit | None) -> RateLimit | None:
-        """``{requests_per_s, burst}``; ``None``: no limit. Unknown keys are refused."""
+        """``{requests_per_s, burst[, bytes_per_token]}``; ``None``: no limit. Unknown keys
+        are refused."""
         if m is None or isinstance(m, RateLimit):
             return m
         if not isinstance(m, Mapping):
             raise ValueError(f"rate_limit: expected a mapping {{requests_per_s, burst}} or "
                              f"null, got {type(m).__name__}")
-        unknown = sorted(set(m) - {"requests_per_s", "burst"})
+        unknown = sorted(set(m) - {"requests_per_s", "burst", "bytes_per_token"})
         if unknown:
             raise ValueError(f"rate_limit: unknown key(s) {unknown}; known: "
-                             f"['burst', 'requests_per_s']")
+                             f"['burst', 'bytes_per_token', 'requests_per_s']")
         missing = sorted({"requests_per_s", "burst"} - set(m))
         if missing:
             raise ValueError(f"rate_limit: missing {missing} (or set rate_limit: null)")
-        return cls(m["requests_per_s"], m["burst"])
+        return cls(m["requests_per_s"], m["burst"], m.get("bytes_per_token", 4096))
 
 
 class RateLimiter:
@@ -182,9 +299,10 @@ class RateLimiter:
         #: a run of refusals ends at the first request served this long after the last one
         self.quiet_s = max(1.0, 1.0 / limit.requests_per_s)
 
-    def take(self, who: str, what: str) -> float:
-        """Take one token of ``who``'s bucket: 0.0 if there was one, else the seconds until
-        there is (the request is refused)."""
+    def take(self, who: str, what: str, cost: float = 1.0) -> float:
+        """Take ``cost`` tokens of ``who``'s bucket (at most its ``burst``): 0.0 if it held
+        them, else the seconds until it does (the request is refused)."""
+        cost = min(float(self.limit.burst), max(1.0, cost))
         now = self.clock()
         b = self._buckets.get(who)
         if b is None:
@@ -194,15 +312,15 @@ class RateLimiter:
         tokens = min(float(self.limit.burst), b[0] + (now - b[1]) * self.limit.requests_per_s)
         b[1] = now
         run = self._refused.get(who)
-        if tokens >= 1.0:
-            b[0] = tokens - 1.0
+        if tokens >= cost:
+            b[0] = tokens - cost
             if run is not None and now - run[1] >= self.quiet_s:
                 del self._refused[who]
                 audit(who, "rate_limit", "-", "lifted",
                       f"{int(run[0])} request(s) refused meanwhile")
             return 0.0
         b[0] = tokens
-        wait = (1.0 - tokens) / self.limit.requests_per_s
+        wait = (cost - tokens) / self.limit.requests_per_s
         if run is None:
             run = self._refused[who] = [0, now]
         run[0] += 1

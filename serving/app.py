@@ -57,18 +57,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import io
 import logging
 import secrets
 import time
 import uuid
-import zipfile
 from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import numpy as np
 from fastapi import Depends, FastAPI, HTTPException, Request, Response
@@ -87,6 +85,8 @@ from security.tls import Security as TransportSecurity
 from .access import (
     ANONYMOUS,
     API_KEY_HEADER,
+    DEFAULT_MIN_KEY_CHARS,
+    MIN_KEY_CHARS_FLOOR,
     AdminCaller,
     AllowMiddleware,
     Caller,
@@ -96,12 +96,15 @@ from .access import (
     allowed_methods,
     audit,
     caller_for,
+    check_key_strength,
     document_contract,
     require_admin,
     require_controller,
+    require_metrics,
     retry_after,
 )
 from .announce import DEFAULT_TOPIC, Announcer, check_settings
+from .bundle import bundle_zip
 from .limits import (
     WORKER_THREADS,
     BudgetExceeded,
@@ -172,6 +175,10 @@ class ServerSettings:
     online_bundle: str | None = None
     api_keys: list[str] = field(default_factory=list, repr=False)  # controllers' keys
     admin_keys: list[str] = field(default_factory=list, repr=False)  # may swap the policy
+    #: may read ``/v1/metrics`` and nothing else (a Prometheus scraper's keys)
+    metrics_keys: list[str] = field(default_factory=list, repr=False)
+    #: the fewest characters a configured key may have (serving.access.check_key_strength)
+    min_key_chars: int = DEFAULT_MIN_KEY_CHARS
     auth: bool = True  # False only for local experiments
     fallback: str = "greedy"  # heuristic when no usable policy: greedy | rpc
     max_body_bytes: int = 4 * 1024 * 1024
@@ -242,8 +249,15 @@ class ServerSettings:
                 except RegistryError as e:
                     raise ValueError(f"{k}: {e}") from None
         if self.auth and not self.api_keys:
-            raise ValueError("auth is on but no api_keys are configured (set serve.api_keys, "
-                             "e.g. SMART_API_KEYS=key1,key2, or auth=false for local use)")
+            raise ValueError("auth is on but no api_keys are configured (set api_keys_file, "
+                             "or SMART_API_KEYS=key1,key2, or auth=false for local use)")
+        if isinstance(self.min_key_chars, bool) or not isinstance(self.min_key_chars, int) or (
+                self.min_key_chars < MIN_KEY_CHARS_FLOOR):
+            raise ValueError(f"min_key_chars must be an integer >= {MIN_KEY_CHARS_FLOOR}, got "
+                             f"{self.min_key_chars!r}")
+        if self.auth:
+            for name in ("api_keys", "admin_keys", "metrics_keys"):
+                check_key_strength(getattr(self, name), name, self.min_key_chars)
         for k in ("max_body_bytes", "max_batch", "max_sessions", "max_sessions_per_key",
                   "max_types"):
             if getattr(self, k) <= 0:
@@ -408,12 +422,13 @@ def create_app(settings: ServerSettings | None = None, *,
         return str(local), rv.origin
 
     def load(path: str, force: bool = False, owner: str | None = None,
-             origin: str | None = None) -> LoadedPolicy:
+             origin: str | None = None, allow_rollback: bool = False) -> LoadedPolicy:
         """Install the bundle at ``path``, or the registry version a ``models:/`` path
         names (downloaded first; ``origin`` set)."""
         try:
             path, origin = materialize(path, origin)
-            p = store.load(path, check_for(owner), force, origin=origin)
+            p = store.load(path, check_for(owner), force, origin=origin,
+                           allow_rollback=allow_rollback)
         except BundleError:
             metrics.swaps.labels("refused").inc()
             raise
@@ -421,9 +436,10 @@ def create_app(settings: ServerSettings | None = None, *,
         metrics.policy_version.set(p.version)
         return p
 
-    def load_online(path: str, origin: str | None = None) -> Any:
+    def load_online(path: str, origin: str | None = None, allow_rollback: bool = False
+                    ) -> Any:
         """Install the online bundle at ``path`` or of a ``models:/`` path (as :func:`load`)."""
-        return online_store.load(*materialize(path, origin))
+        return online_store.load(*materialize(path, origin), allow_rollback=allow_rollback)
 
     def follow(uri: str, what: str, install: Callable[[Path, ResolvedVersion], Any]
                ) -> RegistryWatcher:
@@ -535,7 +551,9 @@ def create_app(settings: ServerSettings | None = None, *,
 
     # every configured key and its caller (admin keys first: a key in both lists is admin)
     known = [(k, caller_for(k, True)) for k in cfg.admin_keys] + [
-        (k, caller_for(k, False)) for k in cfg.api_keys if k not in cfg.admin_keys]
+        (k, caller_for(k, False)) for k in cfg.api_keys if k not in cfg.admin_keys] + [
+        (k, caller_for(k, False, scraper=True)) for k in cfg.metrics_keys
+        if k not in cfg.admin_keys and k not in cfg.api_keys]
 
     def rate_limited(who: str) -> None:
         metrics.rate_limited.labels(who).inc()
@@ -586,9 +604,10 @@ def create_app(settings: ServerSettings | None = None, *,
         raise HTTPException(401, "missing or invalid API key",
                             headers={"WWW-Authenticate": API_KEY_HEADER})
 
-    def throttle(request: Request, caller: Caller) -> None:
+    def throttle(request: Request, caller: Caller, body_bytes: int = 0) -> None:
         if limiter is not None:
-            wait = limiter.take(caller.key_id, _action(request))
+            wait = limiter.take(caller.key_id, _action(request),
+                                limiter.limit.cost(body_bytes))
             if wait > 0:
                 raise HTTPException(429, f"rate limit: this key is over "
                                          f"{limiter.limit.requests_per_s:g} requests/s",
@@ -598,25 +617,44 @@ def create_app(settings: ServerSettings | None = None, *,
         """``app.state.access``: the callers of :func:`serving.access.require_controller`
         and :func:`serving.access.require_admin`."""
 
-        def controller(self, request: Request, key: str | None) -> Caller:
+        def controller(self, request: Request, key: str | None, body_bytes: int = 0
+                       ) -> Caller:
             caller = identify(request, key)
-            throttle(request, caller)
+            throttle(request, caller, body_bytes)
+            if caller.scraper:
+                refuse_role(request, caller, "a metrics key may only read /v1/metrics",
+                            "a metrics key")
             return caller
 
-        def admin(self, request: Request, key: str | None) -> Caller:
+        def admin(self, request: Request, key: str | None, body_bytes: int = 0) -> Caller:
             caller = identify(request, key)
-            throttle(request, caller)  # before the role check: refusals cost tokens too
+            # before the role check: refusals cost tokens too
+            throttle(request, caller, body_bytes)
             if not caller.admin:
-                metrics.refused.labels("not_admin").inc()
-                audit(caller.key_id, _action(request), "-", "refused",
-                      "403: not an admin key", level=logging.WARNING)
-                raise HTTPException(403, "policy swaps need an admin key")
+                refuse_role(request, caller, "policy swaps need an admin key",
+                            "not an admin key")
             return caller
+
+        def metrics(self, request: Request, key: str | None) -> Caller:
+            caller = identify(request, key)
+            throttle(request, caller)
+            if not (caller.admin or caller.scraper):
+                refuse_role(request, caller, "the metrics need an admin or metrics key",
+                            "not an admin or metrics key")
+            return caller
+
+    def refuse_role(request: Request, caller: Caller, detail: str, logged: str) -> NoReturn:
+        """403 with ``detail``, audited as ``403: <logged>``."""
+        metrics.refused.labels("not_admin" if not caller.scraper else "metrics_key").inc()
+        audit(caller.key_id, _action(request), "-", "refused", f"403: {logged}",
+              level=logging.WARNING)
+        raise HTTPException(403, detail)
 
     app.state.access = _Gate()
     controller, admin = require_controller, require_admin
     # exposed for app.dependency_overrides (tests, embedding behind another auth layer)
     app.state.require_controller, app.state.require_admin = controller, admin
+    app.state.require_metrics = require_metrics
 
     def owned(what: str, session_id: str, owner: str | None, caller: Caller,
               action: str) -> None:
@@ -731,8 +769,11 @@ def create_app(settings: ServerSettings | None = None, *,
         return body if ok else JSONResponse(body.model_dump(), 503)
 
     @app.get("/v1/metrics", tags=["health"], response_class=Response,
+             dependencies=[Depends(require_metrics)],
              responses={200: {"content": {"text/plain": {}},
-                              "description": "Prometheus text format"}})
+                              "description": "Prometheus text format"},
+                        **_errors(401), 403: {"model": ErrorOut, "description":
+                                              "Not an admin or metrics key"}})
     async def prometheus() -> Response:
         metrics.sessions.set(len(sessions))
         metrics.session_bytes.set(budget.total)
@@ -754,11 +795,8 @@ def create_app(settings: ServerSettings | None = None, *,
         p = store.current()
         if p is None:
             raise HTTPException(404, "no policy is loaded")
-        buf = io.BytesIO()
-        with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
-            for name in p.bundle.files:
-                z.write(p.path / name, name)
-        return Response(buf.getvalue(), media_type="application/zip",
+        raw = await asyncio.to_thread(bundle_zip, p.bundle)  # the verified bytes
+        return Response(raw, media_type="application/zip",
                         headers={"X-Policy-Version": str(p.version),
                                  "X-Policy-Hash": p.hash})
 
@@ -767,13 +805,15 @@ def create_app(settings: ServerSettings | None = None, *,
                                                        "description": "Not an admin key"}})
     async def swap_policy(body: PolicySwap, caller: AdminCaller) -> PolicyOut:
         try:
-            p = await asyncio.to_thread(load, body.path, body.force, caller.owner)
+            p = await asyncio.to_thread(load, body.path, body.force, caller.owner, None,
+                                        body.allow_rollback)
         except BundleError as e:
             audit(caller.key_id, "policy.load", body.path, "failed", f"409: {e}",
                   level=logging.WARNING)
             raise HTTPException(409, str(e)) from None
         audit(caller.key_id, "policy.load", body.path, "ok",
-              f"version {p.version} hash {p.hash[:16]}" + (" (forced)" if body.force else ""))
+              f"version {p.version} hash {p.hash[:16]}" + (" (forced)" if body.force else "")
+              + (" (rollback allowed)" if body.allow_rollback else ""))
         return policy_out(p)
 
     # ------------------------------------------------------------------ sessions

@@ -33,14 +33,16 @@ The two actor files are scored by :class:`OnnxScorer`, which holds one ONNX Runt
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import queue
 import re
 import threading
+import zipfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -251,11 +253,22 @@ class PolicyBundle:
     #: the id of the key whose signature was verified (None: an unsigned bundle, accepted
     #: by an insecure loader)
     signed_by: str | None = None
+    #: the bytes that were verified and loaded (:func:`serving.signing.verified_copy`)
+    verified: Any = field(default=None, repr=False)
 
     @property
     def files(self) -> tuple[str, ...]:
         """The bundle's files (:data:`BUNDLE_FILES`; no signature file if unsigned)."""
         return BUNDLE_FILES if self.signed_by is not None else BUNDLE_CONTENT
+
+    @property
+    def serial(self) -> int | None:
+        """The signed serial (None: unsigned, or signed without one)."""
+        return None if self.verified is None else self.verified.serial
+
+    def file_bytes(self) -> dict[str, bytes]:
+        """Each of :attr:`files` as it was verified and loaded."""
+        return verified_bytes(self)
 
     @property
     def batch_threads(self) -> int:
@@ -427,14 +440,19 @@ def load_bundle(directory: str | Path, *, expect_layout: ObservationLayout | Non
     (``bench/bench_serving.py``).
     """
     d = Path(directory)
-    meta = read_metadata(d, BUNDLE_FORMAT, READABLE_VERSIONS, BUNDLE_CONTENT[1:])
-    from .signing import verify_bundle
+    read_metadata(d, BUNDLE_FORMAT, READABLE_VERSIONS, BUNDLE_CONTENT[1:])  # clear errors
+    from .signing import verified_copy
 
-    signed_by = verify_bundle(d, trust, required=BUNDLE_CONTENT)
+    # every file read once: verified, then loaded from the private copy of those bytes
+    vb = verified_copy(d, trust, required=BUNDLE_CONTENT)
+    signed_by, root = vb.signed_by, vb.root
+    with _named_as(root, d):
+        meta = read_metadata(root, BUNDLE_FORMAT, READABLE_VERSIONS, BUNDLE_CONTENT[1:])
     meta_path = d / "metadata.json"
     try:
-        _check_hash(d / "actor.onnx", meta, "actor_sha256")
-        _check_hash(d / "actor_row.onnx", meta, "actor_row_sha256")
+        with _named_as(root, d):
+            _check_hash(root / "actor.onnx", meta, "actor_sha256")
+            _check_hash(root / "actor_row.onnx", meta, "actor_row_sha256")
     except OSError as e:
         raise BundleError(f"policy bundle {str(d)[:200]}: cannot be read "
                           f"({e.__class__.__name__}: {e.strerror or e})") from None
@@ -460,7 +478,50 @@ def load_bundle(directory: str | Path, *, expect_layout: ObservationLayout | Non
         raise BundleError(f"{d}: scenario signature mismatch in {diffs}")
     if batch_threads is None:
         batch_threads = min(len(os.sched_getaffinity(0)), 4)
-    scorer = OnnxScorer(inference_session(d / "actor.onnx", threads),
-                        inference_session(d / "actor_row.onnx", threads), layout.size,
-                        layout.num_topics + 1, batch_threads)
-    return PolicyBundle(d, meta, layout, scorer, signed_by)
+    with _named_as(root, d):
+        scorer = OnnxScorer(inference_session(root / "actor.onnx", threads),
+                            inference_session(root / "actor_row.onnx", threads), layout.size,
+                            layout.num_topics + 1, batch_threads)
+    return PolicyBundle(d, meta, layout, scorer, signed_by, vb)
+
+
+def verified_bytes(bundle: Any) -> dict[str, bytes]:
+    """Each of a loaded bundle's ``files`` (a :class:`PolicyBundle` or an
+    :class:`serving.online_bundle.OnlineBundle`) as it was verified and loaded: its
+    ``verified`` copy's bytes (read from its ``directory`` only for a bundle built without
+    one)."""
+    vb = bundle.verified
+    if vb is not None:
+        return {n: vb.blobs[n] for n in bundle.files}
+    return {n: (bundle.directory / n).read_bytes() for n in bundle.files}
+
+
+def same_bundle(a: Any, b: Any) -> bool:
+    """Whether two loaded bundles are one signed bundle read twice: the same signer, the
+    same serial and the same bytes (loading it again is then not a new version)."""
+    va, vb = a.verified, b.verified
+    return (va is not None and vb is not None and va.serial is not None
+            and va.serial == vb.serial and va.signed_by == vb.signed_by
+            and dict(va.blobs) == dict(vb.blobs))
+
+
+def bundle_zip(bundle: Any) -> bytes:
+    """A loaded bundle's files as a zip, from the bytes that were verified and loaded (what
+    ``GET /v1/policy/bundle`` and ``GET /v1/online/policy/bundle`` return)."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+        for name, data in verified_bytes(bundle).items():
+            z.writestr(name, data)
+    return buf.getvalue()
+
+
+@contextmanager
+def _named_as(copy: Path, source: Path) -> Iterator[None]:
+    """A :class:`BundleError` raised on a bundle's private copy names the bundle's own
+    directory instead (what its user knows)."""
+    try:
+        yield
+    except BundleError as e:
+        if copy == source:
+            raise
+        raise BundleError(str(e).replace(str(copy), str(source))) from None

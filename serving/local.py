@@ -25,6 +25,7 @@ import httpx
 
 from envs.netutil import free_ports
 from security.tls import Security, client_ssl_context
+from serving.access import write_key_file
 
 __all__ = ["LocalServer"]
 
@@ -33,11 +34,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 class LocalServer:
     """``python serve.py`` with ``bundle``, keys (``api_key``: one controller key or
-    several) and extra Hydra overrides; ``cpu`` pins it to those cores (``taskset``),
-    ``log_dir`` keeps its stderr."""
+    several; ``admin_key``, ``metrics_key``) and extra Hydra overrides; ``cpu`` pins it to
+    those cores (``taskset``), ``log_dir`` keeps its stderr. The keys reach the server in
+    key files of ``log_dir/keys`` (mode 600), never on its command line."""
 
     def __init__(self, bundle: str | Path | None, log_dir: str | Path, *,
-                 api_key: str | Sequence[str], admin_key: str | None = None,
+                 api_key: str | Sequence[str], admin_key: str | Sequence[str] | None = None,
+                 metrics_key: str | Sequence[str] | None = None,
                  port: int | None = None, overrides: list[str] | None = None,
                  cpu: str | None = None,
                  python_args: list[str] | None = None,
@@ -46,7 +49,7 @@ class LocalServer:
         self.bundle, self.log_dir = bundle, Path(log_dir)
         self.bundle_trust_keys = (None if bundle_trust_keys is None
                                   else [str(k) for k in bundle_trust_keys])
-        self.api_key, self.admin_key = api_key, admin_key
+        self.api_key, self.admin_key, self.metrics_key = api_key, admin_key, metrics_key
         self.security = security if security is not None else Security()
         self.port = port or free_ports(1)[0]
         scheme = "http" if self.security.insecure else "https"
@@ -86,14 +89,26 @@ class LocalServer:
             out.append(f"bundle_trust.keys={_keys(self.bundle_trust_keys)}")
         return out
 
+    def _key_overrides(self) -> list[str]:
+        """``<role>_keys_file=<file>`` of each role's keys (written mode 600 under
+        ``log_dir/keys``) and ``<role>_keys=[]`` (so the environment's do not add to them)."""
+        kdir = self.log_dir / "keys"
+        kdir.mkdir(mode=0o700, exist_ok=True)
+        out = []
+        for role, keys in (("api", self.api_key), ("admin", self.admin_key),
+                           ("metrics", self.metrics_key)):
+            items = [] if keys is None else [keys] if isinstance(keys, str) else list(keys)
+            path = write_key_file(kdir / f"{role}_keys.{self.port}", items)
+            out += [f"{role}_keys_file={_quoted(path)}", f"{role}_keys=[]"]
+        return out
+
     def start(self, timeout_s: float = 60.0) -> LocalServer:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         verify = self.verify  # the PKI exists (created if a development one) before the child
         cmd = [sys.executable, *self.python_args, str(ROOT / "serve.py"), f"port={self.port}",
                f"bundle={self.bundle if self.bundle is not None else 'null'}",
-               f"api_keys={_keys(self.api_key)}",
-               f"admin_keys={_keys(self.admin_key or [])}",
-               "watch=false", "log_level=warning", f"hydra.run.dir={self.log_dir / 'hydra'}",
+               *self._key_overrides(), "watch=false", "log_level=warning",
+               f"hydra.run.dir={self.log_dir / 'hydra'}",
                *self._security_overrides(), *self.overrides]
         if self.cpu is not None:
             cmd = ["taskset", "-c", self.cpu, *cmd]
@@ -137,8 +152,12 @@ class LocalServer:
         self.stop()
 
 
+def _quoted(s: str) -> str:
+    """A Hydra override value: a quoted string (it may hold ``,`` or ``=``)."""
+    return "'" + s.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
 def _keys(keys: str | Sequence[str]) -> str:
-    """A Hydra override value: a list of quoted strings (keys may hold ``,`` or ``=``)."""
+    """A Hydra override value: a list of quoted strings."""
     items = [keys] if isinstance(keys, str) else list(keys)
-    quoted = ("'" + k.replace("\\", "\\\\").replace("'", "\\'") + "'" for k in items)
-    return "[" + ",".join(quoted) + "]"
+    return "[" + ",".join(_quoted(k) for k in items) + "]"

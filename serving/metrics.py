@@ -32,7 +32,7 @@ class ServerMetrics:
         self.sessions = Gauge("smart_sessions", "Live controller sessions", registry=r)
         self.refused = Counter("smart_access_refused", "Requests refused by access control, "
                                "by reason (unauthenticated, auth_throttled, not_admin, "
-                               "foreign_session, rate_limit, memory_budget_key, "
+                               "metrics_key, foreign_session, rate_limit, memory_budget_key, "
                                "memory_budget_server)", ["reason"], registry=r)
         self.rate_limited = Counter("smart_rate_limited", "Requests refused by the per-key "
                                     "rate limit, by key id", ["key"], registry=r)

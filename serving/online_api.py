@@ -157,7 +157,7 @@ def _scenario(body: OnlineSessionCreate) -> ScenarioSpec:
 
 def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Callable,
                       admin: Callable, max_sessions: int, max_batch: int,
-                      load: Callable[[str], LoadedOnlinePolicy] | None = None,
+                      load: Callable[[str, str | None, bool], LoadedOnlinePolicy] | None = None,
                       max_sessions_per_key: int | None = None,
                       owned: Callable[[str, str, str | None, Caller, str], None] | None = None,
                       limits: ResourceLimits | None = None,
@@ -289,13 +289,15 @@ def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Cal
              responses=_errors(400, 401, 403, 409, 422))
     async def swap_online_policy(body: PolicySwap, caller: AdminCaller) -> OnlinePolicyOut:
         try:
-            p = await asyncio.to_thread(load or store.load, body.path)
+            p = await asyncio.to_thread(load or store.load, body.path, None,
+                                        body.allow_rollback)
         except BundleError as e:
             audit(caller.key_id, "online_policy.load", body.path, "failed", f"409: {e}",
                   level=logging.WARNING)
             raise HTTPException(409, str(e)) from None
         audit(caller.key_id, "online_policy.load", body.path, "ok",
-              f"version {p.version} hash {p.hash[:16]}")
+              f"version {p.version} hash {p.hash[:16]}"
+              + (" (rollback allowed)" if body.allow_rollback else ""))
         return policy_out(p)
 
     # ------------------------------------------------------------------ sessions

@@ -31,7 +31,7 @@ fixed arguments) is read as before.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -93,6 +93,14 @@ class OnlineBundle:
     ort_session: Any
     #: the id of the key whose signature was verified (None: unsigned, insecure loader)
     signed_by: str | None = None
+    #: the bytes that were verified and loaded (:func:`serving.signing.verified_copy`); the
+    #: executor's files are read from its private copy
+    verified: Any = field(default=None, repr=False)
+
+    @property
+    def serial(self) -> int | None:
+        """The signed serial (None: unsigned, or signed without one)."""
+        return None if self.verified is None else self.verified.serial
 
     @property
     def files(self) -> tuple[str, ...]:
@@ -118,44 +126,51 @@ def load_online_bundle(directory: str | Path,
     """Open and check an online policy bundle (module docstring). ``trust``: the public keys
     its signature must verify against (:func:`serving.signing.verify_bundle`); None: the
     secure default, the PKI's ``bundle-signing.pub``."""
-    d = Path(directory)
+    src = Path(directory)
     what = "online policy bundle"
+    meta = read_metadata(src, ONLINE_BUNDLE_FORMAT, ONLINE_BUNDLE_VERSIONS, ("actor.onnx",),
+                         what)
+    read = online_bundle_files(meta, f"{what} {str(src)[:200]}")
+    from .signing import verified_copy
+
+    # every file read once: verified, then loaded from the private copy of those bytes
+    vb = verified_copy(src, trust, required=read)
+    signed_by, d = vb.signed_by, vb.root
     meta = read_metadata(d, ONLINE_BUNDLE_FORMAT, ONLINE_BUNDLE_VERSIONS, ("actor.onnx",),
                          what)
-    read = online_bundle_files(meta, f"{what} {str(d)[:200]}")
-    from .signing import verify_bundle
-
-    signed_by = verify_bundle(d, trust, required=read)
+    missing = [n for n in online_bundle_files(meta, what) if n not in vb.blobs]
+    if missing:  # the metadata verified names files the check did not read: refuse
+        raise BundleError(f"{what} {src}: {missing} changed while it was read")
     onnx_path = d / "actor.onnx"
     if list(meta.get("features") or []) != list(FEATURES):
-        raise BundleError(f"{what} {d}: observation features "
+        raise BundleError(f"{what} {src}: observation features "
                           f"{meta.get('features')} differ from this version's {list(FEATURES)}")
     try:
         digest = sha256_file(onnx_path)
     except OSError as e:
-        raise BundleError(f"{what} {str(d)[:200]}: actor.onnx cannot be read "
+        raise BundleError(f"{what} {str(src)[:200]}: actor.onnx cannot be read "
                           f"({e.strerror or e})") from None
     if digest != meta.get("actor_sha256"):
-        raise BundleError(f"{what} {d}: actor.onnx does not match its recorded SHA-256")
+        raise BundleError(f"{what} {src}: actor.onnx does not match its recorded SHA-256")
     for name, want in (meta.get("files") or {}).items():
         try:
             got = sha256_file(d / name)
         except OSError as e:
-            raise BundleError(f"{what} {str(d)[:200]}: {name} cannot be read "
+            raise BundleError(f"{what} {str(src)[:200]}: {name} cannot be read "
                               f"({e.strerror or e})") from None
         if got != want:
-            raise BundleError(f"{what} {d}: {name} does not match its recorded SHA-256")
+            raise BundleError(f"{what} {src}: {name} does not match its recorded SHA-256")
     try:
         km = dict(meta["knob_map"])
         km["fixed"] = _bundle_paths(d, dict(km.get("fixed") or {}), meta.get("files") or {})
         knob_map = KnobMap(**km)
         cost = OnlineCost.from_dict(meta["cost"])
     except (KeyError, TypeError, ValueError) as e:
-        raise BundleError(f"{what} {d}: metadata.json: {e}") from None
+        raise BundleError(f"{what} {src}: metadata.json: {e}") from None
     try:  # the executor once, so that a file it reads is checked now, not at a boundary
         knob_map.build(cost)
     except (OSError, ValueError) as e:
-        raise BundleError(f"{what} {d}: its executor cannot be built ({e})") from None
+        raise BundleError(f"{what} {src}: its executor cannot be built ({e})") from None
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
@@ -164,8 +179,8 @@ def load_online_bundle(directory: str | Path,
         ort_session = ort.InferenceSession(str(onnx_path), opts,
                                            providers=["CPUExecutionProvider"])
     except Exception as e:  # onnxruntime raises its own exception types
-        raise BundleError(f"{what} {d}: actor.onnx cannot be loaded ({e})") from None
-    return OnlineBundle(d, meta, knob_map, cost, ort_session, signed_by)
+        raise BundleError(f"{what} {src}: actor.onnx cannot be loaded ({e})") from None
+    return OnlineBundle(src, meta, knob_map, cost, ort_session, signed_by, vb)
 
 
 def _bundle_paths(d: Path, fixed: dict[str, Any], files: dict[str, str]) -> dict[str, Any]:

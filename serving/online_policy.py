@@ -21,14 +21,14 @@ from pathlib import Path
 
 from envs.dsmd.online_control import KnobPolicy
 
-from .bundle import BundleError, origin_named
+from .bundle import BundleError, bundle_zip, origin_named, same_bundle
 from .online_bundle import (
     ONLINE_BUNDLE_FILES,
     ONLINE_BUNDLE_OPTIONAL,
     OnlineBundle,
     load_online_bundle,
 )
-from .signing import BundleTrust
+from .signing import BundleTrust, SerialGuard
 
 __all__ = [
     "ONLINE_BUNDLE_FILES",
@@ -72,16 +72,6 @@ class LoadedOnlinePolicy:
         return self.bundle.decider(f"online-v{self.version}")
 
 
-def bundle_zip(bundle: OnlineBundle) -> bytes:
-    """The bundle's files as a zip (what ``GET /v1/online/policy/bundle`` returns: the files
-    its loader read, and its signature where it has one)."""
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
-        for name in bundle.files:
-            z.write(bundle.directory / name, name)
-    return buf.getvalue()
-
-
 class OnlinePolicyStore:
     """The server's current online policy (module docstring). ``trust``: the public keys a
     bundle's signature must verify against (None: :func:`serving.signing.default_trust`,
@@ -92,20 +82,31 @@ class OnlinePolicyStore:
         self._current: LoadedOnlinePolicy | None = None
         self._lock = threading.Lock()  # serialises loads, not reads
         self._version = 0
+        self.serials = SerialGuard()
 
     def current(self) -> LoadedOnlinePolicy | None:
         return self._current
 
-    def load(self, path: str | Path, origin: str | None = None) -> LoadedOnlinePolicy:
+    def load(self, path: str | Path, origin: str | None = None,
+             allow_rollback: bool = False) -> LoadedOnlinePolicy:
         """Load, verify and install the online bundle at ``path`` (``BundleError`` if
         refused; the current one stays). ``origin``: where ``path`` came from (a registry
-        version), named in messages and kept on the policy."""
+        version), named in messages and kept on the policy. A bundle whose signed serial is
+        below the highest loaded is refused unless ``allow_rollback``
+        (:class:`serving.signing.SerialGuard`); the bundle loaded now, loaded again, is
+        the same version."""
         with self._lock:
             with origin_named(origin):
                 bundle = load_online_bundle(path, self.trust)
+            cur = self._current
+            if cur is not None and same_bundle(cur.bundle, bundle):
+                return cur
+            with origin_named(origin):
+                self.serials.check(bundle.verified, origin or str(path), allow_rollback)
             cand = LoadedOnlinePolicy(bundle, self._version + 1, time.time(), origin)
             self._version = cand.version
             self._current = cand  # one reference assignment: atomic for readers
+            self.serials.loaded(bundle.verified)
             log.info("online policy v%d loaded from %s (actor %s...)", cand.version,
                      origin or path, cand.hash[:12])
             return cand

@@ -24,8 +24,15 @@ import numpy as np
 
 from envs.dsmd.observation import ObservationLayout
 
-from .bundle import BUNDLE_FILES, BundleError, PolicyBundle, load_bundle, origin_named
-from .signing import BundleTrust, SignatureError
+from .bundle import (
+    BUNDLE_FILES,
+    BundleError,
+    PolicyBundle,
+    load_bundle,
+    origin_named,
+    same_bundle,
+)
+from .signing import BundleTrust, SerialGuard, SignatureError
 
 __all__ = ["BundleError", "BundleWatcher", "LoadedPolicy", "PolicyStore"]
 
@@ -92,6 +99,7 @@ class PolicyStore:
         self._current: LoadedPolicy | None = None
         self._lock = threading.Lock()  # serialises loads, not reads
         self._version = 0
+        self.serials = SerialGuard()
         self._listeners: list[Callable[[LoadedPolicy], None]] = []
 
     def current(self) -> LoadedPolicy | None:
@@ -112,21 +120,31 @@ class PolicyStore:
 
     def load(self, path: str | Path,
              check: Callable[[LoadedPolicy], list[str]] | None = None,
-             force: bool = False, origin: str | None = None) -> LoadedPolicy:
+             force: bool = False, origin: str | None = None,
+             allow_rollback: bool = False) -> LoadedPolicy:
         """Load, verify and install the bundle at ``path``. ``check`` returns the problems
         the candidate would cause (e.g. live sessions it does not fit); any problem refuses
         it (``BundleError``) unless ``force``. ``origin``: where ``path`` came from (a
-        registry version), named in messages and kept on the policy."""
+        registry version), named in messages and kept on the policy. A bundle whose signed
+        serial is below the highest loaded is refused unless ``allow_rollback``
+        (:class:`serving.signing.SerialGuard`); the bundle loaded now, loaded again, is the
+        same version (no listener is called)."""
         where = origin or str(path)
         with self._lock:
             with origin_named(origin):
                 bundle = load_bundle(path, batch_threads=self.batch_threads, trust=self.trust)
+            cur = self._current
+            if cur is not None and same_bundle(cur.bundle, bundle):
+                return cur
+            with origin_named(origin):
+                self.serials.check(bundle.verified, where, allow_rollback)
             cand = LoadedPolicy(bundle, self._version + 1, time.time(), origin)
             problems = check(cand) if check is not None else []
             if problems and not force:
                 raise BundleError(f"{where}: refused: " + "; ".join(problems))
             self._version = cand.version
             self._current = cand  # one reference assignment: atomic for readers
+            self.serials.loaded(bundle.verified)
             log.info("policy v%d loaded from %s (actor %s...)", cand.version, where,
                      cand.hash[:12])
             for listener in list(self._listeners):

@@ -259,6 +259,9 @@ class PolicySwap(BaseModel):
                       "models:/<name>/<version> (in the server's registry).")
     force: JsonBool = Field(default=False, description="Load even if live sessions do not match "
                         "it (they then get heuristic decisions).")
+    allow_rollback: JsonBool = Field(default=False, description="Load it even if its signed "
+                                     "serial is below the highest this server has loaded (an "
+                                     "older bundle, on purpose; audited).")
 
 
 # ---------------------------------------------------------------------- responses

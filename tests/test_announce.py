@@ -39,7 +39,7 @@ from .waiting import wait_until
 
 pytestmark = pytest.mark.xdist_group("pulsar")
 
-KEY, ADMIN = "ann-key", "ann-admin"
+KEY, ADMIN = "ann-key-k7Qx2mW9pL4vR8nT3sY6bZ1cF5hJ0", "ann-admin-k7Qx2mW9pL4vR8nT3sY6bZ1cF5hJ0"
 
 
 
@@ -58,12 +58,15 @@ def _adapter(ps, server_url, mode, tmp_path, name, **kw) -> ControllerAdapter:
 
 
 def _put(server: LocalServer, bundle) -> httpx.Response:
-    return httpx.put(server.url + "/v1/policy", verify=server.verify, json={"path": str(bundle)},
+    """Swap to ``bundle`` (the tests go back and forth: a rollback, asked for)."""
+    return httpx.put(server.url + "/v1/policy", verify=server.verify,
+                     json={"path": str(bundle), "allow_rollback": True},
                      headers={"X-API-Key": ADMIN}, timeout=30)
 
 
 def _metric(server: LocalServer, kind: str, outcome: str) -> float:
-    text = httpx.get(server.url + "/v1/metrics", verify=server.verify, timeout=5).text
+    text = httpx.get(server.url + "/v1/metrics", verify=server.verify, timeout=5,
+                     headers={"X-API-Key": ADMIN}).text
     want = f'smart_announcements_total{{kind="{kind}",outcome="{outcome}"}}'
     for line in text.splitlines():
         if line.startswith(want):

@@ -212,7 +212,8 @@ def test_the_server_serves_and_follows_a_registry_alias(reg, tmp_path, tiny_bund
         assert c.get("/v1/policy").json()["hash"] == hashes["2"]
         assert 'smart_policy_loads_total{outcome="refused"} 1.0' in c.get("/v1/metrics").text
         # a swap by URI: a version, then a missing model (409, naming it; 1 stays)
-        r = c.put("/v1/policy", json={"path": f"models:/{NAME}/1"})
+        # version 1 was signed before version 2: going back is a rollback, asked for
+        r = c.put("/v1/policy", json={"path": f"models:/{NAME}/1", "allow_rollback": True})
         assert r.status_code == 200 and r.json()["origin"] == f"models:/{NAME}/1"
         r = c.put("/v1/policy", json={"path": "models:/no-such-model@production"})
         assert r.status_code == 409 and "no registered model named" in r.json()["detail"]

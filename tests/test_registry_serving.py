@@ -28,7 +28,7 @@ from .waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smart-dsmd-online"
-KEY, ADMIN = "reg-key", "reg-admin"
+KEY, ADMIN = "reg-key-k7Qx2mW9pL4vR8nT3sY6bZ1cF5hJ0", "reg-admin-k7Qx2mW9pL4vR8nT3sY6bZ1cF5hJ0"
 
 
 def _register(url: str, bundle_dir: Path, name: str = MODEL) -> str:

@@ -27,8 +27,10 @@ from serving.online_adapter import online_session_body
 from serving.scenario import adapter_for, rates_body, replay_window, session_body
 
 # distinctive keys: any occurrence of one in a log is a leak
-A, B, FLOOD = (f"ctl-{n}-{secrets.token_hex(12)}" for n in ("a", "b", "flood"))
-ADMIN = f"adm-{secrets.token_hex(12)}"
+A, B, FLOOD = (f"ctl-{n}-{secrets.token_hex(16)}" for n in ("a", "b", "flood"))
+ADMIN = f"adm-{secrets.token_hex(16)}"
+#: keys of the in-process apps
+KA, KB, KADM = (f"{n}-k7Qx2mW9pL4vR8nT3sY6bZ1cF5hJ0" for n in ("key-a", "key-b", "adm"))
 KEYS = (A, B, FLOOD, ADMIN)
 RATE = {"requests_per_s": 40, "burst": 40}  # far above what A and B send here
 
@@ -171,7 +173,8 @@ def test_admin_actions_are_audited(server, tiny_bundles):
         assert r.status_code == 200
         version = r.json()["version"]
         assert adm.put("/v1/policy", json={"path": "/nonexistent"}).status_code == 409
-        assert adm.put("/v1/policy", json={"path": str(tiny_bundles["a"])}).status_code == 200
+        assert adm.put("/v1/policy", json={"path": str(tiny_bundles["a"]),
+                                           "allow_rollback": True}).status_code == 200
         assert httpx.put(server.url + "/v1/policy", json={"path": "/x"}, timeout=10,
                          verify=server.verify).status_code == 401
     ok = wait_for_lines(server, 1, f"who={key_id(ADMIN)}", "action=policy.load",
@@ -221,7 +224,7 @@ def test_a_flooding_key_cannot_starve_another(server):
     assert codes == [200] * 20  # A is served throughout
     assert flood["limited"] > 0 and flood["ok"] >= RATE["burst"]
     assert flood["retry"] and all(v is not None and int(v) >= 1 for v in flood["retry"])
-    with server.client(A, timeout=10) as a:
+    with server.client(ADMIN, timeout=10) as a:
         metrics = a.get("/v1/metrics").text
     line = f'smart_rate_limited_total{{key="{key_id(FLOOD)}"}} '
     m = re.search(re.escape(line) + r"(\S+)", metrics)
@@ -271,17 +274,17 @@ def test_one_key_cannot_take_every_session_slot(tiny_problems):
 
     from serving.app import ServerSettings, create_app
 
-    app = create_app(ServerSettings(api_keys=["key-a", "key-b"], admin_keys=["adm"],
-                                    max_sessions=10, max_sessions_per_key=2))
+    app = create_app(ServerSettings(api_keys=[KA, KB], admin_keys=[KADM], max_sessions=10,
+                                    max_sessions_per_key=2))
     body = session_body(tiny_problems)
     with TestClient(app) as c:
-        a = {"X-API-Key": "key-a"}
+        a = {"X-API-Key": KA}
         sids = [c.post("/v1/sessions", json=body, headers=a).json()["session_id"]
                 for _ in range(2)]
         r = c.post("/v1/sessions", json=body, headers=a)
         assert r.status_code == 429 and "max_sessions_per_key" in r.json()["detail"]
         assert c.post("/v1/sessions", json=body,
-                      headers={"X-API-Key": "key-b"}).status_code == 201
+                      headers={"X-API-Key": KB}).status_code == 201
         assert c.delete(f"/v1/sessions/{sids[0]}", headers=a).status_code == 204
         assert c.post("/v1/sessions", json=body, headers=a).status_code == 201
 
@@ -294,9 +297,9 @@ def test_refused_admin_calls_are_rate_limited_too():
     from serving.access import RateLimit
     from serving.app import ServerSettings, create_app
 
-    app = create_app(ServerSettings(api_keys=["key-a"], admin_keys=["adm"],
+    app = create_app(ServerSettings(api_keys=[KA], admin_keys=[KADM],
                                     rate_limit=RateLimit(requests_per_s=0.01, burst=3)))
     with TestClient(app) as c:
         codes = [c.put("/v1/policy", json={"path": "/nowhere"},
-                       headers={"X-API-Key": "key-a"}).status_code for _ in range(5)]
+                       headers={"X-API-Key": KA}).status_code for _ in range(5)]
     assert codes == [403, 403, 403, 429, 429]

@@ -12,8 +12,9 @@ from serving.app import ServerSettings, create_app
 from serving.bundle import load_bundle
 from serving.scenario import rates_body, session_body
 
-KEY, ADMIN = "controller-key", "admin-key"
+KEY, ADMIN = (f"{n}-k7Qx2mW9pL4vR8nT3sY6bZ1cF5hJ0" for n in ("controller-key", "admin-key"))
 H, HA = {"X-API-Key": KEY}, {"X-API-Key": ADMIN}
+K2 = "k2-k7Qx2mW9pL4vR8nT3sY6bZ1cF5hJ0"
 
 
 def app_with(bundle=None, **kw):
@@ -145,7 +146,7 @@ def test_heuristic_when_no_usable_policy(tiny_problems, tiny_bundles):
                        headers=H).json()
             assert r["decisions"] and all(d["source"] == "fallback" and reason in d["reason"]
                                           for d in r["decisions"])
-            assert 'smart_fallbacks_total' in c.get("/v1/metrics").text
+            assert 'smart_fallbacks_total' in c.get("/v1/metrics", headers=HA).text
 
 
 def test_hot_swap_and_refusal(client, tiny_problems, tiny_bundles):
@@ -167,7 +168,7 @@ def test_hot_swap_and_refusal(client, tiny_problems, tiny_bundles):
     assert d["policy_version"] == 2 and d["policy_hash"] == r.json()["hash"]
     z = client.get("/v1/policy/bundle", headers=H)
     assert z.status_code == 200 and z.headers["x-policy-version"] == "2"
-    text = client.get("/v1/metrics").text
+    text = client.get("/v1/metrics", headers=HA).text
     assert 'smart_policy_loads_total{outcome="refused"} 2.0' in text
     assert "smart_request_latency_seconds_bucket" in text and "smart_decisions_total" in text
 
@@ -449,7 +450,7 @@ def test_openapi_links_lead_from_creation_to_every_session_operation():
 def test_sessions_belong_to_their_key_in_process(tiny_problems, caplog):
     """The ownership rule and the audit lines, in process (the real server:
     tests/test_security_server.py)."""
-    other, admin_log = "other-controller-key", "smart.audit"
+    other, admin_log = "other-controller-key-k7Qx2mW9pL4vR8nT3sY6bZ1cF5hJ0", "smart.audit"
     app = create_app(ServerSettings(api_keys=[KEY, other], admin_keys=[ADMIN]))
     with TestClient(app) as c, caplog.at_level("INFO", logger=admin_log):
         sid = new_session(c, tiny_problems)["session_id"]
@@ -491,12 +492,13 @@ def test_rate_limit_settings(tiny_problems):
         with pytest.raises(ValueError, match="tls: give both"):
             settings("tls.certfile=/x.pem")
     # in process: a burst of 3, then 429 with Retry-After for that key only
-    app = create_app(ServerSettings(api_keys=[KEY, "k2"], rate_limit=RateLimit(0.5, 3)))
+    app = create_app(ServerSettings(api_keys=[KEY, K2], admin_keys=[ADMIN],
+                                    rate_limit=RateLimit(0.5, 3)))
     with TestClient(app) as c:
         codes = [c.get("/v1/policy", headers=H).status_code for _ in range(5)]
         assert codes == [200, 200, 200, 429, 429]
         r = c.get("/v1/policy", headers=H)
         assert r.headers["retry-after"] == "2" and "rate limit" in r.json()["detail"]
-        assert c.get("/v1/policy", headers={"X-API-Key": "k2"}).status_code == 200
+        assert c.get("/v1/policy", headers={"X-API-Key": K2}).status_code == 200
         assert 'smart_access_refused_total{reason="rate_limit"} 3.0' in c.get(
-            "/v1/metrics").text
+            "/v1/metrics", headers=HA).text

@@ -17,7 +17,7 @@ from serving.bundle import load_bundle
 from serving.local import LocalServer
 from serving.scenario import adapter_for, replay_window, session_body
 
-KEY, ADMIN = "e2e-key", "e2e-admin"
+KEY, ADMIN = "e2e-key-k7Qx2mW9pL4vR8nT3sY6bZ1cF5hJ0", "e2e-admin-k7Qx2mW9pL4vR8nT3sY6bZ1cF5hJ0"
 
 
 def Server(bundle, tmp, port=None) -> LocalServer:
@@ -114,8 +114,10 @@ def test_hot_swap_under_concurrent_load(server, tiny_problems, tiny_bundles):
                       headers={"X-API-Key": ADMIN}, timeout=30) as c:
         for i in range(6):
             time.sleep(0.15)
+            # back and forth between two signed bundles: every other swap is a rollback
             r = c.put("/v1/policy", json={"path": str(tiny_bundles["b" if i % 2 == 0
-                                                                   else "a"])})
+                                                                   else "a"]),
+                                          "allow_rollback": True})
             assert r.status_code == 200, r.text
     time.sleep(0.2)
     stop.set()

@@ -17,7 +17,7 @@ from schemathesis.specs.openapi.checks import (
 from serving.app import ServerSettings, create_app
 from serving.scenario import session_body
 
-KEY, ADMIN = "fuzz-key", "fuzz-admin"
+KEY, ADMIN = "fuzz-key-k7Qx2mW9pL4vR8nT3sY6bZ1cF5hJ0", "fuzz-admin-k7Qx2mW9pL4vR8nT3sY6bZ1cF5hJ0"
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           response_schema_conformance]
 

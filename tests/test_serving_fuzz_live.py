@@ -19,7 +19,7 @@ from serving.local import LocalServer
 
 pytestmark = pytest.mark.slow
 
-KEY, ADMIN = "fuzz-live-key", "fuzz-live-admin"
+KEY, ADMIN = (f"{n}-k7Qx2mW9pL4vR8nT3sY6bZ1cF5hJ0" for n in ("fuzz-live-key", "fuzz-live-admin"))
 EXAMPLES = int(os.environ.get("SMART_FUZZ_EXAMPLES", "30"))
 
 

@@ -35,7 +35,8 @@ from serving.online_session import OnlineSession, fallback_decider
 from serving.scenario import session_body
 from serving.session import Session, SessionSpec
 
-KEY, OTHER, ADMIN = "hostile-key-1", "hostile-key-2", "hostile-admin"
+KEY, OTHER, ADMIN = (f"{n}-k7Qx2mW9pL4vR8nT3sY6bZ1cF5hJ0"
+                     for n in ("hostile-key-1", "hostile-key-2", "hostile-admin"))
 H, HO, HA = {"X-API-Key": KEY}, {"X-API-Key": OTHER}, {"X-API-Key": ADMIN}
 JSON = {"content-type": "application/json"}
 
@@ -324,7 +325,7 @@ def test_idle_sessions_expire_and_return_their_charge(tiny_problems):
         assert app.state.budget.total == 0 and not app.state.sessions
         assert c.get(f"/v1/sessions/{sid}", headers=H).status_code == 404
         assert c.get(f"/v1/online/sessions/{oid}", headers=H).status_code == 404
-        metrics = c.get("/v1/metrics").text
+        metrics = c.get("/v1/metrics", headers=HA).text
         assert 'smart_sessions_expired_total{family="session"} 1.0' in metrics
         assert 'smart_sessions_expired_total{family="online"} 1.0' in metrics
 

@@ -30,7 +30,7 @@ from serving.online_adapter import OnlineAdapter, online_session_body
 from serving.online_schemas import MessageIn
 from serving.online_session import OnlineSession, fallback_decider
 
-KEY, ADMIN = "online-key", "online-admin"
+KEY, ADMIN = (f"{n}-k7Qx2mW9pL4vR8nT3sY6bZ1cF5hJ0" for n in ("online-key", "online-admin"))
 FORECASTER = Path(__file__).parents[1] / "results/forecaster/send_forecaster.npz"
 H, HA = {"X-API-Key": KEY}, {"X-API-Key": ADMIN}
 
@@ -54,7 +54,9 @@ def online(tmp_path_factory):
     path = export_online_bundle(actor, KnobMap(features=reads, fixed=fixed), cost,
                                 root / "bundle")
     bundle = load_online_bundle(path)
-    assert bundle.knob_map.fixed == {**fixed, "send_forecaster": str(path / FORECASTER.name)}
+    # the executor reads the forecaster from the bundle's verified private copy
+    assert bundle.knob_map.fixed == {**fixed, "send_forecaster": str(bundle.verified.root
+                                                                   / FORECASTER.name)}
     traces = {}
     for rec in ds.traces("all"):
         data = ds.load(rec.id)

@@ -31,7 +31,7 @@ from serving.transport import (
     uvicorn_options,
 )
 
-KEY = "ctl-transport-test"
+KEY = "ctl-transport-test-k7Qx2mW9pL4vR8nT3sY6bZ1cF5hJ0"
 HEADER_TIMEOUT_S = IDLE_TIMEOUT_S = 1.0
 SLACK_S = 3.0  # a shared 2-core machine: a close is "in time" within the limit + this
 LIMIT = TransportLimits().max_header_bytes  # the default, which the servers keep
