@@ -65,7 +65,7 @@ from typing import Any
 import grpc
 
 from security.pulsar import client_args, subscription_name
-from security.tls import Security, channel_credentials, server_credentials
+from security.tls import Security, channel_credentials, pinned_options, server_credentials
 
 from .health import security_setting
 from .rpc import AioRoleGuard, pb, pb_grpc
@@ -265,7 +265,8 @@ class MessageAgent(pb_grpc.MessageAgentServicer):
         if self.cfg.controller:
             self._reply_channel = (
                 grpc.aio.insecure_channel(self.cfg.controller) if insecure
-                else grpc.aio.secure_channel(self.cfg.controller, self._creds[1]))
+                else grpc.aio.secure_channel(self.cfg.controller, self._creds[1],
+                                             options=pinned_options("controller")))
             self._tasks.append(asyncio.create_task(self._report_loop()))
         return self.port
 

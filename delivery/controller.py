@@ -120,7 +120,13 @@ import grpc
 from envs.dsmd.message import Message
 from security.pki import agent_principal
 from security.pulsar import NodeSubscriptionGrants, client_args, subscription_name
-from security.tls import Security, SecurityError, channel_credentials, server_credentials
+from security.tls import (
+    Security,
+    SecurityError,
+    channel_credentials,
+    pinned_options,
+    server_credentials,
+)
 
 from .fairness import TenantShaper, TenantShapingConfig
 from .health import (
@@ -680,8 +686,10 @@ class Controller(pb_grpc.ControllerRepliesServicer):
                         if self._channel_creds is None:
                             self._channel_creds = channel_credentials(
                                 self.cfg.security.identity("controller"))
-                        ch = grpc.secure_channel(self.agents[node], self._channel_creds,
-                                                 options=_CHANNEL_OPTIONS)
+                        # only node's own identity may answer there (pinned)
+                        ch = grpc.secure_channel(
+                            self.agents[node], self._channel_creds,
+                            options=_CHANNEL_OPTIONS + pinned_options(agent_principal(node)))
                     self._channels[node] = ch
                     s = self._stubs[node] = pb_grpc.MessageAgentStub(ch)
         return s

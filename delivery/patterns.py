@@ -63,7 +63,8 @@ from typing import Any
 import numpy as np
 
 from envs.netutil import BROKER_ADDRESS, CONTROLLER_ADDRESS, node_address
-from security.tls import Security
+from security.pki import agent_principal
+from security.tls import Security, pinned_options
 
 __all__ = ["WORKLOADS", "PatternsError", "StudyConfig", "Workload", "latency_summary",
            "parse_workload", "run_study"]
@@ -422,7 +423,8 @@ class _Sender:
             self.sec.identity("controller"))
         self.channels = {n: (grpc.insecure_channel(f"{node_address(n)}:{AGENT_PORT}", opts)
                              if creds is None else grpc.secure_channel(
-                                 f"{node_address(n)}:{AGENT_PORT}", creds, opts))
+                                 f"{node_address(n)}:{AGENT_PORT}", creds,
+                                 opts + pinned_options(agent_principal(n))))
                          for n in self.nodes}
         self.stubs = {n: pb_grpc.MessageAgentStub(c) for n, c in self.channels.items()}
         self.client: Any = None

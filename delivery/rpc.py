@@ -38,7 +38,7 @@ from typing import Any
 
 import grpc
 
-from security.tls import Security, channel_credentials, peer_principal
+from security.tls import Security, channel_credentials, peer_principal, pinned_options
 
 __all__ = ["PROTO", "AioRoleGuard", "RoleGuard", "generate", "open_channel", "pb", "pb_grpc"]
 
@@ -202,15 +202,19 @@ class AioRoleGuard(RoleGuard, grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
 
 def open_channel(address: str, security: Security, principal: str,
-                 options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
+                 options: Sequence[tuple[str, Any]] = (), *,
+                 expect: str | None = None) -> grpc.Channel:
     """A (blocking-API) channel to ``address`` presenting ``principal``'s certificate and
     verifying the server against the PKI's CA; a plain channel when ``security`` is
-    insecure. The server's certificate must name ``address``'s host (the development
-    certificates name ``localhost`` and ``127.0.0.1``)."""
+    insecure. ``expect``: the principal the server must be (its certificate must carry
+    that identity's name, :func:`security.tls.pinned_options`); None: the server's
+    certificate must name ``address``'s host (the development certificates name
+    ``localhost`` and ``127.0.0.1``)."""
     if security.insecure:
         return grpc.insecure_channel(address, options=list(options))
+    pin = pinned_options(expect) if expect is not None else []
     return grpc.secure_channel(address, channel_credentials(security.identity(principal)),
-                               options=list(options))
+                               options=list(options) + pin)
 
 
 def _unguarded(method: str) -> None:

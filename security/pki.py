@@ -50,6 +50,10 @@ PKI_ENV = "SMART_PKI_DIR"
 """Environment variable naming the PKI directory (overrides the default)."""
 
 SPIFFE_PREFIX = "spiffe://smart-dsmd/"
+#: the DNS name suffix of identity names: every certificate names ``<principal>.`` this, and
+#: clients that dial a role check the server's certificate against that name
+#: (:func:`identity_host`), so only that principal's certificate can answer there
+IDENTITY_DOMAIN = "id.smart-dsmd"
 STANDARD_PRINCIPALS = ("controller", "broker", "policy-server", "admin")
 SIGNING_KEY, VERIFY_KEY = "bundle-signing.key", "bundle-signing.pub"
 _PRINCIPAL = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
@@ -66,6 +70,12 @@ def default_pki_dir() -> Path:
     """``$SMART_PKI_DIR`` or ``~/.cache/smart-dsmd/pki``."""
     env = os.environ.get(PKI_ENV)
     return Path(env).expanduser() if env else Path.home() / ".cache" / "smart-dsmd" / "pki"
+
+
+def identity_host(principal: str) -> str:
+    """The DNS name every certificate of ``principal`` carries and that a client expecting
+    ``principal`` checks the server's certificate against (``agent-3.id.smart-dsmd``)."""
+    return f"{principal}.{IDENTITY_DOMAIN}"
 
 
 def role_of(principal: str) -> str:
@@ -170,6 +180,14 @@ class Pki:
         ident = TlsIdentity(principal, self.ca_cert, self.dir / f"{principal}.crt",
                             self.dir / f"{principal}.key")
         if ident.cert.exists() and ident.key.exists():
+            if self.can_issue and not _names_identity(ident.cert, principal):
+                # a development certificate issued before identity names: issued again
+                with self._lock():
+                    if not _names_identity(ident.cert, principal):
+                        ident.cert.unlink(missing_ok=True)
+                        self._issue_if_missing(principal)
+                log.info("re-issued the development identity %s with its identity name %s",
+                         principal, identity_host(principal))
             return ident
         if not self.can_issue:
             missing = ident.cert if not ident.cert.exists() else ident.key
@@ -263,6 +281,7 @@ class Pki:
         now = dt.datetime.now(dt.UTC)
         san = x509.SubjectAlternativeName([
             x509.UniformResourceIdentifier(f"{SPIFFE_PREFIX}{role_of(principal)}/{principal}"),
+            x509.DNSName(identity_host(principal)),
             x509.DNSName("localhost"),
             x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
             *(x509.IPAddress(ipaddress.ip_address(a)) for a in principal_addresses(principal)),
@@ -295,6 +314,32 @@ class Pki:
         _write_key(self.signing_key, key)
         _write(self.verify_key, key.public_key().public_bytes(
             serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo), 0o644)
+
+
+_NAMED: dict[tuple[str, int, int, str], bool] = {}
+
+
+def _names_identity(cert_path: Path, principal: str) -> bool:
+    """Whether the certificate file names ``identity_host(principal)`` (cached per file
+    version: identities are looked up on every channel built)."""
+    try:
+        st = cert_path.stat()
+    except OSError:
+        return False
+    name = identity_host(principal)
+    key = (str(cert_path), st.st_mtime_ns, st.st_ino, name)
+    got = _NAMED.get(key)
+    if got is None:
+        from cryptography import x509
+
+        try:
+            cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+            san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+            got = name in san.get_values_for_type(x509.DNSName)
+        except (OSError, ValueError, x509.ExtensionNotFound):
+            got = False
+        _NAMED[key] = got
+    return got
 
 
 def _pem_cert(cert: x509.Certificate) -> bytes:

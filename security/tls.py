@@ -9,6 +9,12 @@ gRPC: :func:`server_credentials` asks every client for a certificate the CA sign
 :func:`channel_credentials` presents this component's and verifies the server's;
 :func:`peer_principal` reads the peer's (role, principal) back from a call's auth context,
 for the servicer's role check.
+
+Pinning: a client that dials a principal (the controller dialling ``agent-3``, an agent
+dialling ``controller``, an adapter dialling ``policy-server``) checks the server's
+certificate against that principal's identity name (:func:`security.pki.identity_host`)
+instead of the dialled address (:func:`pinned_options` for gRPC, ``expect`` of
+:func:`client_ssl_context` for HTTPS): another identity of the same PKI cannot answer there.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from security.pki import SPIFFE_PREFIX, Pki, PkiError, TlsIdentity, role_of
+from security.pki import SPIFFE_PREFIX, Pki, PkiError, TlsIdentity, identity_host, role_of
 
 log = logging.getLogger("smart.security")
 
@@ -92,10 +98,33 @@ class Security:
 # --------------------------------------------------------------------------- HTTPS
 
 
-def client_ssl_context(security: Security, principal: str | None = None) -> ssl.SSLContext:
-    """An HTTPS client context trusting only the PKI's CA (host names checked), presenting
-    ``principal``'s certificate if one is given (mutual TLS)."""
-    ctx = ssl.create_default_context(cafile=str(security.pki.ca_cert))
+class _PinnedContext(ssl.SSLContext):
+    """A client context that checks every server's certificate against one identity name
+    (:attr:`pinned`) whatever host it dials (module docstring)."""
+
+    pinned: str
+
+    def wrap_socket(self, sock: Any, *args: Any, **kw: Any) -> Any:
+        kw["server_hostname"] = self.pinned
+        return super().wrap_socket(sock, *args, **kw)
+
+    def wrap_bio(self, incoming: Any, outgoing: Any, server_side: bool = False,
+                 server_hostname: Any = None, session: Any = None) -> Any:
+        return super().wrap_bio(incoming, outgoing, server_side, self.pinned, session)
+
+
+def client_ssl_context(security: Security, principal: str | None = None, *,
+                       expect: str | None = None) -> ssl.SSLContext:
+    """An HTTPS client context trusting only the PKI's CA, presenting ``principal``'s
+    certificate if one is given (mutual TLS). ``expect``: the principal the server must be
+    (its certificate must carry ``identity_host(expect)``, whatever host is dialled); None:
+    the dialled host name is checked."""
+    if expect is None:
+        ctx = ssl.create_default_context(cafile=str(security.pki.ca_cert))
+    else:
+        ctx = _PinnedContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.pinned = identity_host(expect)
+        ctx.load_verify_locations(cafile=str(security.pki.ca_cert))
     if principal is not None:
         ident = security.identity(principal)
         ctx.load_cert_chain(str(ident.cert), str(ident.key))
@@ -113,6 +142,12 @@ def server_credentials(ident: TlsIdentity) -> Any:
     ca, cert, key = ident.read()
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
                                        require_client_auth=True)
+
+
+def pinned_options(expect: str) -> list[tuple[str, str]]:
+    """gRPC channel options that check the server's certificate against ``expect``'s
+    identity name instead of the dialled address (module docstring)."""
+    return [("grpc.ssl_target_name_override", identity_host(expect))]
 
 
 def channel_credentials(ident: TlsIdentity) -> Any:

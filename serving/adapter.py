@@ -115,7 +115,8 @@ class _Unavailable(Exception):
 def tls_verify(security: Security, url: str, component: str = "controller adapter"
                ) -> ssl.SSLContext | bool:
     """How a client of the policy server at ``url`` checks it (httpx's ``verify``): secure,
-    an ``https://`` URL and a context trusting only the PKI's CA (host names checked);
+    an ``https://`` URL and a context trusting only the PKI's CA, pinned to the
+    ``policy-server`` identity (its certificate must name ``policy-server.id.smart-dsmd``);
     a plain ``http://`` URL is then refused (ValueError naming it). Insecure: no check
     (warned, once per client)."""
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
@@ -127,7 +128,8 @@ def tls_verify(security: Security, url: str, component: str = "controller adapte
         raise ValueError(f"base_url {url!r}: the policy server is reached over TLS when "
                          "security is on (use https://, or security.insecure=true to debug "
                          "over plain HTTP)")
-    return client_ssl_context(security)
+    # only the policy-server identity may answer, whatever host the URL names (pinned)
+    return client_ssl_context(security, expect="policy-server")
 
 
 def http_client(base_url: str, api_key: str | None, timeout_s: float, security: Security,

@@ -70,7 +70,7 @@ class LocalServer:
         insecure: plain HTTP)."""
         if self._verify is None:
             self._verify = (False if self.security.insecure else
-                            client_ssl_context(self.security))
+                            client_ssl_context(self.security, expect="policy-server"))
         return self._verify
 
     def client(self, key: str | None = None, **kw: Any) -> httpx.Client:

@@ -225,11 +225,13 @@ def test_controller_takes_replies_only_from_their_own_node(tmp_path, caplog):
         ctl.close()
 
 
-def test_collect_refuses_an_answer_for_another_node(tmp_path, caplog):
-    """The agent of node 5 answers at the address the controller has for node 3 (TLS passes:
-    a certificate of the CA naming the host): its packed reply is for node 5, so the
-    controller refuses it, counts and logs it, and acknowledges nothing (the agent keeps
-    its result)."""
+def test_another_node_cannot_answer_at_a_nodes_address(tmp_path, caplog):
+    """The agent of node 5 answers at the address the controller has for node 3. Its
+    certificate is the CA's and names the host, but the controller's channel to node 3 is
+    pinned to ``agent-3``'s identity name (``agent-3.id.smart-dsmd``), which agent-5's
+    certificate does not carry: the handshake fails, nothing is collected and the agent
+    keeps its result. (A reply for another node that did get through would still be
+    refused: the Report tests above.)"""
     caplog.set_level(logging.WARNING)
     (tmp_path / "a").mkdir()
     with _agents(tmp_path / "a", (5,)) as host:
@@ -238,16 +240,21 @@ def test_collect_refuses_an_answer_for_another_node(tmp_path, caplog):
             pb_grpc.MessageAgentStub(ch).Push(pb.ConfigBatch(messages=[
                 _message(5, time.time_ns())]), timeout=5)
         assert agent.pending_results() == 1
-        ctl = _controller(tmp_path, {3: f"127.0.0.1:{agent.port}"}).start()
+        address = f"127.0.0.1:{agent.port}"
+        with open_channel(address, SEC, "controller", expect="agent-3") as ch:
+            assert _code(pb_grpc.MessageAgentStub(ch).Collect, pb.CollectRequest()) == \
+                grpc.StatusCode.UNAVAILABLE
+        ctl = _controller(tmp_path, {3: address}).start()
         try:
             assert ctl.collect() == 0
-            assert ctl.stats.refused_calls == 1 and dict(ctl.stats.outcomes) == {}
+            assert dict(ctl.stats.outcomes) == {}
         finally:
             ctl.close()
         assert agent.pending_results() == 1
-        assert agent.counters.replies_collected == 1
-    lines = [x for x in _refusals(caplog) if "Collect answer of node 3" in x]
-    assert len(lines) == 1 and "is for node 5, not agent-3's" in lines[0], _refusals(caplog)
+        assert agent.counters.replies_collected == 0
+        with open_channel(address, SEC, "controller", expect="agent-5") as ch:
+            assert _code(pb_grpc.MessageAgentStub(ch).Collect, pb.CollectRequest()) == \
+                grpc.StatusCode.OK
 
 
 def test_ingress_serves_only_admin(tmp_path, caplog):
