@@ -271,6 +271,7 @@ class ControllerStats:
     outbox_redelivered: int = 0    # (message, node) pairs re-delivered after a restart
     outbox_corrupt: int = 0        # stored rows refused at recovery (kept in the store)
     failovers: int = 0             # MQ outages reacted to
+    probes_congested: int = 0      # late health probes excused: data acknowledged meanwhile
     failbacks: int = 0             # recoveries (types back on their topics)
     rerouted: int = 0              # MQ-type messages sent over RPC during an outage
     held: int = 0                  # MQ-type messages that waited for the broker
@@ -430,6 +431,7 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         self._republish: list[tuple[int, bytes]] = []          # failed publishes
         # publish id -> (topic, envelope, when): publishes not yet acknowledged by the broker
         self._inflight: dict[int, tuple[int, bytes, float]] = {}
+        self._last_ack: float | None = None  # monotonic time of the latest acknowledged publish
         self._inflight_units: dict[int, int] = {}  # publish id -> C_p units it holds
         self._limiter = InflightLimiter(cfg.max_inflight_sends, self.stats)
         self._publish_ids = itertools.count()
@@ -507,7 +509,9 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         if self.cfg.failover.enabled:
             self._health = MqHealth(self._client, f"{self.cfg.topic_prefix}-health",
                                     self.cfg.failover, self._on_health_change,
-                                    inflight_age=self._inflight_age).start()
+                                    inflight_age=self._inflight_age,
+                                    last_ack=lambda: self._last_ack,
+                                    on_congested=self._probe_congested).start()
             loops.append((self._failover_loop, "failover"))
         for target, name in loops:
             t = threading.Thread(target=target, name=f"controller-{name}", daemon=True)
@@ -1158,6 +1162,8 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         import pulsar
 
         self._release_publish(pid)  # C_p: its unit goes back (none if already given back)
+        if res == pulsar.Result.Ok:
+            self._last_ack = time.monotonic()  # the broker is alive (MqHealth.last_ack)
         with self._lock:
             entry = self._inflight.pop(pid, None)
             if not self._inflight:
@@ -1257,6 +1263,10 @@ class Controller(pb_grpc.ControllerRepliesServicer):
                 f(h)
             except Exception as e:  # a listener must not stop delivery
                 log.warning("channel-health listener %r failed: %s", f, e)
+
+    def _probe_congested(self) -> None:
+        """MqHealth's callback: a late probe excused (the link is full, the broker up)."""
+        self.stats.probes_congested += 1
 
     def _on_health_change(self, state: str, reason: str) -> None:
         """MqHealth's callback (its probe thread): note it, wake the failover thread."""

@@ -9,7 +9,12 @@ SMART Eq. 1's controller constraints, Section V-B).
   (the broker drops it at once) every ``probe_period_s`` through the controller's own Pulsar
   client. A probe fails when the broker does not acknowledge it within ``probe_timeout_s``, or
   when the controller's oldest unacknowledged data publish is older than
-  ``publish_timeout_s``; the channel is
+  ``publish_timeout_s``. A late probe, or an old unacknowledged publish, is not a failure
+  while the broker keeps acknowledging data publishes: if one was acknowledged after the
+  probe left, the broker is alive and the controller's link is full (its queue holds the
+  probe behind the data), so the probe is counted as ``congested`` and judged neither way
+  (a broker that dies stops acknowledging, and the probes sent after that fail as
+  before). The channel is
   declared DOWN after ``fail_after`` consecutive failures and UP again after
   ``recover_after`` consecutive successes. Probes are pipelined (one leaves every period
   whatever the previous one's fate), so a broker that dies is declared down within
@@ -373,20 +378,28 @@ class MqHealth:
     module docstring). ``on_change(state, reason)`` is called on the probe thread, outside
     every lock of this class, at each change between :attr:`UP` and :attr:`DOWN`;
     ``inflight_age()`` gives the age (s) of the controller's oldest unacknowledged data
-    publish (0 when there is none). ``events`` lists the changes as (clock, state, reason);
-    ``probes`` and ``failures`` count the probes judged and those that failed."""
+    publish (0 when there is none); ``last_ack()`` the clock time of its latest
+    acknowledged data publish (None: none yet), which tells a full link from a dead broker;
+    ``on_congested()`` is called for each late probe so excused.
+    ``events`` lists the changes as (clock, state, reason); ``probes`` and ``failures``
+    count the probes judged and those that failed, ``congested`` the late probes excused
+    because data publishes were acknowledged meanwhile."""
 
     UP, DOWN = "up", "down"
 
     def __init__(self, client: Any, topic: str, cfg: FailoverConfig,
                  on_change: Callable[[str, str], None],
                  inflight_age: Callable[[], float] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 last_ack: Callable[[], float | None] | None = None,
+                 on_congested: Callable[[], None] | None = None) -> None:
         self.client = client
         self.topic = topic
         self.cfg = cfg
         self._on_change = on_change
         self._inflight_age = inflight_age
+        self._last_ack = last_ack
+        self._on_congested = on_congested
         self._clock = clock
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -396,6 +409,7 @@ class MqHealth:
         self.events: list[tuple[float, str, str]] = []
         self.probes = 0
         self.failures = 0
+        self.congested = 0
         self._fails = self._oks = 0
         self._producer: Any = None
         self._spare: Any = None                    # a fresh producer created while down
@@ -482,6 +496,7 @@ class MqHealth:
 
         timeout = self.cfg.probe_timeout_s
         why = ""
+        late = False  # failed by time alone: the probe, or a data publish, is late
         if probe.error:
             why = probe.error
         elif not probe.sent:
@@ -493,7 +508,7 @@ class MqHealth:
             why = f"no probe producer on {self.topic} for {missing:.1f} s" + (
                 f" ({err})" if err else "")
         elif probe.answered is None or probe.answered > probe.deadline:
-            why = f"probe publish not acknowledged within {timeout:g} s"
+            why, late = f"probe publish not acknowledged within {timeout:g} s", True
         elif probe.result != pulsar.Result.Ok:
             why = f"probe publish failed: {probe.result}"
         if self._inflight_age is not None:
@@ -501,10 +516,29 @@ class MqHealth:
             age = float(self._inflight_age())
             if age > self.cfg.publish_timeout_s:
                 stuck = f"oldest unacknowledged data publish is {age:.1f} s old"
+                late = late or not why
                 why = f"{why}; {stuck}" if why else stuck
+        if why and late and self._acked_since(probe.deadline - timeout):
+            # the broker acknowledged data after this probe left: a full link, not a dead
+            # broker (module docstring)
+            self.congested += 1
+            if self._on_congested is not None:
+                self._on_congested()
+            if self.congested == 1 or self.congested % 100 == 0:
+                log.info("MQ probe late (%s) while data publishes are acknowledged: the "
+                         "controller's link is congested, the broker is up (%d such "
+                         "probes)", why, self.congested)
+            return
         self.probes += 1
         self.failures += bool(why)
         self._count(not why, why)
+
+    def _acked_since(self, t: float) -> bool:
+        """Whether a data publish was acknowledged at or after clock time ``t``."""
+        if self._last_ack is None:
+            return False
+        last = self._last_ack()
+        return last is not None and last >= t
 
     def _count(self, ok: bool, why: str) -> None:
         change = None

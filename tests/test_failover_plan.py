@@ -498,6 +498,51 @@ def test_health_reason_names_every_cause():
     assert ok.failures == 0 and ok.probes == 1
 
 
+def test_health_tells_a_full_link_from_a_dead_broker():
+    """Probes that time out while the broker keeps acknowledging data publishes (a full
+    controller link: the probe waits behind the data) are excused, not failures: the channel
+    stays up however long it lasts. Once the acknowledgements stop (the broker died), the
+    probes sent after the last one fail and the channel goes down within the detection
+    bound; a probe the broker answers with an error is a failure whatever the data does."""
+    pulsar = pytest.importorskip("pulsar")
+    from delivery.health import _Probe
+
+    now, last_ack, age, excused = [10.0], [None], [0.0], []
+    rec = Recorder()
+    h = MqHealth(object(), "persistent://public/default/unused", FAST, rec,
+                 inflight_age=lambda: age[0], clock=lambda: now[0],
+                 last_ack=lambda: last_ack[0], on_congested=lambda: excused.append(now[0]))
+    period, timeout = FAST.probe_period_s, FAST.probe_timeout_s
+    sent = 10.0
+    for _ in range(5 * FAST.fail_after):  # late probes, data acknowledged meanwhile
+        sent += period
+        last_ack[0], age[0] = sent + timeout / 2, FAST.publish_timeout_s + 1
+        now[0] = sent + timeout
+        h._judge(_Probe(deadline=sent + timeout, sent=True))
+    assert h.state == MqHealth.UP and h.failures == 0 and rec.changes == []
+    assert h.congested == len(excused) == 5 * FAST.fail_after
+    # the broker dies: the last acknowledgement stays at `dead`; probes that left before it
+    # are still excused, those sent after it fail: down within the detection bound
+    dead = last_ack[0]
+    while h.state == MqHealth.UP:
+        sent += period
+        now[0] = sent + timeout
+        h._judge(_Probe(deadline=sent + timeout, sent=True))
+        assert sent < dead + 10 * period
+    assert now[0] - dead <= FAST.detection_bound_s + 1e-9, now[0] - dead
+    assert "probe publish not acknowledged" in rec.changes[-1][2]
+    # a probe the broker refuses is a failure even with data acknowledged
+    busy = MqHealth(object(), "t", FAST, Recorder(), clock=lambda: now[0],
+                    last_ack=lambda: now[0])
+    busy._judge(_Probe(deadline=now[0], sent=True, result=pulsar.Result.ProducerBusy,
+                       answered=now[0] - 0.1))
+    assert busy.failures == 1 and busy.congested == 0
+    # without last_ack (an older caller) a late probe is a failure, as before
+    old = MqHealth(object(), "t", FAST, Recorder(), clock=lambda: now[0])
+    old._judge(_Probe(deadline=now[0], sent=True))
+    assert old.failures == 1 and old.congested == 0
+
+
 @pytest.mark.xdist_group("pulsar")
 def test_health_on_a_live_broker_and_a_stuck_publish(pulsar_broker):
     """On the shared broker the probes succeed and the channel stays up, also with a data

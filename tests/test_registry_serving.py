@@ -140,8 +140,13 @@ def test_train_register_serve_and_follow_the_alias(tmp_path):
                 wait_until(lambda: "has no alias 'production'" in log(),
                            60, "the missing alias in the log")
                 assert online()["hash"] == v2_hash
-                # a rollback by version number through the API; a missing one refused (409)
+                # a rollback by version number through the API: version 1 was signed before
+                # version 2, so it is refused (409) unless asked for; a missing one refused
                 r = admin.put("/v1/online/policy", json={"path": f"models:/{MODEL}/1"})
+                assert r.status_code == 409 and "rollback" in r.json()["detail"], r.text
+                assert online()["hash"] == v2_hash
+                r = admin.put("/v1/online/policy", json={"path": f"models:/{MODEL}/1",
+                                                         "allow_rollback": True})
                 assert r.status_code == 200, r.text
                 assert r.json()["origin"] == f"models:/{MODEL}/1"
                 r = admin.put("/v1/online/policy", json={"path": f"models:/{MODEL}/99"})
