@@ -511,6 +511,7 @@ class MqHealth:
             why, late = f"probe publish not acknowledged within {timeout:g} s", True
         elif probe.result != pulsar.Result.Ok:
             why = f"probe publish failed: {probe.result}"
+            late = probe.result == pulsar.Result.Timeout  # its send timeout: late, no more
         if self._inflight_age is not None:
             # judged on every probe, also a failed one: the reason names every cause seen
             age = float(self._inflight_age())

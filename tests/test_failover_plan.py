@@ -519,8 +519,13 @@ def test_health_tells_a_full_link_from_a_dead_broker():
         last_ack[0], age[0] = sent + timeout / 2, FAST.publish_timeout_s + 1
         now[0] = sent + timeout
         h._judge(_Probe(deadline=sent + timeout, sent=True))
+    # the probe producer's own send timeout is lateness too
+    sent += period
+    now[0] = sent + timeout
+    h._judge(_Probe(deadline=sent + timeout, sent=True, result=pulsar.Result.Timeout,
+                    answered=sent + timeout - 0.01))
     assert h.state == MqHealth.UP and h.failures == 0 and rec.changes == []
-    assert h.congested == len(excused) == 5 * FAST.fail_after
+    assert h.congested == len(excused) == 5 * FAST.fail_after + 1
     # the broker dies: the last acknowledgement stays at `dead`; probes that left before it
     # are still excused, those sent after it fail: down within the detection bound
     dead = last_ack[0]
