@@ -266,10 +266,6 @@ class PolicyBundle:
         """The signed serial (None: unsigned, or signed without one)."""
         return None if self.verified is None else self.verified.serial
 
-    def file_bytes(self) -> dict[str, bytes]:
-        """Each of :attr:`files` as it was verified and loaded."""
-        return verified_bytes(self)
-
     @property
     def batch_threads(self) -> int:
         """Threads that score the chunks of one batch (:meth:`OnnxScorer._batch`)."""
@@ -393,8 +389,9 @@ def read_metadata(d: Path, fmt: str, versions: tuple[int, ...], files: tuple[str
     return meta
 
 
-def _check_hash(path: Path, meta: dict, key: str) -> None:
-    got = sha256_file(path)
+def _check_hash(path: Path, data: bytes, meta: dict, key: str) -> None:
+    """``data`` (the verified bytes of ``path``) against the metadata's recorded hash."""
+    got = hashlib.sha256(data).hexdigest()
     if got != meta.get(key):
         raise BundleError(f"{path}: content hash {got[:12]}... does not match the metadata's "
                           f"{str(meta.get(key))[:12]}... (corrupted or replaced)")
@@ -449,13 +446,9 @@ def load_bundle(directory: str | Path, *, expect_layout: ObservationLayout | Non
     with _named_as(root, d):
         meta = read_metadata(root, BUNDLE_FORMAT, READABLE_VERSIONS, BUNDLE_CONTENT[1:])
     meta_path = d / "metadata.json"
-    try:
-        with _named_as(root, d):
-            _check_hash(root / "actor.onnx", meta, "actor_sha256")
-            _check_hash(root / "actor_row.onnx", meta, "actor_row_sha256")
-    except OSError as e:
-        raise BundleError(f"policy bundle {str(d)[:200]}: cannot be read "
-                          f"({e.__class__.__name__}: {e.strerror or e})") from None
+    # the bytes already read and verified, hashed in memory (not read again from the copy)
+    _check_hash(d / "actor.onnx", vb.blobs["actor.onnx"], meta, "actor_sha256")
+    _check_hash(d / "actor_row.onnx", vb.blobs["actor_row.onnx"], meta, "actor_row_sha256")
     if meta.get("decoding") not in DECODING:
         raise BundleError(f"{meta_path}: unknown decoding {meta.get('decoding')!r} (expected "
                           f"one of {sorted(DECODING)})")

@@ -31,6 +31,7 @@ fixed arguments) is read as before.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -41,7 +42,7 @@ from envs.dsmd.online import OnlineCost
 from envs.dsmd.online_control import FEATURES, OBS_SIZE, KnobMap, KnobPolicy
 from envs.dsmd.online_greedy import FILE_ARGS
 
-from .bundle import SIGNATURE_FILE, BundleError, read_metadata, sha256_file
+from .bundle import SIGNATURE_FILE, BundleError, read_metadata
 
 if TYPE_CHECKING:
     from .signing import BundleTrust
@@ -145,20 +146,11 @@ def load_online_bundle(directory: str | Path,
     if list(meta.get("features") or []) != list(FEATURES):
         raise BundleError(f"{what} {src}: observation features "
                           f"{meta.get('features')} differ from this version's {list(FEATURES)}")
-    try:
-        digest = sha256_file(onnx_path)
-    except OSError as e:
-        raise BundleError(f"{what} {str(src)[:200]}: actor.onnx cannot be read "
-                          f"({e.strerror or e})") from None
-    if digest != meta.get("actor_sha256"):
+    # the bytes already read and verified, hashed in memory (not read again from the copy)
+    if hashlib.sha256(vb.blobs["actor.onnx"]).hexdigest() != meta.get("actor_sha256"):
         raise BundleError(f"{what} {src}: actor.onnx does not match its recorded SHA-256")
     for name, want in (meta.get("files") or {}).items():
-        try:
-            got = sha256_file(d / name)
-        except OSError as e:
-            raise BundleError(f"{what} {str(src)[:200]}: {name} cannot be read "
-                              f"({e.strerror or e})") from None
-        if got != want:
+        if hashlib.sha256(vb.blobs[name]).hexdigest() != want:
             raise BundleError(f"{what} {src}: {name} does not match its recorded SHA-256")
     try:
         km = dict(meta["knob_map"])

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from envs.dsmd.online_control import KnobPolicy
 
-from .bundle import BundleError, bundle_zip, origin_named, same_bundle
+from .bundle import BundleError, bundle_zip, origin_named
 from .online_bundle import (
     ONLINE_BUNDLE_FILES,
     ONLINE_BUNDLE_OPTIONAL,
@@ -99,10 +99,11 @@ class OnlinePolicyStore:
             with origin_named(origin):
                 bundle = load_online_bundle(path, self.trust)
             cur = self._current
-            if cur is not None and same_bundle(cur.bundle, bundle):
-                return cur
             with origin_named(origin):
-                self.serials.check(bundle.verified, origin or str(path), allow_rollback)
+                same = self.serials.admit(None if cur is None else cur.bundle, bundle,
+                                          origin or str(path), allow_rollback)
+            if same and cur is not None:
+                return cur
             cand = LoadedOnlinePolicy(bundle, self._version + 1, time.time(), origin)
             self._version = cand.version
             self._current = cand  # one reference assignment: atomic for readers

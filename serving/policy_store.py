@@ -30,7 +30,6 @@ from .bundle import (
     PolicyBundle,
     load_bundle,
     origin_named,
-    same_bundle,
 )
 from .signing import BundleTrust, SerialGuard, SignatureError
 
@@ -134,10 +133,11 @@ class PolicyStore:
             with origin_named(origin):
                 bundle = load_bundle(path, batch_threads=self.batch_threads, trust=self.trust)
             cur = self._current
-            if cur is not None and same_bundle(cur.bundle, bundle):
-                return cur
             with origin_named(origin):
-                self.serials.check(bundle.verified, where, allow_rollback)
+                same = self.serials.admit(None if cur is None else cur.bundle, bundle, where,
+                                          allow_rollback)
+            if same and cur is not None:
+                return cur
             cand = LoadedPolicy(bundle, self._version + 1, time.time(), origin)
             problems = check(cand) if check is not None else []
             if problems and not force:

@@ -69,7 +69,7 @@ from typing import Any
 from security.pki import PkiError
 from security.tls import Security
 
-from .bundle import BUNDLE_CONTENT, BUNDLE_FORMAT, SIGNATURE_FILE, BundleError
+from .bundle import BUNDLE_CONTENT, BUNDLE_FORMAT, SIGNATURE_FILE, BundleError, same_bundle
 from .logsafe import log_field
 
 __all__ = [
@@ -617,6 +617,17 @@ class SerialGuard:
                       f"its serial {vb.serial} is below {self.highest}, the highest this "
                       f"server has loaded: an older bundle (rollback). Re-sign it (`python -m "
                       f"serving.signing sign DIR`) or swap with allow_rollback")
+
+    def admit(self, current: Any, bundle: Any, what: str, allow_rollback: bool = False
+              ) -> bool:
+        """A store's step before installing ``bundle`` (a loaded policy or online bundle)
+        over ``current`` (the one it holds, or None): True if ``bundle`` is ``current``
+        read again (the store keeps its version), False if it may be installed;
+        :meth:`check`'s refusal otherwise."""
+        if current is not None and same_bundle(current, bundle):
+            return True
+        self.check(bundle.verified, what, allow_rollback)
+        return False
 
     def loaded(self, vb: VerifiedBundle | None) -> None:
         """Record ``vb`` as loaded."""

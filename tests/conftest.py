@@ -84,6 +84,20 @@ def random_instance(seed: int, n: int = 30, m: int = 60, k: int = 5) -> DSMDInst
                                   num_nodes=n)
 
 
+def export_tiny_online_bundle(directory, signing_key):
+    """A seeded (untrained) online actor with the default knob map and cost, exported as an
+    online policy bundle signed by ``signing_key`` (skipped without torch)."""
+    torch = pytest.importorskip("torch")
+    from agents.bundle_export import export_online_bundle
+    from envs.dsmd.online import OnlineCost
+    from envs.dsmd.online_control import OBS_SIZE, KnobMap
+
+    torch.manual_seed(0)
+    actor = torch.nn.Sequential(torch.nn.Linear(OBS_SIZE, 3), torch.nn.Tanh())
+    return export_online_bundle(actor, KnobMap(), OnlineCost(), directory,
+                                signing_key=signing_key)
+
+
 def _export_tiny_bundle(directory, problems, seed: int, num_topics: int | None = None,
                         overwrite: bool = False):
     """A seeded (untrained) actor for the tiny scenario, exported as a policy bundle."""

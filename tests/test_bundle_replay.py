@@ -140,19 +140,13 @@ def test_revoked_keys_and_bundles_are_refused(pair, signer):
 
 
 def test_the_online_store_refuses_rollback_too(tmp_path, signer):
-    torch = pytest.importorskip("torch")
-    from agents.bundle_export import export_online_bundle
-    from envs.dsmd.online import OnlineCost
-    from envs.dsmd.online_control import OBS_SIZE, KnobMap
     from serving.online_policy import OnlinePolicyStore
 
+    from .conftest import export_tiny_online_bundle
+
     key, trust, _ = signer
-    torch.manual_seed(0)
-    actor = torch.nn.Sequential(torch.nn.Linear(OBS_SIZE, 3), torch.nn.Tanh())
-    old = export_online_bundle(actor, KnobMap(), OnlineCost(), tmp_path / "old",
-                               signing_key=key)
-    new = export_online_bundle(actor, KnobMap(), OnlineCost(), tmp_path / "new",
-                               signing_key=key)  # signed later: a larger serial
+    old = export_tiny_online_bundle(tmp_path / "old", key)
+    new = export_tiny_online_bundle(tmp_path / "new", key)  # signed later: a larger serial
     store = OnlinePolicyStore(trust=trust)
     v = store.load(new)
     with pytest.raises(SignatureError, match="rollback"):

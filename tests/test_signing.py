@@ -277,18 +277,13 @@ def test_online_bundles_are_signed_and_verified(tmp_path, other_key):
     """The online exporter signs with the configured key; the online store refuses a bundle
     signed by an untrusted key or changed after signing, keeping the one it has; the zip the
     server sends and the adapter's cache copy carry the signature."""
-    torch = pytest.importorskip("torch")
-    from agents.bundle_export import export_online_bundle
-    from envs.dsmd.online import OnlineCost
-    from envs.dsmd.online_control import OBS_SIZE, KnobMap
     from serving.online_bundle import load_online_bundle
     from serving.online_policy import OnlinePolicyStore, bundle_zip, unzip_bundle
 
+    from .conftest import export_tiny_online_bundle
+
     key, pub, kid = other_key
-    torch.manual_seed(0)
-    actor = torch.nn.Sequential(torch.nn.Linear(OBS_SIZE, 3), torch.nn.Tanh())
-    d = export_online_bundle(actor, KnobMap(), OnlineCost(), tmp_path / "online",
-                             signing_key=key)
+    d = export_tiny_online_bundle(tmp_path / "online", key)
     assert json.loads((d / SIGNATURE_FILE).read_text())["key_id"] == kid
     with pytest.raises(SignatureError, match=f"key id {kid}, which is not trusted"):
         load_online_bundle(d)
