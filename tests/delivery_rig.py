@@ -10,12 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import signal
-import subprocess
-import sys
 import threading
-import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
@@ -26,7 +21,9 @@ from typing import Any
 from delivery.agent import AgentConfig, read_record
 from delivery.agent_host import AgentHost, host_spec
 from delivery.broker import PulsarStandalone
+from delivery.checker import Resource, audit, lost
 from delivery.controller import RPC, Controller, ControllerConfig, topic_name
+from delivery.processes import ModuleProcess
 from delivery.rpc import open_channel
 from delivery.store import MetadataStore
 from envs.dsmd.message import Message
@@ -38,10 +35,6 @@ from .waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 OP = "UPDATE"
-
-
-
-Resource = tuple[int, str, int]
 
 
 class Ledger:
@@ -76,41 +69,6 @@ class Ledger:
         return sum(len(v) for res in self.sent.values() for v in res.values())
 
 
-def audit(record_dir: Path, ledger: Ledger, nodes: Iterable[int]
-          ) -> tuple[list[str], list[str], dict[int, list]]:
-    """(violations, not yet delivered, rows per node) of the agents' records vs the ledger.
-    Violations are permanent (out of order, applied twice, applied but never sent there);
-    'not yet delivered' lists resources whose last applied message is not the newest sent."""
-    bad: list[str] = []
-    missing: list[str] = []
-    rows_of: dict[int, list] = {}
-    with ledger.lock:
-        sent = {n: {r: list(v) for r, v in ledger.sent[n].items()} for n in nodes}
-    for n in nodes:
-        rows, _ = read_record(record_dir / f"node-{n}.record")
-        rows_of[n] = rows
-        applied: dict[Resource, list] = defaultdict(list)
-        for r in rows:
-            applied[r.resource].append(r)
-        for res, rs in applied.items():
-            ts = [r.timestamp_ns for r in rs]
-            if any(b <= a for a, b in itertools.pairwise(ts)):
-                bad.append(f"node {n} {res}: applied timestamps not strictly increasing "
-                           f"(applied twice or out of order): {[r.message_id for r in rs]}")
-            known = set(sent[n].get(res, ()))
-            for r in rs:
-                if (r.timestamp_ns, r.message_id) not in known:
-                    bad.append(f"node {n} {res}: applied message {r.message_id} that was never "
-                               f"sent to it")
-        for res, msgs in sent[n].items():
-            newest = max(msgs)
-            got = applied.get(res)
-            last = (got[-1].timestamp_ns, got[-1].message_id) if got else None
-            if last != newest:
-                missing.append(f"node {n} {res}: last applied {last}, newest sent {newest}")
-    return bad, missing, rows_of
-
-
 def assert_delivered(record_dir: Path, ledger: Ledger, nodes: Iterable[int], *,
                      timeout: float = 30.0, every: bool = False,
                      pending: Callable[[], dict] | None = None) -> dict[int, list]:
@@ -129,20 +87,11 @@ def assert_delivered(record_dir: Path, ledger: Ledger, nodes: Iterable[int], *,
     wait_until(done, timeout, lambda: f"delivery of {ledger.total()} messages; pending "
                f"{state.get('pending')}; e.g. " + "; ".join(state.get("missing", [])[:5]))
     rows = state["rows"]
-    # every message sent to a node is applied or superseded by a newer applied one
-    with ledger.lock:
-        for n in nodes:
-            applied = {(r.timestamp_ns, r.message_id) for r in rows[n]}
-            newest_applied: dict[Resource, int] = {}
-            for r in rows[n]:
-                newest_applied[r.resource] = max(newest_applied.get(r.resource, 0),
-                                                 r.timestamp_ns)
-            for res, msgs in ledger.sent[n].items():
-                for m in msgs:
-                    ok = m in applied if every else (
-                        m in applied or newest_applied.get(res, 0) > m[0])
-                    assert ok, f"node {n} {res}: message {m} lost"
-            if every:
+    gone = lost(rows, ledger, every=every)
+    assert not gone, "\n".join(gone[:20])
+    if every:
+        with ledger.lock:
+            for n in nodes:
                 assert len(rows[n]) == sum(len(v) for v in ledger.sent[n].values()), \
                     f"node {n}: {len(rows[n])} applied rows"
     return rows
@@ -293,52 +242,6 @@ def rig(broker: PulsarStandalone, tmp: Path, nodes: Iterable[int], **kw) -> Iter
 
 def outcomes(r: Rig) -> dict[str, int]:
     return dict(r.ctl.stats.outcomes)
-
-
-class ModuleProcess:
-    """``python -m <module> --spec <spec> --ready <ready>`` in a child process (SIGKILL is a
-    real crash); ``start`` returns once the ready file is written."""
-
-    module = ""
-
-    def __init__(self, spec: Path, ready: Path, log: Path) -> None:
-        self.spec, self.ready, self.log = spec, ready, log
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, timeout: float = 60.0) -> float:
-        """Start it; returns the seconds until it was ready."""
-        self.ready.unlink(missing_ok=True)
-        t0 = time.monotonic()
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", self.module, "--spec", str(self.spec),
-                 "--ready", str(self.ready)], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL)
-        proc = self.proc
-        wait_until(lambda: self.ready.exists() or proc.poll() is not None, timeout,
-                   f"{self.module} to serve")
-        assert proc.poll() is None, f"{self.module} exited ({proc.returncode}):\n" + \
-            self.log.read_text()[-3000:]
-        return time.monotonic() - t0
-
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, sig)
-            self.proc.wait(30)
-
-    def stop(self) -> int | None:
-        """SIGTERM (a clean close), SIGKILL after 30 s; returns its exit status."""
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(30)
-        rc, self.proc = self.proc.returncode, None
-        return rc
 
 
 class HostProcess(ModuleProcess):

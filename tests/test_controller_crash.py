@@ -17,8 +17,7 @@ import subprocess
 import sys
 import threading
 import uuid
-from collections import defaultdict
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -26,127 +25,22 @@ from typing import Any
 import grpc
 import pytest
 
-from delivery.agent import AgentConfig, read_record
+from delivery.agent import AgentConfig
 from delivery.agent_host import AgentHost
 from delivery.broker import PulsarStandalone
 from delivery.controller import RPC
 from delivery.controller_host import controller_spec, load_spec
-from delivery.rpc import open_channel, pb, pb_grpc
+from delivery.ledger import IngressLedger
+from delivery.processes import ControllerProcess
+from delivery.rpc import pb
 from delivery.store import MetadataStore
 from envs.netutil import free_ports
 from security.tls import Security
 
-from .delivery_rig import OP, ROOT, ModuleProcess, Resource, assert_delivered, wait_until
+from .delivery_rig import ROOT, assert_delivered, wait_until
 
 # one Pulsar broker JVM at a time: every broker test runs on the same xdist worker
 pytestmark = pytest.mark.xdist_group("pulsar")
-
-
-class ControllerProcess(ModuleProcess):
-    """``python -m delivery.controller_host`` and a client of its ingress (the management
-    plane's: the ``admin`` identity)."""
-
-    module = "delivery.controller_host"
-
-    def __init__(self, tmp: Path, agents: Mapping[int, str], *,
-                 security: Security | None = None, **config: Any) -> None:
-        super().__init__(tmp / "controller-spec.json", tmp / "controller-ready.json",
-                         tmp / "controller.log")
-        security = security or Security()
-        self.reply_port, self.ingress_port = free_ports(2)
-        self.spec.write_text(json.dumps(controller_spec(
-            agents, ingress_port=self.ingress_port, reply_port=self.reply_port,
-            security=security, **config)))
-        self.channel = open_channel(f"127.0.0.1:{self.ingress_port}", security, "admin", [
-            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 500)])
-        self.stub = pb_grpc.ControllerIngressStub(self.channel)
-
-    @property
-    def reply_address(self) -> str:
-        return f"127.0.0.1:{self.reply_port}"
-
-    def recovered(self) -> dict:
-        return json.loads(self.ready.read_text())["recovered"]
-
-    # both are called while the controller serves: wait_for_ready rides out a connection
-    # attempt that timed out on a loaded machine (the TLS handshake behind other work)
-    # instead of failing at once with UNAVAILABLE
-    def status(self) -> tuple[dict, dict[int, int]]:
-        s = self.stub.Status(pb.StatusRequest(), timeout=10, wait_for_ready=True)
-        return json.loads(s.stats_json), dict(s.channels)
-
-    def set_channels(self, channels: Mapping[int, int],
-                     hosts: Mapping[int, Iterable[int]]) -> Any:
-        return self.stub.SetChannels(pb.ChannelsRequest(types=[
-            pb.TypeChannel(type_id=t, channel=c, hosts=hosts.get(t, ()))
-            for t, c in channels.items()]), timeout=60, wait_for_ready=True)
-
-
-class IngressLedger:
-    """What the ingress acknowledged, in ``tests.delivery_rig.Ledger``'s shape (``sent``:
-    node -> resource -> [(timestamp, message id)], ``lock``) so ``audit`` and
-    ``assert_delivered`` judge it; ``maybe``: message id -> (hosts, resource) of requests
-    whose call failed (stored or not, unknown)."""
-
-    def __init__(self, stub: Any) -> None:
-        self.stub = stub
-        self.sent: dict[int, dict[Resource, list[tuple[int, int]]]] = defaultdict(
-            lambda: defaultdict(list))
-        self.lock = threading.Lock()
-        self.ids = itertools.count(1)
-        self.acked = 0
-        self.maybe: dict[int, tuple[tuple[int, ...], Resource]] = {}
-        self.failures: list[str] = []          # the Configure calls that failed, and why
-
-    def request(self, type_id: int, resource_id: int, hosts: Iterable[int], *, vpc: int = 1,
-                config: str = "SUBNET", size: int = 64) -> Any:
-        mid = next(self.ids)
-        return pb.ConfigRequest(message_id=mid, request_id=mid, vpc_id=vpc,
-                                configuration_type=config, operation_type=OP,
-                                resource_id=resource_id, size_bytes=size, hosts=tuple(hosts),
-                                type_id=type_id)
-
-    def configure(self, requests: list[Any], timeout: float = 60.0) -> bool:
-        """One Configure call; True if acknowledged, False if it failed (the requests are
-        then "maybe"). A refusal (INVALID_ARGUMENT) is raised."""
-        try:
-            acc = self.stub.Configure(pb.ConfigRequests(requests=requests), timeout=timeout,
-                                      wait_for_ready=True)
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise
-            with self.lock:
-                self.failures.append(f"{e.code().name}: {e.details()}")
-                for r in requests:
-                    self.maybe[r.message_id] = (
-                        tuple(r.hosts), (r.vpc_id, r.configuration_type, r.resource_id))
-            return False
-        assert list(acc.message_ids) == [r.message_id for r in requests]
-        with self.lock:
-            for r, ts in zip(requests, acc.timestamps_ns):
-                for n in r.hosts:
-                    self.sent[n][(r.vpc_id, r.configuration_type, r.resource_id)].append(
-                        (ts, r.message_id))
-            self.acked += len(requests)
-        return True
-
-    def adopt(self, record_dir: Path, nodes: Iterable[int]) -> dict[int, int]:
-        """Count the "maybe" messages that reached the records (they were stored), adding
-        them to ``sent``; returns node -> how many rows of maybe messages it holds."""
-        rows_of = {n: read_record(record_dir / f"node-{n}.record")[0] for n in nodes}
-        seen: dict[int, int] = defaultdict(int)
-        with self.lock:
-            for n, rows in rows_of.items():
-                for x in rows:
-                    m = self.maybe.get(x.message_id)
-                    if m is None or n not in m[0] or x.resource != m[1]:
-                        continue
-                    seen[n] += 1
-                    got = self.sent[n][x.resource]
-                    if (x.timestamp_ns, x.message_id) not in got:
-                        got.append((x.timestamp_ns, x.message_id))
-        return seen
 
 
 class CrashRig:
@@ -160,8 +54,10 @@ class CrashRig:
         self.record_dir = tmp / "records"
         self.prefix = f"persistent://public/default/tc-{uuid.uuid4().hex[:10]}"
         ports = dict(zip(self.nodes, free_ports(len(self.nodes))))
+        reply_port, ingress_port = free_ports(2)
         self.ctl = ControllerProcess(
             tmp, {n: f"127.0.0.1:{p}" for n, p in ports.items()},
+            reply_port=reply_port, ingress_port=ingress_port,
             pulsar_url=broker.service_url, pulsar_admin_url=broker.admin_url,
             store_url=self.store_url, topic_prefix=self.prefix,
             **{"collect_period_s": 0.3, "reprogram_period_s": 0.2, "push_timeout_s": 2.0,
