@@ -207,6 +207,7 @@ class Counters:
     replies_collected: int = 0
     replies_reported: int = 0
     refused_calls: int = 0             # RPC calls refused by the role check (mutual TLS)
+    deferred_subscriptions: int = 0    # not attached at start (broker down): in the background
     rx_timeline: dict[int, int] = field(default_factory=dict)  # wall second -> bytes
 
     def received(self, nbytes: int) -> None:
@@ -250,6 +251,9 @@ class MessageAgent(pb_grpc.MessageAgentServicer):
         self.guard: AioRoleGuard | None = None  # the role check (secure mode)
         self._creds: tuple[Any, Any] = (None, None)  # (server, channel) credentials
         self._closed = False
+        # False: the broker did not answer just now (the agent host's priming); subscriptions
+        # are attached in the background from the start
+        self.broker_reachable = True
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> int:
@@ -334,10 +338,11 @@ class MessageAgent(pb_grpc.MessageAgentServicer):
             # has it subscribed again: that subscription may hold a backlog)
             if state == "unsubscribed" and topic not in active:
                 self._delete_subscription(topic, at)
+        deferred: list[tuple[str, str]] = []
         for s in stored:
             state, at = local_subs.get(s.topic, (None, 0))
             if s.active:
-                self._subscribe(s.topic, s.subscription, self.cfg.pulsar_url)
+                self._subscribe_at_start(s.topic, s.subscription, deferred)
                 if state != "subscribed":  # e.g. subscribed by the store while it was down
                     self.record.subscription(s.topic, "subscribed", s.since_ns)
             elif not (state in ("unsubscribed", "deleted") and at >= s.until_ns):
@@ -349,7 +354,53 @@ class MessageAgent(pb_grpc.MessageAgentServicer):
                 # soon as it reads it.
                 with self._sub_guard:
                     self._drain_locked(s.topic, s.until_ns)
-                self._subscribe(s.topic, s.subscription, self.cfg.pulsar_url)
+                self._subscribe_at_start(s.topic, s.subscription, deferred)
+        if deferred:
+            self.counters.deferred_subscriptions += len(deferred)
+            threading.Thread(target=self._resubscribe, args=(deferred,), daemon=True,
+                             name=f"agent-{self.node_id}-resubscribe").start()
+
+    def _subscribe_at_start(self, topic: str, subscription: str,
+                            deferred: list[tuple[str, str]]) -> None:
+        """Attach to a durable subscription at start; if the broker does not answer (down or
+        unreachable), this and the remaining ones are left to :meth:`_resubscribe`, so the
+        agent serves RPC meanwhile (its durable subscriptions keep what is published)."""
+        if not deferred and self.broker_reachable:
+            try:
+                self._subscribe(topic, subscription, self.cfg.pulsar_url)
+                return
+            except Exception as e:  # pulsar raises its own exception types
+                log.warning("node %d: subscribing %s at start failed (%s); the broker's "
+                            "subscriptions are attached in the background", self.node_id,
+                            topic, e)
+        deferred.append((topic, subscription))
+
+    def _resubscribe(self, pending: list[tuple[str, str]]) -> None:
+        """Attach the subscriptions the start could not (backing off to 10 s between
+        rounds), unless the store no longer has one active and it is not being drained
+        (a SubscribeInfo meanwhile ended it)."""
+        delay = 1.0
+        while pending and not self._closed:
+            time.sleep(delay)
+            delay = min(2 * delay, 10.0)
+            try:
+                active = {s.topic for s in self.store.subscriptions_of(self.node_id)
+                          if s.active}
+            except Exception as e:  # the store itself is unavailable: the next round
+                log.warning("node %d: reading the store: %s", self.node_id, e)
+                continue
+            left = []
+            for topic, subscription in pending:
+                if self._closed:
+                    return
+                if topic not in active and topic not in self._draining:
+                    continue
+                try:
+                    self._subscribe(topic, subscription, self.cfg.pulsar_url)
+                    log.info("node %d: subscribed to %s after the start", self.node_id, topic)
+                except Exception:
+                    left.append((topic, subscription))
+            pending = left
 
     def _drain_locked(self, topic: str, until: int) -> None:
         """Drain ``topic`` up to its fence ``until`` (the caller holds ``_sub_guard``):

@@ -56,29 +56,44 @@ class AgentHost:
         self.agents: dict[int, MessageAgent] = {}
         self.loop = asyncio.new_event_loop()
         self._thread: threading.Thread | None = None
+        self._unreachable: set[int] = set()   # nodes whose priming the broker did not answer
 
     # ------------------------------------------------------------------ in process
     def start(self) -> AgentHost:
         self._thread = threading.Thread(target=self.loop.run_forever, name="agent-host",
                                         daemon=True)
         self._thread.start()
+        # every node's client primed at once (each in its namespace): with the broker down
+        # each priming waits for the client's operation timeout, in parallel, not in turn
+        primes = {n: threading.Thread(target=self._prime_client, args=(self.configs[n], ns),
+                                      name=f"netns-{n}")
+                  for n, ns in self.netns.items() if n in self.configs}
+        for t in primes.values():
+            t.start()
+        for t in primes.values():
+            t.join()
         for n in self.configs:
-            self.start_agent(n)
+            self.start_agent(n, primed=n in primes)
         return self
 
     def call(self, coro: Any, timeout: float = 60.0) -> Any:
         fut: Future = asyncio.run_coroutine_threadsafe(coro, self.loop)
         return fut.result(timeout)
 
-    def start_agent(self, node_id: int) -> int:
-        """Start (or restart, recovering from its record and the store) one node's agent."""
+    def start_agent(self, node_id: int, primed: bool = False) -> int:
+        """Start (or restart, recovering from its record and the store) one node's agent
+        (``primed``: its client was primed by :meth:`start`)."""
         cfg = self.configs[node_id]
         agent = MessageAgent(cfg, self.clients)
         ns = self.netns.get(node_id)
         if ns is None:
             port = self.call(agent.start())
         else:
-            self._prime_client(cfg, ns)
+            if not primed:
+                self._prime_client(cfg, ns)
+            # the broker did not answer the priming: the agent attaches its subscriptions in
+            # the background instead of waiting for each at start
+            agent.broker_reachable = node_id not in self._unreachable
             port = self.call(_start_in(ns, agent))
         cfg.port = port  # a restart binds the same port
         self.agents[node_id] = agent
@@ -88,6 +103,8 @@ class AgentHost:
         """Create the node's Pulsar client from a thread in the node's namespace and make it
         connect once: its I/O thread starts there, so every connection of that client (and
         the broker's traffic to the node) crosses the node's link."""
+        import pulsar
+
         from .netem import in_netns
 
         def prime() -> None:
@@ -95,8 +112,13 @@ class AgentHost:
                 client = self.clients.get(cfg.pulsar_url, cfg.security, cfg.principal)
                 try:
                     client.get_topic_partitions(ANNOUNCE_TOPIC)
+                    self._unreachable.discard(cfg.node_id)
+                except (pulsar.Timeout, pulsar.ConnectError) as e:
+                    log.warning("node %d: the broker does not answer (%s)", cfg.node_id, e)
+                    self._unreachable.add(cfg.node_id)
                 except Exception as e:  # the connection is made before any refusal
                     log.debug("node %d: priming lookup: %s", cfg.node_id, e)
+                    self._unreachable.discard(cfg.node_id)
 
         t = threading.Thread(target=prime, name=f"netns-{cfg.node_id}")
         t.start()

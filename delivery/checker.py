@@ -7,7 +7,9 @@ was asked to send (a ledger), per node and per resource (Section VI-B's guarante
 * **lost**: a message sent to a node that is neither applied there nor superseded by a newer
   applied message of the same resource;
 * **stale** (final configuration): a resource whose last applied message at a node is not
-  the newest sent to it. While delivery is still under way this only means "not yet".
+  the newest sent to it. While delivery is still under way this only means "not yet";
+* **stuck** (set by the caller): messages the controller stored that some destination never
+  confirmed, although delivery had all the time it needed (the soak reads the outbox).
 
 A ledger is anything with ``sent`` (node -> resource -> [(timestamp ns, message id)]) and a
 ``lock``: the in-process test rig's, or :class:`delivery.ledger.IngressLedger` (what the
@@ -134,16 +136,17 @@ class Verdict:
     violations: list[str] = field(default_factory=list)
     lost: list[str] = field(default_factory=list)
     stale: list[str] = field(default_factory=list)
+    stuck: list[str] = field(default_factory=list)  # stored, never confirmed (the outbox)
 
     @property
     def ok(self) -> bool:
-        return not (self.violations or self.lost or self.stale)
+        return not (self.violations or self.lost or self.stale or self.stuck)
 
     def as_dict(self, keep: int = 50) -> dict[str, Any]:
         return {"messages": self.messages, "applied": self.applied, "ok": self.ok,
                 "violations": len(self.violations), "lost": len(self.lost),
-                "stale": len(self.stale), "examples": (self.violations + self.lost
-                                                       + self.stale)[:keep]}
+                "stale": len(self.stale), "stuck": len(self.stuck),
+                "examples": (self.violations + self.lost + self.stale + self.stuck)[:keep]}
 
 
 def judge(record_dir: Path, ledger: Ledger, nodes: Iterable[int]) -> Verdict:

@@ -1047,9 +1047,11 @@ class Controller(pb_grpc.ControllerRepliesServicer):
                                        receiver_queue_size=1,
                                        initial_position=pulsar.InitialPosition.Latest)
             c.close()
+        except (pulsar.Timeout, pulsar.ConnectError) as e:  # the broker did not answer
+            log.info("durable subscription %s on %s: %s", subscription, topic, e)
+            return False
         except Exception as e:  # the agent's own consumer holds it already, ...
             log.info("durable subscription %s on %s: %s", subscription, topic, e)
-            return "Timeout" not in str(e) and "Connect" not in str(e)
         return True
 
     # ------------------------------------------------------------------ messages
@@ -1082,12 +1084,26 @@ class Controller(pb_grpc.ControllerRepliesServicer):
                     with self._lock:
                         self._latest[resource_key(cm)] = cm
                     if self._shaper is None:
-                        self._dispatch_one(t, cm)
+                        try:
+                            self._dispatch_one(t, cm)
+                        except Exception as e:  # stored: RPC takes it (see _release_gated)
+                            self._dispatch_failed(t, cm, e)
                     else:  # Eq. 1's controller egress of the message on its channel now
                         fan = len(msg.hosts) if self.channel.get(t, RPC) == RPC else 1
                         self._shaper.submit(int(msg.vpc_id), len(cm.payload) * fan, (t, cm))
             finally:
                 self._in_send.active = False
+
+    def _dispatch_failed(self, t: int, cm: Any, e: Exception) -> None:
+        """An accepted (stored) message whose channel refused it (e.g. its topic's producer
+        could not be created while the broker is away and not yet known to be down): it goes
+        over RPC, so it never waits in the outbox for a restart."""
+        log.warning("type %d: message %d could not go on channel %d (%s); it goes over RPC",
+                    t, cm.message_id, self.channel.get(t, RPC), e)
+        with self._lock:
+            for n in cm.hosts:
+                self._outbox[n].append(cm)
+        self.stats.rerouted += 1
 
     def _release(self, items: list[tuple[int, Any]]) -> None:
         """The tenant shaper's release: dispatch (and, from its pump thread, push at once)."""

@@ -49,13 +49,13 @@ from .agent_host import host_spec
 from .checker import Verdict, judge, read_rows, settle_times
 from .controller import RPC
 from .ledger import IngressLedger
-from .nemesis import INSTANT, NETWORK, Fault, heal_network, inject_network, schedule
+from .nemesis import INSTANT, KINDS, NETWORK, Fault, heal_network, inject_network, schedule
 from .processes import AgentHostProcess, ControllerProcess
 
-__all__ = ["run_soak", "type_plan"]
+__all__ = ["faults_of", "run_soak", "type_plan"]
 
 AGENT_PORT = 7100            # every agent's RPC port, on its own node address
-HEAL_RETRY_S = 180.0         # a restart is retried this long before the run gives up
+HEAL_RETRY_S = 60.0          # a restart is retried this long, then left to the end of the load
 
 
 def _say(text: str) -> None:
@@ -86,7 +86,7 @@ def run_soak(cfg: DictConfig) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     nodes = list(range(int(cfg.nodes)))
     sec = Security.from_mapping(OmegaConf.to_container(cfg.security, resolve=True))
-    schedule(int(cfg.seed), float(cfg.duration_s), nodes, **_schedule_kw(cfg))  # checks
+    faults_of(cfg, nodes)  # a bad schedule or script fails here, before anything starts
     if not sec.insecure:
         sec.pki.refresh_addresses(["controller", "broker", *(f"agent-{n}" for n in nodes)])
     fetch_pulsar()  # the namespaces have no route out
@@ -118,11 +118,39 @@ def run_soak(cfg: DictConfig) -> dict[str, Any]:
     v = result["verdict"]
     _say(f"soak done: {result['messages']['accepted']} messages accepted, "
          f"{len(result['faults'])} faults; violations {v['violations']}, lost {v['lost']}, "
-         f"stale {v['stale']}: {'OK' if v['ok'] else 'FAILED'}; results in {out}")
+         f"stale {v['stale']}, stuck {v.get('stuck', 0)}: {'OK' if v['ok'] else 'FAILED'}; "
+         f"results in {out}")
     if rc != 0 and v["ok"]:
         raise RuntimeError(f"the soak exited with {rc} although its verdict is OK "
                            f"({result.get('error') or 'see its output above'}); files in {out}")
     return result
+
+
+def faults_of(cfg: DictConfig, nodes: list[int]) -> list[Fault]:
+    """The run's faults: ``nemesis.script`` when given (a list of ``{kind, start_s,
+    duration_s, nodes, group, level}``: a case to replay), else the seeded schedule."""
+    script = cfg.nemesis.get("script") or []
+    if not script:
+        return schedule(int(cfg.seed), float(cfg.duration_s), nodes, **_schedule_kw(cfg))
+    out = []
+    fields = {"kind", "start_s", "duration_s", "nodes", "group", "level"}
+    for i, item in enumerate(script):
+        d = dict(item)
+        if set(d) - fields or d.get("kind") not in KINDS or "start_s" not in d:
+            raise ValueError(f"nemesis.script[{i}]: expected kind (one of {list(KINDS)}), "
+                             f"start_s and optionally {sorted(fields - {'kind', 'start_s'})}, "
+                             f"got {d}")
+        f = Fault(str(d["kind"]), float(d["start_s"]),
+                  0.0 if d["kind"] in INSTANT else float(d.get("duration_s", 5.0)),
+                  tuple(int(n) for n in d.get("nodes") or ()), int(d.get("group", 0)),
+                  float(d.get("level", 0.0)))
+        if f.end_s > float(cfg.duration_s) or (f.kind in NETWORK - {"partition_broker"}
+                                               and not set(f.nodes) <= set(nodes)) or \
+                (f.kind in NETWORK - {"partition_broker"} and not f.nodes):
+            raise ValueError(f"nemesis.script[{i}]: ends after duration_s or names no (or "
+                             f"unknown) nodes: {d}")
+        out.append(f)
+    return sorted(out, key=lambda f: f.start_s)
 
 
 def _schedule_kw(cfg: DictConfig) -> dict[str, Any]:
@@ -348,15 +376,19 @@ class Soak:
             self._retry(f, f"agents-{f.group}", lambda: self.hosts[f.group].start(180))
 
     def _retry(self, f: Fault, what: str, start: Any) -> None:
+        """Restart a party, retried for ``HEAL_RETRY_S``; if it still fails, the nemesis goes
+        on (another fault's heal may be what it waits for) and the end of the load starts
+        it (:meth:`running_again`)."""
         end = time.monotonic() + HEAL_RETRY_S
         while True:
             try:
                 start()
                 return
-            except Exception as e:
+            except Exception as e:  # reported, retried, then left to the end of the load
                 f.notes.append(f"{what} restart failed: {str(e).splitlines()[0][:200]}")
                 if time.monotonic() > end:
-                    raise
+                    self.notes.append(f"{what} not restarted by its heal; started at the end")
+                    return
                 time.sleep(2.0)
 
     def nemesis(self, faults: list[Fault], done: threading.Event) -> None:
@@ -426,14 +458,37 @@ class Soak:
             if size == (0, 0):
                 break
             time.sleep(1.0)
+        stuck: list[str] = []
         if size != (0, 0):
-            self.notes.append(f"outbox not empty after {timeout_s:.0f} s: {size}")
+            stuck = self._stuck(timeout_s)
         while True:
             self.ledger.adopt(self.record_dir, self.nodes)
             v = judge(self.record_dir, self.ledger, self.nodes)
             if v.violations or not (v.stale or v.lost) or time.monotonic() > end:
+                v.stuck = stuck
                 return v, time.monotonic() - t
             time.sleep(1.0)
+
+    def _stuck(self, waited_s: float) -> list[str]:
+        """The messages still in the controller's outbox (stored, not confirmed by every
+        destination) after delivery had ``waited_s`` to settle."""
+        from .rpc import pb
+        from .store import MetadataStore
+
+        store = MetadataStore(self.store_url)
+        try:
+            rows = store.outbox_unconfirmed()
+        finally:
+            store.close()
+        out = []
+        for row in rows:
+            try:
+                mid: Any = pb.ConfigMessage.FromString(row.body).message_id
+            except Exception:  # a corrupt row: reported without its id
+                mid = "?"
+            out.append(f"message {mid} (type {row.type_id}, ts {row.ts_ns}) not confirmed by "
+                       f"nodes {list(row.nodes)} {waited_s:.0f} s after the heal")
+        return out
 
 
 def _quantiles(xs: list[float]) -> dict[str, float | None]:
@@ -478,7 +533,7 @@ def run_inside(cfg: DictConfig) -> int:
     is OK, 1 when it is not."""
     soak = Soak(cfg)
     nodes = soak.nodes
-    faults = schedule(int(cfg.seed), float(cfg.duration_s), nodes, **_schedule_kw(cfg))
+    faults = faults_of(cfg, nodes)
     result: dict[str, Any] = {"config": OmegaConf.to_container(cfg, resolve=True)}
     try:
         soak.start()

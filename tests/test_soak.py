@@ -153,3 +153,26 @@ def test_short_soak_every_fault_kind_nothing_lost(tmp_path) -> None:
     assert (out / "soak.png").exists()
     assert not netem.list_namespaces(owner=None) or all(
         not ns.startswith(r["config"]["inside"]["tag"]) for ns in netem.list_namespaces())
+
+
+@needs_netem
+@pytest.mark.slow  # a broker, a controller and 8 agents; about 3 minutes
+@pytest.mark.xdist_group("pulsar")
+def test_restarts_during_a_broker_outage_lose_nothing(tmp_path) -> None:
+    """The scripted regression case (``experiment=soak_restart_in_outage``): an agent host
+    and the controller restarted while the broker is down both come back within the heal,
+    and nothing is lost, stale or left in the outbox."""
+    out = tmp_path / "soak"
+    done = subprocess.run([sys.executable, "soak.py", "experiment=soak_restart_in_outage",
+                           f"out_dir={out}", "logger.enabled=false"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=1200, check=False)
+    assert (out / "soak.json").exists(), done.stdout[-3000:] + done.stderr[-3000:]
+    r = json.loads((out / "soak.json").read_text())
+    assert r["verdict"]["ok"] and r["error"] is None and done.returncode == 0, (
+        r["verdict"], r["error"], r["notes"])
+    assert set(r["injected"]) == {"broker_kill", "agents_kill", "controller_kill",
+                                  "partition_broker", "channel_switch"}, r["faults"]
+    heal_s = {f["kind"]: f["healed_s"] - f["injected_s"] for f in r["faults"]}
+    # restarted while the broker is down: each serves within its heal (not after it)
+    assert heal_s["agents_kill"] < 40 and heal_s["controller_kill"] < 40, heal_s
+    assert not r["notes"], r["notes"]

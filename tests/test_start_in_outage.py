@@ -1,0 +1,66 @@
+"""Agents and the controller restarting while the broker is down or unreachable, two gaps
+the fault-injection soak found (``experiment=soak_restart_in_outage``):
+
+* the agent host exited when an agent's first subscription timed out, so a node whose agent
+  restarted during a broker outage stayed without one; it now starts, serves RPC, and
+  attaches the subscriptions its store holds in the background;
+* the controller's recovery took the client's ``TimeOut`` for an answer (it looked for
+  ``Timeout``), so it waited one operation timeout per durable subscription of the last
+  switch (88 s for 10) before serving; the first timeout now ends those checks."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pulsar
+
+from delivery.agent import AgentConfig
+from delivery.agent_host import AgentHost
+from delivery.controller import Controller, ControllerConfig
+from delivery.store import MetadataStore, SubscriptionChange
+from envs.netutil import free_ports
+from security.tls import Security
+
+
+def test_an_agent_starts_and_serves_while_the_broker_is_down(tmp_path) -> None:
+    store_url = f"sqlite:///{tmp_path / 'meta.db'}"
+    store = MetadataStore(store_url)
+    topic = "persistent://public/default/t-start-1"
+    store.apply_changes([SubscriptionChange(0, topic, "agent-0", True)], time.time_ns())
+    store.close()
+    dead, port = free_ports(2)                  # nothing listens on `dead`
+    url = f"pulsar://127.0.0.1:{dead}"
+    cfg = AgentConfig(0, store_url, tmp_path / "records", pulsar_url=url, port=port,
+                      security=Security(insecure=True))
+    t0 = time.monotonic()
+    host = AgentHost([cfg], url).start()
+    try:
+        took = time.monotonic() - t0
+        agent = host.agents[0]
+        assert took < 30, f"start took {took:.1f} s"
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass                                # it serves RPC
+        assert agent.counters.deferred_subscriptions == 1
+        assert agent.topics() == {}
+        retry = [t for t in threading.enumerate() if t.name == "agent-0-resubscribe"]
+        assert retry and retry[0].is_alive()
+    finally:
+        host.close()
+    retry[0].join(15)
+    assert not retry[0].is_alive(), "the background attach stops with the agent"
+
+
+def test_the_controller_takes_a_broker_timeout_for_no_answer(tmp_path) -> None:
+    dead, = free_ports(1)
+    url = f"pulsar://127.0.0.1:{dead}"
+    ctl = Controller(ControllerConfig(url, f"sqlite:///{tmp_path / 'meta.db'}",
+                                      security=Security(insecure=True)), {0: "127.0.0.1:1"})
+    ctl._client = pulsar.Client(url, operation_timeout_seconds=1,
+                                logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error))
+    try:
+        assert ctl._ensure_subscription("persistent://public/default/t-x-1", "agent-0") is False
+    finally:
+        ctl._client.close()
+        ctl.store.close()
