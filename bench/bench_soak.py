@@ -73,13 +73,13 @@ def main() -> None:
                 recovery.setdefault(f["kind"], []).append(f["recovery_s"])
         rows.append([s, f"{r['load_s'] / 60:.0f}", sum(r["injected"].values()),
                      f"{m['accepted']:,}", m["maybe"], f"{v['messages']:,}",
-                     f"{v['violations']} / {v['lost']} / {v['stale']}",
+                     f"{v['violations']} / {v['lost']} / {v['stale']} / {v.get('stuck', 0)}",
                      f"{_fmt(d['calm']['p50'])} / {_fmt(d['calm']['p99'])}",
                      f"{_fmt(d['fault']['p50'])} / {_fmt(d['fault']['p95'])} / "
                      f"{_fmt(d['fault']['p99'])} / {_fmt(d['fault']['max'])}",
                      f"{r['settle_s']:.0f}"])
     table = md_table(["seed", "load min", "faults", "accepted", "maybe", "destinations",
-                      "violations / lost / stale", "calm delay p50 / p99 ms",
+                      "violations / lost / stale / stuck", "calm delay p50 / p99 ms",
                       "fault delay p50 / p95 / p99 / max ms", "settle s"], rows)
     rec_rows = [[k, kinds_total.get(k, 0), len(xs), f"{statistics.median(xs):.1f}",
                  f"{max(xs):.1f}"] for k, xs in sorted(recovery.items())]
@@ -92,7 +92,8 @@ def main() -> None:
              "violations = applied twice or out of order or where never sent; lost = neither "
              "applied nor superseded by a newer applied message; stale = a final "
              "configuration not the last one requested (each over every (node, message) of "
-             "the accepted and the stored 'maybe' requests)",
+             "the accepted and the stored 'maybe' requests); stuck = stored by the controller "
+             "and still unconfirmed after the settle timeout",
              "recovery = heal -> every message generated while the fault was in place in "
              "effect at every destination (overlapping faults share it; 0 when failover "
              "had already carried them)",
