@@ -86,6 +86,8 @@ log = logging.getLogger(__name__)
 #: applied timestamps remembered per resource to tell a redelivery (DUPLICATE) from an older
 #: message that arrived late (OUT_OF_ORDER)
 RECENT_APPLIED = 16
+REREPORT_S = 600.0      # at start, results of rows applied this recently are reported again
+REREPORT_ROWS = 10_000  # (at most this many: the newest)
 
 OUTCOME_NAMES = {pb.APPLIED: "applied", pb.OUT_OF_ORDER: "out_of_order",
                  pb.DUPLICATE: "duplicate", pb.MALFORMED: "malformed"}
@@ -331,6 +333,14 @@ class MessageAgent(pb_grpc.MessageAgentServicer):
             if r.timestamp_ns > self._latest.get(k, 0):
                 self._latest[k] = r.timestamp_ns
             self._remember(k, r.timestamp_ns)
+        # The results of the last applies may have died with the previous process before the
+        # controller collected them: reported again (as DUPLICATE: already applied), so their
+        # outbox rows are confirmed now, not at the controller's next restart.
+        since = time.time_ns() - int(REREPORT_S * 1e9)
+        for r in rows[-REREPORT_ROWS:]:
+            if r.applied_ns >= since:
+                self._result(r.message_id, r.resource_id, r.vpc_id, r.configuration_type,
+                             r.timestamp_ns, pb.DUPLICATE, r.channel, "applied before a restart")
         stored = self.store.subscriptions_of(self.node_id)
         active = {s.topic for s in stored if s.active}
         for topic, (state, at) in local_subs.items():

@@ -64,3 +64,31 @@ def test_the_controller_takes_a_broker_timeout_for_no_answer(tmp_path) -> None:
     finally:
         ctl._client.close()
         ctl.store.close()
+
+
+def test_a_restarted_agent_reports_its_last_applies_again(tmp_path) -> None:
+    """Results that died with an agent before the controller collected them (the soak's
+    'stuck' outbox rows) are reported again at the restart, as DUPLICATE, from the record:
+    the recent rows only."""
+    from delivery.agent import read_record
+    from delivery.rpc import pb
+
+    rec = tmp_path / "records"
+    rec.mkdir()
+    now = time.time_ns()
+    old = now - int(3600e9)
+    (rec / "node-0.record").write_text(
+        f"A\t1\t1\tSUBNET\t5\t{old}\trpc\t{old}\n"
+        f"A\t2\t1\tSUBNET\t5\t{now - 5}\tt1\t{now - 4}\n"
+        f"A\t3\t1\tPORT\t6\t{now - 3}\trpc\t{now - 2}\n")
+    _, port = free_ports(2)
+    cfg = AgentConfig(0, f"sqlite:///{tmp_path / 'meta.db'}", rec, port=port,
+                      security=Security(insecure=True))
+    host = AgentHost([cfg], None).start()
+    try:
+        got = [(r.message_id, r.outcome, r.channel, r.timestamp_ns)
+               for r in host.agents[0]._results]
+    finally:
+        host.close()
+    assert got == [(2, pb.DUPLICATE, "t1", now - 5), (3, pb.DUPLICATE, "rpc", now - 3)]
+    assert len(read_record(rec / "node-0.record")[0]) == 3   # the record is not rewritten
