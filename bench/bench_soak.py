@@ -95,8 +95,8 @@ def main() -> None:
              "the accepted and the stored 'maybe' requests); stuck = stored by the controller "
              "and still unconfirmed after the settle timeout",
              "recovery = heal -> every message generated while the fault was in place in "
-             "effect at every destination (overlapping faults share it; 0 when failover "
-             "had already carried them)",
+             "effect at every destination (overlapping faults share it; 0 also when no "
+             "message was generated during the fault)",
              "delay = generation -> in effect at the node (its own apply, or a newer "
              "message's of the same resource); 'fault' = generated while a fault was in "
              "place",

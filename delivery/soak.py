@@ -51,10 +51,10 @@ from .controller import RPC
 from .ledger import IngressLedger
 from .nemesis import INSTANT, KINDS, NETWORK, Fault, heal_network, inject_network, schedule
 from .processes import AgentHostProcess, ControllerProcess
+from .testbed import AGENT_PORT
 
 __all__ = ["faults_of", "run_soak", "type_plan"]
 
-AGENT_PORT = 7100            # every agent's RPC port, on its own node address
 HEAL_RETRY_S = 60.0          # a restart is retried this long, then left to the end of the load
 
 

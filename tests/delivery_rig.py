@@ -9,7 +9,6 @@ security=Security(insecure=True))`` builds the plain one for comparisons."""
 from __future__ import annotations
 
 import itertools
-import json
 import threading
 import uuid
 from collections import defaultdict
@@ -23,7 +22,7 @@ from delivery.agent_host import AgentHost, host_spec
 from delivery.broker import PulsarStandalone
 from delivery.checker import Resource, audit, lost
 from delivery.controller import RPC, Controller, ControllerConfig, topic_name
-from delivery.processes import ModuleProcess
+from delivery.processes import AgentHostProcess
 from delivery.rpc import open_channel
 from delivery.store import MetadataStore
 from envs.dsmd.message import Message
@@ -244,14 +243,11 @@ def outcomes(r: Rig) -> dict[str, int]:
     return dict(r.ctl.stats.outcomes)
 
 
-class HostProcess(ModuleProcess):
-    """``python -m delivery.agent_host`` for some nodes."""
-
-    module = "delivery.agent_host"
+class HostProcess(AgentHostProcess):
+    """``python -m delivery.agent_host`` for some of the rig's nodes."""
 
     def __init__(self, r: Rig, nodes: Iterable[int]) -> None:
-        super().__init__(r.tmp / "host-spec.json", r.tmp / "host-ready.json", r.tmp / "host.log")
-        self.spec.write_text(json.dumps(host_spec(
+        super().__init__(r.tmp, "host", host_spec(
             {n: r.ports[n] for n in nodes}, store_url=r.store_url, record_dir=r.record_dir,
             pulsar_url=r.broker.service_url, controller=r.ctl.reply_address,
-            security=r.security, **r.agent_kw)))
+            security=r.security, **r.agent_kw))

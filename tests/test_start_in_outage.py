@@ -1,12 +1,12 @@
-"""Agents and the controller restarting while the broker is down or unreachable, two gaps
-the fault-injection soak found (``experiment=soak_restart_in_outage``):
+"""Agents and the controller restarting while the broker is down or unreachable (the
+fault-injection soak's ``experiment=soak_restart_in_outage`` combines them):
 
-* the agent host exited when an agent's first subscription timed out, so a node whose agent
-  restarted during a broker outage stayed without one; it now starts, serves RPC, and
-  attaches the subscriptions its store holds in the background;
-* the controller's recovery took the client's ``TimeOut`` for an answer (it looked for
-  ``Timeout``), so it waited one operation timeout per durable subscription of the last
-  switch (88 s for 10) before serving; the first timeout now ends those checks."""
+* an agent starts, serves RPC, and attaches the subscriptions its store holds in the
+  background;
+* the controller takes the client's ``TimeOut`` for "no answer", so its recovery waits one
+  operation timeout, not one per durable subscription;
+* a restarted agent reports its recent applies again from its record, so results that died
+  with the previous process still confirm the controller's outbox rows."""
 
 from __future__ import annotations
 
