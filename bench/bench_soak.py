@@ -10,8 +10,9 @@ place in effect at every destination), and delivery delay of the messages genera
 faults vs calm. Each soak runs its own broker, controller and 8 agents in an emulated
 network (needs root); they share this machine with nothing else of the benchmark.
 
-Usage: ``python bench/bench_soak.py [--seeds 1,2,3] [--minutes 60] [--quick]``
-(``--quick``: 3 minutes per seed, for a try).
+Usage: ``python bench/bench_soak.py [--seeds 1,2,3] [--minutes 60] [--quick] [--name N]``
+(``--quick``: 3 minutes per seed, for a try; ``--name``: the result's name, default
+``bench_soak``, so runs of different lengths keep their own section).
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ def _one(seed: int, minutes: float, out: Path) -> dict:
         raise SystemExit(f"soak seed {seed} failed (exit {done.returncode}) without a verdict; "
                          f"see {out}")
     r = json.loads(path.read_text())
+    if "verdict" not in r:
+        raise SystemExit(f"soak seed {seed} failed before its verdict: {r.get('error')}; "
+                         f"see {out}")
     r["wall_s"] = time.perf_counter() - t0
     return r
 
@@ -57,6 +61,8 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=60.0)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None, help="where the soaks write (default: a temp dir)")
+    ap.add_argument("--name", default="bench_soak",
+                    help="the result's name (bench/results/<name>.json)")
     args = ap.parse_args()
     minutes = 3.0 if args.quick else args.minutes
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -74,12 +80,13 @@ def main() -> None:
         rows.append([s, f"{r['load_s'] / 60:.0f}", sum(r["injected"].values()),
                      f"{m['accepted']:,}", m["maybe"], f"{v['messages']:,}",
                      f"{v['violations']} / {v['lost']} / {v['stale']} / {v.get('stuck', 0)}",
+                     len([e for e in (r.get("error") or "").split("; ") if e]),
                      f"{_fmt(d['calm']['p50'])} / {_fmt(d['calm']['p99'])}",
                      f"{_fmt(d['fault']['p50'])} / {_fmt(d['fault']['p95'])} / "
                      f"{_fmt(d['fault']['p99'])} / {_fmt(d['fault']['max'])}",
                      f"{r['settle_s']:.0f}"])
     table = md_table(["seed", "load min", "faults", "accepted", "maybe", "destinations",
-                      "violations / lost / stale / stuck", "calm delay p50 / p99 ms",
+                      "violations / lost / stale / stuck", "errors", "calm delay p50 / p99 ms",
                       "fault delay p50 / p95 / p99 / max ms", "settle s"], rows)
     rec_rows = [[k, kinds_total.get(k, 0), len(xs), f"{statistics.median(xs):.1f}",
                  f"{max(xs):.1f}"] for k, xs in sorted(recovery.items())]
@@ -95,19 +102,25 @@ def main() -> None:
              "the accepted and the stored 'maybe' requests); stuck = stored by the controller "
              "and still unconfirmed after the settle timeout",
              "recovery = heal -> every message generated while the fault was in place in "
-             "effect at every destination (overlapping faults share it; 0 also when no "
-             "message was generated during the fault)",
+             "effect at every destination (overlapping faults share it; no figure when no "
+             "message was generated during the fault, as for most controller kills, or "
+             "when one never took effect)",
+             "errors (the goal is 0) = a restart that failed for a minute, an injection or "
+             "heal that failed, a load that died",
              "delay = generation -> in effect at the node (its own apply, or a newer "
              "message's of the same resource); 'fault' = generated while a fault was in "
              "place",
              "broker, controller, 8 agents and the driver share this 2-core machine; not "
              "pinned"]
-    payload = {"seeds": seeds, "minutes": minutes,
-               "runs": {str(s): {k: r[k] for k in ("injected", "messages", "verdict",
-                                                   "delay_ms", "settle_s", "load_s", "notes")}
+    cmd = (f"python bench/bench_soak.py --seeds {args.seeds} --minutes {minutes:g}"
+           + (f" --name {args.name}" if args.name != "bench_soak" else ""))
+    payload = {"seeds": seeds, "minutes": minutes, "command": cmd,
+               "runs": {str(s): {k: r.get(k) for k in ("injected", "messages", "verdict",
+                                                       "delay_ms", "settle_s", "load_s",
+                                                       "notes", "error")}
                         | {"faults": r["faults"]} for s, r in runs.items()}}
-    finish("bench_soak", payload, table, notes, time.perf_counter() - t0)
-    if not all(r["verdict"]["ok"] for r in runs.values()):
+    finish(args.name, payload, table, notes, time.perf_counter() - t0)
+    if not all(r["verdict"]["ok"] and not r.get("error") for r in runs.values()):
         sys.exit(1)
 
 

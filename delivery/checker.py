@@ -149,12 +149,13 @@ class Verdict:
                 "examples": (self.violations + self.lost + self.stale + self.stuck)[:keep]}
 
 
-def judge(record_dir: Path, ledger: Ledger, nodes: Iterable[int]) -> Verdict:
+def judge(rows_of: dict[int, list[AppliedRow]], ledger: Ledger) -> Verdict:
     """Every accepted message applied at most once at every destination, in order per
-    resource, none lost, and the final configuration the last one requested."""
-    nodes = list(nodes)
-    sent = _sent(ledger, nodes)
-    rows_of = read_rows(record_dir, nodes)
+    resource, none lost, and the final configuration the last one requested. ``rows_of``:
+    node -> its applied rows (:func:`read_rows`), the same read the ledger adopted from: a
+    second read could hold rows applied in between, judged against a ledger that never
+    adopted them."""
+    sent = _sent(ledger, rows_of)
     bad, stale = _audit(rows_of, sent)
     return Verdict(messages=sum(len(v) for s in sent.values() for v in s.values()),
                    applied=sum(len(r) for r in rows_of.values()), violations=bad,

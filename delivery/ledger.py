@@ -1,8 +1,9 @@
 """What the controller's ingress acknowledged (``ControllerIngress.Configure``: durable in the
 controller's outbox), in the shape :mod:`delivery.checker` judges: the client side of the
 delivery guarantee. A call that failed (a crash, an unreachable controller, a store that
-could not write) leaves its requests "maybe": stored or not, the client cannot know; those
-that reach an agent's record were stored and are adopted before the verdict.
+could not write) leaves its requests "maybe": stored or not, the client cannot know; one
+that reaches any agent's record was stored, and is adopted (owed to all its hosts) before
+the verdict.
 """
 
 from __future__ import annotations
@@ -11,12 +12,11 @@ import itertools
 import threading
 from collections import defaultdict
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 import grpc
 
-from .agent import read_record
+from .agent import AppliedRow
 from .checker import Resource
 from .rpc import pb
 
@@ -78,21 +78,26 @@ class IngressLedger:
             self.acked += len(requests)
         return True
 
-    def adopt(self, record_dir: Path, nodes: Iterable[int]) -> dict[int, int]:
-        """Count the "maybe" messages that reached the records (they were stored), adding
-        them to ``sent``; returns node -> how many rows of maybe messages it holds."""
-        rows_of = {n: read_record(record_dir / f"node-{n}.record")[0] for n in nodes}
+    def adopt(self, rows_of: dict[int, list[AppliedRow]]) -> dict[int, int]:
+        """Take into ``sent`` the "maybe" messages that reached a record: one applied anywhere
+        was stored, so the controller owes it to every host it named, not only to those
+        whose record already shows it (a host that never got it is then lost, or stale).
+        ``rows_of``: node -> its applied rows (:func:`delivery.checker.read_rows`), read
+        once and judged as read. Returns node -> how many rows of maybe messages it holds."""
         seen: dict[int, int] = defaultdict(int)
+        stamp: dict[int, int] = {}                 # adopted maybe message -> its timestamp
+        for n, rows in rows_of.items():
+            for x in rows:
+                m = self.maybe.get(x.message_id)
+                if m is None or n not in m[0] or x.resource != m[1]:
+                    continue                       # not this message (the checker says so)
+                seen[n] += 1
+                stamp.setdefault(x.message_id, x.timestamp_ns)
         with self.lock:
-            for n, rows in rows_of.items():
-                for x in rows:
-                    m = self.maybe.get(x.message_id)
-                    if m is None or n not in m[0] or x.resource != m[1]:
-                        continue
-                    seen[n] += 1
-                    got = self.sent[n][x.resource]
-                    if (x.timestamp_ns, x.message_id) not in got:
-                        got.append((x.timestamp_ns, x.message_id))
+            for mid, ts in stamp.items():
+                hosts, res = self.maybe[mid]
+                for n in hosts:
+                    got = self.sent[n][res]
+                    if (ts, mid) not in got:
+                        got.append((ts, mid))
         return seen
-
-

@@ -23,28 +23,35 @@ Fault kinds (``KINDS``):
 
 :func:`schedule` draws every kind once in a seeded order, then kinds at random; faults start
 at exponential gaps, last a uniform duration, overlap (at most ``max_concurrent`` at a time,
-never two of a kind), and all are healed by the end of the load.
+never two of a kind), and all are healed by the end of the load. :class:`Nemesis` carries a
+schedule out: each party's injections and heals in order on a worker of its own, so a slow
+restart delays only what comes after it on the same party (a broker restart can wait for
+the heal of a partition that keeps it from answering).
 """
 
 from __future__ import annotations
 
 import random
 import subprocess
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from envs.netutil import BROKER_ADDRESS, CONTROLLER_ADDRESS
 
 from .netem import _sh, _tbf, set_loss
 
-__all__ = ["KINDS", "Fault", "heal_network", "inject_network", "schedule"]
+__all__ = ["KINDS", "Fault", "Nemesis", "heal_network", "inject_network", "party_of",
+           "schedule"]
 
 KINDS = ("broker_kill", "controller_kill", "agents_kill", "partition_nodes",
          "partition_broker", "loss", "slow_link", "disk_full", "channel_switch")
 INSTANT = frozenset({"channel_switch"})
 NETWORK = frozenset({"partition_nodes", "partition_broker", "loss", "slow_link"})
 NODE_FAULTS = frozenset({"partition_nodes", "loss", "slow_link"})     # on a subset of nodes
+HEAL_FIRST = NETWORK | {"disk_full"}      # at the end, healed before any party restarts
 
 
 @dataclass
@@ -110,6 +117,111 @@ def schedule(seed: int, duration_s: float, nodes: Sequence[int], *, groups: int,
                          subset if kind in NODE_FAULTS else (), group, round(level, 3)))
         t += rng.expovariate(1.0 / mean_gap_s)
     return out
+
+
+def party_of(f: Fault) -> str:
+    """What a fault acts on: its injections and heals run in order on one worker per party
+    (``broker``, ``controller``: kills and channel switches, ``agents-<g>``, ``disk``, or
+    the network fault's kind)."""
+    return {"broker_kill": "broker", "controller_kill": "controller",
+            "channel_switch": "controller", "agents_kill": f"agents-{f.group}",
+            "disk_full": "disk"}.get(f.kind, f.kind)
+
+
+class Actions(Protocol):
+    """The soak's side of the nemesis: put a fault in place, take it away (a heal that
+    cannot restart its party raises)."""
+
+    def inject(self, f: Fault) -> None: ...
+
+    def heal(self, f: Fault) -> None: ...
+
+
+class Nemesis:
+    """Carries out a schedule against ``actions`` at the times it names (``now``: seconds
+    since the start of the load).
+
+    * Each party's actions run in order on a worker of its own (:func:`party_of`): a
+      restart that takes long delays that party's later faults only.
+    * A fault counts as in place from the moment its injection starts, so one that fails
+      halfway (a partition applied to some nodes) is still healed.
+    * When ``done`` is set (or the schedule ends), every fault still in place is healed:
+      network faults and the full disk first, then the restarts; a heal that fails is
+      reported and the others still run. :meth:`run` returns when every worker is idle.
+    * ``errors``: every injection or heal that failed (a fault whose heal failed keeps
+      ``healed_s`` None).
+    """
+
+    def __init__(self, faults: list[Fault], actions: Actions, now: Callable[[], float],
+                 say: Callable[[str], None] = print) -> None:
+        self.faults = faults
+        self.actions = actions
+        self.now = now
+        self.say = say
+        self.errors: list[str] = []
+        self._lock = threading.Lock()
+        self._workers: dict[str, ThreadPoolExecutor] = {}
+
+    def _submit(self, f: Fault, job: Callable[[Fault], None]) -> Future[None]:
+        party = party_of(f)
+        if party not in self._workers:
+            self._workers[party] = ThreadPoolExecutor(1, thread_name_prefix=f"nemesis-{party}")
+        return self._workers[party].submit(job, f)
+
+    def _fail(self, f: Fault, what: str, e: BaseException) -> None:
+        text = f"{f.kind} {what} at {self.now():.1f} s: {type(e).__name__}: " \
+               f"{str(e).splitlines()[0][:300] if str(e) else ''}"
+        f.notes.append(text)
+        with self._lock:
+            self.errors.append(text)
+        self.say(f"nemesis: {text}")
+
+    def _inject(self, f: Fault) -> None:
+        self.say(f"nemesis: {f.kind} {f.nodes if f.kind in NETWORK else f.group} "
+                 f"{f.level or ''} for {f.duration_s:.1f} s")
+        f.injected_s = round(self.now(), 3)
+        try:
+            self.actions.inject(f)
+        except Exception as e:  # reported; the heal still runs (it is idempotent)
+            self._fail(f, "injection", e)
+        if f.kind in INSTANT:
+            f.healed_s = round(self.now(), 3)
+
+    def _heal(self, f: Fault) -> None:
+        try:
+            self.actions.heal(f)
+        except Exception as e:  # reported; healed_s stays None
+            self._fail(f, "heal", e)
+            return
+        f.healed_s = round(self.now(), 3)
+        self.say(f"nemesis: {f.kind} healed ({f.healed_s - (f.injected_s or 0):.1f} s)")
+
+    def run(self, done: threading.Event) -> None:
+        events = sorted([(f.start_s, 0, i) for i, f in enumerate(self.faults)]
+                        + [(f.end_s, 1, i) for i, f in enumerate(self.faults)
+                           if f.kind not in INSTANT], key=lambda e: (e[0], -e[1]))
+        injected: set[int] = set()
+        healed: set[int] = set()
+        try:
+            for at, what, i in events:
+                if done.wait(max(0.0, at - self.now())):
+                    break
+                if what == 0:
+                    injected.add(i)
+                    self._submit(self.faults[i], self._inject)
+                else:
+                    healed.add(i)
+                    self._submit(self.faults[i], self._heal)
+            left = [self.faults[i] for i in sorted(injected - healed)
+                    if self.faults[i].kind not in INSTANT]
+            first = [f for f in left if f.kind in HEAL_FIRST]
+            wait([self._submit(f, self._heal) for f in first])
+            for f in left:
+                if f.kind not in HEAL_FIRST:
+                    self._submit(f, self._heal)
+        finally:
+            for w in self._workers.values():
+                w.shutdown(wait=True)
 
 
 # ------------------------------------------------------------------ network faults

@@ -28,6 +28,7 @@ import pytest
 from delivery.agent import AgentConfig
 from delivery.agent_host import AgentHost
 from delivery.broker import PulsarStandalone
+from delivery.checker import read_rows
 from delivery.controller import RPC
 from delivery.controller_host import controller_spec, load_spec
 from delivery.ledger import IngressLedger
@@ -86,7 +87,7 @@ class CrashRig:
         wait_until(lambda: self.outbox_size() == (0, 0), timeout,
                    lambda: f"an empty outbox (every destination confirmed), have "
                    f"{self.outbox_size()} (messages, destinations)")
-        self.ledger.adopt(self.record_dir, self.nodes)
+        self.ledger.adopt(read_rows(self.record_dir, self.nodes))
         return assert_delivered(self.record_dir, self.ledger, self.nodes, timeout=timeout)
 
     def close(self) -> None:
@@ -173,7 +174,7 @@ def test_controller_sigkill_mid_stream_loses_nothing(pulsar_broker, tmp_path):
         assert len(led.failures) <= 3, led.failures
 
         rows = r.settled()
-        maybe_rows = led.adopt(r.record_dir, NODES)
+        maybe_rows = led.adopt(read_rows(r.record_dir, NODES))
         for n in NODES:  # applied at most once (audit also holds timestamps increasing)
             mids = [x.message_id for x in rows[n] if x.message_id in led.maybe]
             assert len(mids) == len(set(mids)), f"node {n}: maybe messages {mids}"
