@@ -154,6 +154,14 @@ __all__ = ["ConfigError", "Controller", "ControllerConfig", "ControllerStats", "
            "reply_problem", "topic_name"]
 
 log = logging.getLogger(__name__)
+
+PRODUCER_RETRY_S = 5.0   # a topic that refused a producer is not asked again sooner
+
+
+class TopicRefused(RuntimeError):
+    """A topic whose producer could not be created moments ago (not asked again yet)."""
+
+
 RPC = 0
 
 
@@ -428,6 +436,7 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         self._channels: dict[int, grpc.Channel] = {}
         self._stubs: dict[int, Any] = {}
         self._producers: dict[int, Any] = {}
+        self._producer_refused: dict[int, tuple[float, str]] = {}  # topic -> (when, why)
         self._republish: list[tuple[int, bytes]] = []          # failed publishes
         # publish id -> (topic, envelope, when): publishes not yet acknowledged by the broker
         self._inflight: dict[int, tuple[int, bytes, float]] = {}
@@ -703,17 +712,34 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         self.stats.refused_calls += 1
 
     def _producer(self, t: int) -> Any:
+        """Topic ``t``'s producer, created on first use. A topic whose producer could not be
+        created is not asked again for ``PRODUCER_RETRY_S`` (:class:`TopicRefused` at
+        once): each attempt waits up to the client's operation timeout, on the dispatch
+        path."""
         p = self._producers.get(t)
         if p is None:
+            refused = self._producer_refused.get(t)
+            if refused is not None and time.monotonic() - refused[0] < PRODUCER_RETRY_S:
+                raise TopicRefused(f"topic {t}: no producer ({refused[1]}, "
+                                   f"{time.monotonic() - refused[0]:.1f} s ago)")
             # with failover on, unacknowledged publishes never time out: the client sends
             # them again, in order, once the broker is back (those of a type moved to RPC
             # meanwhile arrive as duplicates)
-            p = self._producers[t] = self._client.create_producer(
-                topic_name(self.cfg.topic_prefix, t), block_if_queue_full=True,
-                max_pending_messages=10_000, batching_enabled=True,
-                batching_max_publish_delay_ms=1,
-                send_timeout_millis=0 if self.cfg.failover.enabled else 30_000)
+            try:
+                p = self._create_producer(t)
+            except Exception as e:
+                self._producer_refused[t] = (time.monotonic(), f"{type(e).__name__}: {e}")
+                raise
+            self._producer_refused.pop(t, None)
+            self._producers[t] = p
         return p
+
+    def _create_producer(self, t: int) -> Any:
+        assert self._client is not None
+        return self._client.create_producer(
+            topic_name(self.cfg.topic_prefix, t), block_if_queue_full=True,
+            max_pending_messages=10_000, batching_enabled=True, batching_max_publish_delay_ms=1,
+            send_timeout_millis=0 if self.cfg.failover.enabled else 30_000)
 
     # ------------------------------------------------------------------ channels
     def set_channels(self, channels: dict[int, int], hosts: dict[int, Iterable[int]], *,
@@ -738,15 +764,19 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         hs = {int(t): tuple(int(h) for h in v) for t, v in hosts.items()}
         if wait:
             self.wait_switches()  # an earlier switch's error is raised before this one starts
-        with self._dispatch:  # the moving types are gated before any later message of theirs
-            # a type moves if its channel changes, or if it stays on a topic that its new
-            # hosts must first subscribe to
-            moving = [t for t, c in chans.items() if self.channel.get(t, RPC) != c
+        # the moving types are gated before any later message of theirs. A type moves if its
+        # channel changes from the one it will have once the queued switches are done (not
+        # the one it has now: a type queued for topic 1 and then back to RPC must be held
+        # until both are done, or what is released after the first would leave on topic 1
+        # while later messages take RPC), or if it stays on a topic that its new hosts must
+        # first subscribe to
+        with self._dispatch, self._lock:
+            moving = [t for t, c in chans.items()
+                      if self._asked.get(t, self.channel.get(t, RPC)) != c
                       or (c != RPC and t in hs and set(hs[t]) - set(self.hosts.get(t, ())))]
-            with self._lock:
-                for t in moving:
-                    self._gated[t] = self._gated.get(t, 0) + 1
-                self._asked.update(chans)
+            for t in moving:
+                self._gated[t] = self._gated.get(t, 0) + 1
+            self._asked.update(chans)
         if not wait:
             fut: futures.Future = futures.Future()
             with self._lock:
@@ -936,19 +966,8 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         # oldest first: a message that waited for the broker meanwhile (failback) may have
         # joined the held ones after newer messages of its type
         go.sort(key=lambda x: x[1].timestamp_ns)
-        for i, (t, cm) in enumerate(go):
-            try:
-                self._dispatch_one(t, cm, gate=False)
-            except Exception as e:  # e.g. the new topic's producer: RPC takes the rest
-                left = go[i:]
-                log.warning("%d messages held by a switch could not go on their channels "
-                            "(%s); they go over RPC", len(left), e)
-                with self._lock:
-                    for _, m in left:
-                        for n in m.hosts:
-                            self._outbox[n].append(m)
-                self.stats.rerouted += len(left)
-                break
+        for t, cm in go:   # a topic that refuses them sends them over RPC (_dispatch_one)
+            self._dispatch_one(t, cm, gate=False)
         return len(go)
 
     def _send_subscribe_infos(self, pairs: list[tuple[int, int]], ts: int,
@@ -1084,22 +1103,20 @@ class Controller(pb_grpc.ControllerRepliesServicer):
                     with self._lock:
                         self._latest[resource_key(cm)] = cm
                     if self._shaper is None:
-                        try:
-                            self._dispatch_one(t, cm)
-                        except Exception as e:  # stored: RPC takes it (see _release_gated)
-                            self._dispatch_failed(t, cm, e)
+                        self._dispatch_one(t, cm)
                     else:  # Eq. 1's controller egress of the message on its channel now
                         fan = len(msg.hosts) if self.channel.get(t, RPC) == RPC else 1
                         self._shaper.submit(int(msg.vpc_id), len(cm.payload) * fan, (t, cm))
             finally:
                 self._in_send.active = False
 
-    def _dispatch_failed(self, t: int, cm: Any, e: Exception) -> None:
-        """An accepted (stored) message whose channel refused it (e.g. its topic's producer
-        could not be created while the broker is away and not yet known to be down): it goes
-        over RPC, so it never waits in the outbox for a restart."""
-        log.warning("type %d: message %d could not go on channel %d (%s); it goes over RPC",
-                    t, cm.message_id, self.channel.get(t, RPC), e)
+    def _dispatch_failed(self, t: int, c: int, cm: Any, e: Exception) -> None:
+        """An accepted (stored) message whose topic ``c`` refused it (its producer could not
+        be created while the broker is away and not yet known to be down): it goes over
+        RPC, so it never waits in the outbox for a restart."""
+        (log.debug if isinstance(e, TopicRefused) else log.warning)(
+            "type %d: message %d could not go on topic %d (%s); it goes over RPC",
+            t, cm.message_id, c, e)
         with self._lock:
             for n in cm.hosts:
                 self._outbox[n].append(cm)
@@ -1136,10 +1153,17 @@ class Controller(pb_grpc.ControllerRepliesServicer):
                 for n in cm.hosts:
                     self._outbox[n].append(cm)
             return
-        self._publish(c, envelope(cm), cm)
+        try:
+            self._publish(c, envelope(cm), cm)
+        except Exception as e:  # stored, whichever path dispatched it: RPC takes it
+            self._dispatch_failed(t, c, cm, e)
+            return
         self.stats.mq_messages += 1
 
     def _publish(self, t: int, data: bytes, cm: Any = None) -> None:
+        # the producer first: a topic that refuses one leaves nothing behind (no unit, no
+        # publish in flight, nothing awaiting the MQ's confirmation)
+        producer = self._producer(t)
         # C_p: one unit, waiting for it if the limit is full (none while the MQ channel is
         # down: the broker takes nothing then)
         units = 0 if self._mq_down else self._limiter.acquire(1)
@@ -1157,9 +1181,14 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         self._limiter.release(back)
         self.stats.mq_bytes += len(data)
         try:
-            self._producer(t).send_async(data, lambda res, _id: self._published(res, pid))
-        except BaseException:  # no callback will come: its unit goes back now
+            producer.send_async(data, lambda res, _id: self._published(res, pid))
+        except BaseException:  # no callback will come: nothing of it stays in flight
             self._release_publish(pid)
+            with self._lock:
+                self._inflight.pop(pid, None)
+                if cm is not None:
+                    for n in cm.hosts:
+                        self._mq_unconfirmed[n].pop(cm.timestamp_ns, None)
             raise
 
     def _release_publish(self, pid: int) -> None:

@@ -283,6 +283,44 @@ def test_queued_switches_in_order_lose_nothing(pulsar_broker, tmp_path):
         r.wait_subscriptions()
 
 
+def test_a_type_queued_away_and_back_is_held_until_both_switches_are_done(tmp_path):
+    """Type 0 on RPC, queued to topic 1 and then back to RPC: both switches gate it (the
+    second compares with the channel the first asked for, not the one in effect), so a
+    message sent after them cannot be released onto topic 1 when the first is done while
+    the second sends later messages over RPC (they would overtake it: its resource then
+    skips it)."""
+    from delivery.controller import Controller, ControllerConfig
+    from envs.netutil import free_ports
+    from security.tls import Security
+
+    class _Parked:
+        """The switch thread, parked: the queued switches stay queued."""
+
+        def submit(self, fn):
+            return None
+
+    ctl = Controller(ControllerConfig(f"pulsar://127.0.0.1:{free_ports(1)[0]}",
+                                      f"sqlite:///{tmp_path / 'meta.db'}",
+                                      collect_period_s=3600, reprogram_period_s=3600,
+                                      security=Security(insecure=True)), {0: "127.0.0.1:1"})
+    ctl._switcher = _Parked()
+    try:
+        ctl.channel, ctl.hosts = {0: RPC}, {0: (0,)}
+        assert ctl.set_channels({0: 1}, {0: (0,)}, wait=False) == {"queued": 1}
+        assert ctl.set_channels({0: RPC}, {0: (0,)}, wait=False) == {"queued": 1}
+        assert ctl.set_channels({0: RPC}, {0: (0,)}, wait=False) == {"queued": 0}
+        assert ctl._gated == {0: 2}
+        assert ctl.channel_asked(0) == RPC
+        ctl._in_send.active = True
+        ctl.send_many([(Message(1, 1, 1, "SUBNET", "UPDATE", 1, 64, (0,)), 0)])
+        assert [cm.message_id for _, cm in ctl._gated_msgs] == [1]
+        with ctl._dispatch:
+            ctl._release_gated([0])          # the first switch done: still held
+        assert [cm.message_id for _, cm in ctl._gated_msgs] == [1]
+    finally:
+        ctl.store.close()
+
+
 # --------------------------------------------------------------------------- 3. crash
 
 

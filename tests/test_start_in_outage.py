@@ -20,6 +20,7 @@ from delivery.agent import AgentConfig
 from delivery.agent_host import AgentHost
 from delivery.controller import Controller, ControllerConfig
 from delivery.store import MetadataStore, SubscriptionChange
+from envs.dsmd.message import Message
 from envs.netutil import free_ports
 from security.tls import Security
 
@@ -92,3 +93,59 @@ def test_a_restarted_agent_reports_its_last_applies_again(tmp_path) -> None:
         host.close()
     assert got == [(2, pb.DUPLICATE, "t1", now - 5), (3, pb.DUPLICATE, "rpc", now - 3)]
     assert len(read_record(rec / "node-0.record")[0]) == 3   # the record is not rewritten
+
+
+class _RefusingClient:
+    """The controller's Pulsar client while the broker is away and not yet known to be
+    down: creating a producer fails (after the operation timeout, in life)."""
+
+    def __init__(self) -> None:
+        self.attempts = 0
+
+    def create_producer(self, topic: str, **_: object) -> None:
+        self.attempts += 1
+        raise pulsar.ConnectError("Pulsar error: ConnectError")
+
+
+def _refused_controller(tmp_path) -> tuple[Controller, _RefusingClient]:
+    dead, = free_ports(1)
+    ctl = Controller(ControllerConfig(f"pulsar://127.0.0.1:{dead}",
+                                      f"sqlite:///{tmp_path / 'meta.db'}",
+                                      collect_period_s=3600, reprogram_period_s=3600,
+                                      security=Security(insecure=True)),
+                     {0: "127.0.0.1:1", 1: "127.0.0.1:1"})
+    client = _RefusingClient()
+    ctl._client = client
+    ctl.channel = {1: 1}                      # type 1 on topic 1
+    return ctl, client
+
+
+def _message(mid: int) -> tuple[Message, int]:
+    return Message(mid, mid, 1, "SUBNET", "UPDATE", mid, 64, (0, 1)), 1
+
+
+def test_a_message_its_topic_refuses_goes_over_rpc_on_every_dispatch_path(tmp_path) -> None:
+    """Wherever a stored message is dispatched (accepted, released by the tenant shaper,
+    released by a channel switch), a topic whose producer cannot be created sends it over
+    RPC at once: nothing is left half-published (in flight, or awaiting the MQ's
+    confirmation) and nothing escapes into the shaper's pump thread. The topic is asked
+    for a producer once, not once per message, while it keeps refusing."""
+    ctl, client = _refused_controller(tmp_path)
+    try:
+        ctl.send_many([_message(1)])          # accepted
+        ctl._in_send.active = True            # no push from _release (no agents here)
+        ctl._release([(1, ctl._latest[(1, "SUBNET", 1)])])   # the tenant shaper's release
+        ctl._gated = {1: 1}                   # a switch moving type 1 holds its messages
+        ctl.send_many([_message(2), _message(3)])
+        assert len(ctl._gated_msgs) == 2
+        assert ctl._release_gated([1]) == 2
+        assert [m.message_id for m in ctl._outbox[0]] == [1, 1, 2, 3]
+        assert [m.message_id for m in ctl._outbox[1]] == [1, 1, 2, 3]
+        assert ctl.stats.rerouted == 4 and ctl.stats.mq_messages == 0
+        assert not ctl._inflight and not ctl._inflight_units
+        assert not any(ctl._mq_unconfirmed.values())
+        assert ctl.inflight_sends == 0
+        assert client.attempts == 1
+    finally:
+        ctl._client = None
+        ctl.store.close()
