@@ -134,6 +134,8 @@ from .health import (
     FailoverConfig,
     MqHealth,
     RateWindow,
+    close_in_background,
+    connected,
     plan_failover,
     security_setting,
 )
@@ -273,6 +275,7 @@ class ControllerStats:
     push_failures: int = 0
     reprogrammed: int = 0          # messages re-sent to nodes after failures or errors
     republished: int = 0           # publishes that failed and were sent again
+    producers_renewed: int = 0     # data producers replaced at a failback (not reconnected)
     channel_changes: int = 0
     outbox_stored: int = 0         # messages made durable before they were acknowledged
     outbox_confirmed: int = 0      # destination rows confirmed by packed replies
@@ -1415,6 +1418,7 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         first), put the types back on their topics and apply the deferred channels."""
         if self._mq_down or not self._failed_over:
             return
+        self._renew_producers()
         self._flush_locked()
         with self._lock:
             held, self._held = self._held, []
@@ -1439,6 +1443,30 @@ class Controller(pb_grpc.ControllerRepliesServicer):
             self.set_channels(chans, {t: deferred[1][t] for t in chans if t in deferred[1]},
                               wait=False)
         self._event("failback", why)
+
+    def _renew_producers(self) -> None:
+        """At a failback (the probe's producer is acknowledged again), replace every data
+        producer that has not reconnected: one that existed through the outage reconnects
+        on the client's own back-off, which can leave it disconnected long after the broker
+        is back, holding its type's publishes (the probe's producer gets fresh twins for the
+        same reason). Its unacknowledged publishes go again on the fresh producer, after the
+        failed ones and in the order they were first published; a copy the old producer
+        still delivers reaches the agents as a duplicate, which they drop. The old producer
+        is closed in the background (under the dispatch lock, as every producer change)."""
+        for t in [t for t, p in self._producers.items() if not connected(p)]:
+            old = self._producers.pop(t)
+            with self._lock:
+                pids = sorted(pid for pid, e in self._inflight.items() if e[0] == t)
+                entries = [self._inflight.pop(pid) for pid in pids]
+                units = sum(self._inflight_units.pop(pid, 0) for pid in pids)
+                self._republish.extend((t, data) for _, data, _ in entries)
+                if not self._inflight:
+                    self._published_cv.notify_all()
+            self._limiter.release(units)
+            self.stats.producers_renewed += 1
+            log.warning("topic %d: its producer has not reconnected since the outage; a new "
+                        "one publishes its %d unacknowledged messages again", t, len(entries))
+            close_in_background(old)
 
     def _push_all(self, batches: dict[int, list], reprogram: bool) -> dict[int, bool]:
         ok: dict[int, bool] = {}

@@ -55,7 +55,7 @@ from envs.dsmd.instance import RPC, DSMDInstance
 from security.tls import Security, SecurityError
 
 __all__ = ["ConfigError", "FailoverConfig", "FailoverPlan", "MqHealth", "RateWindow",
-           "plan_failover", "security_setting", "warm_up"]
+           "close_in_background", "connected", "plan_failover", "security_setting", "warm_up"]
 
 log = logging.getLogger(__name__)
 
@@ -583,17 +583,17 @@ class MqHealth:
             return None
         if spare is None and self._state == self.UP:
             return producer
-        connected = _connected(producer)
+        is_up = connected(producer)
         drop = None
         with self._lock:
             if spare is not None and self._spare is spare:
                 self._spare = None
-                if connected:
+                if is_up:
                     drop = spare
                 else:  # the fresh one serves: the old one goes
                     drop, self._producer = producer, spare
                     producer = spare
-            elif not connected and self._state == self.DOWN:
+            elif not is_up and self._state == self.DOWN:
                 create = self._may_create(now)
         if drop is not None:
             _bounded(drop.close, 0.5)
@@ -643,11 +643,23 @@ class MqHealth:
         self._wake.set()
 
 
-def _connected(producer: Any) -> bool:
+def connected(producer: Any) -> bool:
+    """Whether a Pulsar producer is connected to its broker now (False if it cannot say)."""
     try:
         return bool(producer.is_connected())
     except Exception:
         return False
+
+
+def close_in_background(producer: Any) -> None:
+    """Close a producer on a daemon thread (a close can wait on a broker that is away)."""
+    def run() -> None:
+        try:
+            producer.close()
+        except Exception as e:  # it is being dropped: nothing depends on a clean close
+            log.debug("closing a replaced producer failed: %s", e)
+
+    threading.Thread(target=run, name="producer-close", daemon=True).start()
 
 
 def _quietly(fn: Callable[[], Any]) -> None:

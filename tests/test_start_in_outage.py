@@ -149,3 +149,67 @@ def test_a_message_its_topic_refuses_goes_over_rpc_on_every_dispatch_path(tmp_pa
     finally:
         ctl._client = None
         ctl.store.close()
+
+
+class _Producer:
+    """A data producer: records its sends (callbacks kept, never called unless told)."""
+
+    def __init__(self, connected: bool = True) -> None:
+        self.connected, self.sent, self.closed = connected, [], threading.Event()
+
+    def is_connected(self) -> bool:
+        return self.connected
+
+    def send_async(self, data: bytes, callback) -> None:
+        self.sent.append((data, callback))
+
+    def close(self) -> None:
+        self.closed.set()
+
+
+class _Client:
+    def __init__(self) -> None:
+        self.producers: list[_Producer] = []
+
+    def create_producer(self, topic: str, **_: object) -> _Producer:
+        self.producers.append(_Producer())
+        return self.producers[-1]
+
+
+def test_failback_replaces_a_data_producer_that_has_not_reconnected(tmp_path) -> None:
+    """At the failback, topic 1's producer (disconnected since the outage, holding two
+    unacknowledged publishes) is replaced: the two go again on a fresh producer, in order,
+    and the old one's late callbacks change nothing; topic 2's connected producer stays."""
+    dead, = free_ports(1)
+    ctl = Controller(ControllerConfig(f"pulsar://127.0.0.1:{dead}",
+                                      f"sqlite:///{tmp_path / 'meta.db'}",
+                                      collect_period_s=3600, reprogram_period_s=3600,
+                                      security=Security(insecure=True)),
+                     {0: "127.0.0.1:1", 1: "127.0.0.1:1"})
+    client = _Client()
+    ctl._client = client
+    try:
+        ctl.channel = {1: 1, 2: 2}
+        ctl._in_send.active = True
+        ctl.send_many([_message(1), _message(2), (_message(3)[0], 2)])
+        old, keep = client.producers
+        assert [len(p.sent) for p in (old, keep)] == [2, 1]
+        old_pids = set(ctl._inflight)
+        old.connected = False                       # the broker came back; it did not
+        ctl._failed_over = True                     # an outage was reacted to
+        ctl._fail_back()
+        assert len(client.producers) == 3 and ctl._producers[2] is keep
+        fresh = client.producers[2]
+        assert ctl._producers[1] is fresh and old.closed.wait(5)
+        assert [d for d, _ in fresh.sent] == [d for d, _ in old.sent]
+        assert ctl.stats.producers_renewed == 1 and ctl.stats.republished == 2
+        for _, callback in old.sent:                # the old producer's late answers
+            callback(pulsar.Result.Ok, None)
+        assert len(ctl._inflight) == 3 and not old_pids & (set(ctl._inflight) - old_pids
+                                                          ) and len(keep.sent) == 1
+        for _, callback in fresh.sent + keep.sent:
+            callback(pulsar.Result.Ok, None)
+        assert not ctl._inflight and ctl.inflight_sends == 0
+    finally:
+        ctl._client = None
+        ctl.store.close()
