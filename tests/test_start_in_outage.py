@@ -107,17 +107,17 @@ class _RefusingClient:
         raise pulsar.ConnectError("Pulsar error: ConnectError")
 
 
-def _refused_controller(tmp_path) -> tuple[Controller, _RefusingClient]:
+def _offline_controller(tmp_path, client: object) -> Controller:
+    """A controller with ``client`` for its Pulsar client, two nodes that never answer, and
+    its periodic collection and reprogramming out of the way."""
     dead, = free_ports(1)
     ctl = Controller(ControllerConfig(f"pulsar://127.0.0.1:{dead}",
                                       f"sqlite:///{tmp_path / 'meta.db'}",
                                       collect_period_s=3600, reprogram_period_s=3600,
                                       security=Security(insecure=True)),
                      {0: "127.0.0.1:1", 1: "127.0.0.1:1"})
-    client = _RefusingClient()
     ctl._client = client
-    ctl.channel = {1: 1}                      # type 1 on topic 1
-    return ctl, client
+    return ctl
 
 
 def _message(mid: int) -> tuple[Message, int]:
@@ -130,7 +130,9 @@ def test_a_message_its_topic_refuses_goes_over_rpc_on_every_dispatch_path(tmp_pa
     RPC at once: nothing is left half-published (in flight, or awaiting the MQ's
     confirmation) and nothing escapes into the shaper's pump thread. The topic is asked
     for a producer once, not once per message, while it keeps refusing."""
-    ctl, client = _refused_controller(tmp_path)
+    client = _RefusingClient()
+    ctl = _offline_controller(tmp_path, client)
+    ctl.channel = {1: 1}                      # type 1 on topic 1
     try:
         ctl.send_many([_message(1)])          # accepted
         ctl._in_send.active = True            # no push from _release (no agents here)
@@ -180,14 +182,8 @@ def test_failback_replaces_a_data_producer_that_has_not_reconnected(tmp_path) ->
     """At the failback, topic 1's producer (disconnected since the outage, holding two
     unacknowledged publishes) is replaced: the two go again on a fresh producer, in order,
     and the old one's late callbacks change nothing; topic 2's connected producer stays."""
-    dead, = free_ports(1)
-    ctl = Controller(ControllerConfig(f"pulsar://127.0.0.1:{dead}",
-                                      f"sqlite:///{tmp_path / 'meta.db'}",
-                                      collect_period_s=3600, reprogram_period_s=3600,
-                                      security=Security(insecure=True)),
-                     {0: "127.0.0.1:1", 1: "127.0.0.1:1"})
     client = _Client()
-    ctl._client = client
+    ctl = _offline_controller(tmp_path, client)
     try:
         ctl.channel = {1: 1, 2: 2}
         ctl._in_send.active = True
