@@ -34,6 +34,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _one(seed: int, minutes: float, out: Path) -> dict:
+    if (out / "soak.json").exists():
+        raise SystemExit(f"{out} holds an earlier soak's soak.json: give --out a new or empty "
+                         f"directory (nothing was run)")
     log(f"soak seed {seed}: {minutes:g} min of load and faults")
     t0 = time.perf_counter()
     done = subprocess.run([sys.executable, "soak.py", f"seed={seed}",
@@ -80,7 +83,7 @@ def main() -> None:
         rows.append([s, f"{r['load_s'] / 60:.0f}", sum(r["injected"].values()),
                      f"{m['accepted']:,}", m["maybe"], f"{v['messages']:,}",
                      f"{v['violations']} / {v['lost']} / {v['stale']} / {v.get('stuck', 0)}",
-                     len([e for e in (r.get("error") or "").split("; ") if e]),
+                     len(r.get("errors") or []),
                      f"{_fmt(d['calm']['p50'])} / {_fmt(d['calm']['p99'])}",
                      f"{_fmt(d['fault']['p50'])} / {_fmt(d['fault']['p95'])} / "
                      f"{_fmt(d['fault']['p99'])} / {_fmt(d['fault']['max'])}",
@@ -117,7 +120,7 @@ def main() -> None:
     payload = {"seeds": seeds, "minutes": minutes, "command": cmd,
                "runs": {str(s): {k: r.get(k) for k in ("injected", "messages", "verdict",
                                                        "delay_ms", "settle_s", "load_s",
-                                                       "notes", "error")}
+                                                       "notes", "error", "errors")}
                         | {"faults": r["faults"]} for s, r in runs.items()}}
     finish(args.name, payload, table, notes, time.perf_counter() - t0)
     if not all(r["verdict"]["ok"] and not r.get("error") for r in runs.values()):

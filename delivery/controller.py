@@ -768,14 +768,16 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         if wait:
             self.wait_switches()  # an earlier switch's error is raised before this one starts
         # the moving types are gated before any later message of theirs. A type moves if its
-        # channel changes from the one it will have once the queued switches are done (not
-        # the one it has now: a type queued for topic 1 and then back to RPC must be held
-        # until both are done, or what is released after the first would leave on topic 1
-        # while later messages take RPC), or if it stays on a topic that its new hosts must
-        # first subscribe to
+        # channel differs from the one it has now or from the one it will have once the
+        # queued switches are done (a type queued for topic 1 and then back to RPC must be
+        # held until both are done, or what is released after the first would leave on
+        # topic 1 while later messages take RPC; a switch deferred by an outage leaves the
+        # asked channel ahead of the current one), or if it stays on a topic that its new
+        # hosts must first subscribe to
         with self._dispatch, self._lock:
             moving = [t for t, c in chans.items()
-                      if self._asked.get(t, self.channel.get(t, RPC)) != c
+                      if c != self.channel.get(t, RPC)
+                      or c != self._asked.get(t, self.channel.get(t, RPC))
                       or (c != RPC and t in hs and set(hs[t]) - set(self.hosts.get(t, ())))]
             for t in moving:
                 self._gated[t] = self._gated.get(t, 0) + 1
@@ -867,10 +869,12 @@ class Controller(pb_grpc.ControllerRepliesServicer):
             except BaseException:
                 with self._dispatch:
                     self._release_gated(moving)  # a no-op if the switch released them
-                    with self._lock:  # its types stay where they were
-                        for t, c in channels.items():
-                            if self._asked.get(t) == c:
-                                self._asked[t] = self.channel.get(t, RPC)
+                    with self._lock:  # its types stay where they were, unless a queued
+                        for t in channels:  # switch still asks for a channel of theirs
+                            self._asked[t] = self.channel.get(t, RPC)
+                            for chans, *_ in self._queued:
+                                if t in chans:
+                                    self._asked[t] = chans[t]
                 raise
 
     @_dispatching
@@ -1189,6 +1193,8 @@ class Controller(pb_grpc.ControllerRepliesServicer):
             self._release_publish(pid)
             with self._lock:
                 self._inflight.pop(pid, None)
+                if not self._inflight:
+                    self._published_cv.notify_all()
                 if cm is not None:
                     for n in cm.hosts:
                         self._mq_unconfirmed[n].pop(cm.timestamp_ns, None)
@@ -1258,9 +1264,7 @@ class Controller(pb_grpc.ControllerRepliesServicer):
                             or n not in self.agents):  # unreachable: keep the order
                         self._pending[n].extend(outbox.pop(n))
                 turn = next(self._push_turns)
-            for t, data in again:
-                self.stats.republished += 1
-                self._publish(t, data)
+            self._publish_again(again)
         cv = self._push_turn_cv
         with cv:  # the flushes that took the outbox before this one push first
             cv.wait_for(lambda: self._push_turn == turn)
@@ -1427,9 +1431,7 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         self._failover_types.clear()
         self._waiting_types.clear()
         self._failed_over = False
-        for t, data in again:
-            self.stats.republished += 1
-            self._publish(t, data)
+        self._publish_again(again)
         for t, cm in held:  # on its type's channel, as the MQ channel is up again
             self._dispatch_one(t, cm)
         self._flush_locked()
@@ -1443,6 +1445,23 @@ class Controller(pb_grpc.ControllerRepliesServicer):
             self.set_channels(chans, {t: deferred[1][t] for t in chans if t in deferred[1]},
                               wait=False)
         self._event("failback", why)
+
+    def _publish_again(self, again: list[tuple[int, bytes]]) -> None:
+        """Publish failed (or renewed) publishes again, in order (under the dispatch lock).
+        A topic that refuses (its producer cannot be created yet) stops the run: that one
+        and the rest go back to the head of the republish list for the next flush, so
+        nothing is dropped and no flush is left without its push turn."""
+        for i, (t, data) in enumerate(again):
+            try:
+                self._publish(t, data)
+            except Exception as e:
+                with self._lock:
+                    self._republish[:0] = again[i:]
+                (log.debug if isinstance(e, TopicRefused) else log.warning)(
+                    "publishing %d messages again waits for the next flush: topic %d: %s",
+                    len(again) - i, t, e)
+                return
+            self.stats.republished += 1
 
     def _renew_producers(self) -> None:
         """At a failback (the probe's producer is acknowledged again), replace every data

@@ -121,10 +121,11 @@ def schedule(seed: int, duration_s: float, nodes: Sequence[int], *, groups: int,
 
 def party_of(f: Fault) -> str:
     """What a fault acts on: its injections and heals run in order on one worker per party
-    (``broker``, ``controller``: kills and channel switches, ``agents-<g>``, ``disk``, or
-    the network fault's kind)."""
+    (``broker``, ``controller``, ``agents-<g>``, ``disk``, ``switch``: channel switches,
+    which fail on their own deadline while the controller restarts instead of delaying
+    it, or the network fault's kind)."""
     return {"broker_kill": "broker", "controller_kill": "controller",
-            "channel_switch": "controller", "agents_kill": f"agents-{f.group}",
+            "channel_switch": "switch", "agents_kill": f"agents-{f.group}",
             "disk_full": "disk"}.get(f.kind, f.kind)
 
 
@@ -145,9 +146,11 @@ class Nemesis:
       restart that takes long delays that party's later faults only.
     * A fault counts as in place from the moment its injection starts, so one that fails
       halfway (a partition applied to some nodes) is still healed.
-    * When ``done`` is set (or the schedule ends), every fault still in place is healed:
-      network faults and the full disk first, then the restarts; a heal that fails is
-      reported and the others still run. :meth:`run` returns when every worker is idle.
+    * When ``done`` is set (or the schedule ends), nothing more is injected (an injection
+      still queued behind a slow restart is dropped: ``injected_s`` stays None) and every
+      fault in place is healed: network faults and the full disk first, then the restarts;
+      a heal that fails is reported and the others still run. :meth:`run` returns when
+      every worker is idle.
     * ``errors``: every injection or heal that failed (a fault whose heal failed keeps
       ``healed_s`` None).
     """
@@ -161,6 +164,10 @@ class Nemesis:
         self.errors: list[str] = []
         self._lock = threading.Lock()
         self._workers: dict[str, ThreadPoolExecutor] = {}
+        self._ended = threading.Event()     # the load ended: inject nothing more
+        lasting = [f for f in faults if f.kind not in INSTANT and f.duration_s <= 0]
+        if lasting:
+            raise ValueError(f"nemesis: a {lasting[0].kind} fault must last more than 0 s")
 
     def _submit(self, f: Fault, job: Callable[[Fault], None]) -> Future[None]:
         party = party_of(f)
@@ -177,6 +184,9 @@ class Nemesis:
         self.say(f"nemesis: {text}")
 
     def _inject(self, f: Fault) -> None:
+        if self._ended.is_set():  # queued behind a slow restart past the end of the load
+            f.notes.append("not injected: the load had ended")
+            return
         self.say(f"nemesis: {f.kind} {f.nodes if f.kind in NETWORK else f.group} "
                  f"{f.level or ''} for {f.duration_s:.1f} s")
         f.injected_s = round(self.now(), 3)
@@ -188,6 +198,8 @@ class Nemesis:
             f.healed_s = round(self.now(), 3)
 
     def _heal(self, f: Fault) -> None:
+        if f.injected_s is None:  # never injected: nothing to heal
+            return
         try:
             self.actions.heal(f)
         except Exception as e:  # reported; healed_s stays None
@@ -197,6 +209,14 @@ class Nemesis:
         self.say(f"nemesis: {f.kind} healed ({f.healed_s - (f.injected_s or 0):.1f} s)")
 
     def run(self, done: threading.Event) -> None:
+        self._ended = done
+        try:
+            self._run(done)
+        except Exception as e:  # reported like a failed action; every worker is idle
+            with self._lock:
+                self.errors.append(f"nemesis: {type(e).__name__}: {e}")
+
+    def _run(self, done: threading.Event) -> None:
         events = sorted([(f.start_s, 0, i) for i, f in enumerate(self.faults)]
                         + [(f.end_s, 1, i) for i, f in enumerate(self.faults)
                            if f.kind not in INSTANT], key=lambda e: (e[0], -e[1]))

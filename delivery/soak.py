@@ -170,9 +170,10 @@ def faults_of(cfg: DictConfig, nodes: list[int]) -> list[Fault]:
                   0.0 if d["kind"] in INSTANT else float(d.get("duration_s", 5.0)),
                   tuple(int(n) for n in d.get("nodes") or ()), int(d.get("group", 0)),
                   float(d.get("level", 0.0)))
-        if f.start_s < 0 or f.duration_s < 0 or f.end_s > float(cfg.duration_s):
-            raise ValueError(f"nemesis.script[{i}]: must start at or after 0 and end by "
-                             f"duration_s ({cfg.duration_s}): {d}")
+        if f.start_s < 0 or f.end_s > float(cfg.duration_s) or (
+                f.kind not in INSTANT and f.duration_s <= 0):
+            raise ValueError(f"nemesis.script[{i}]: must start at or after 0, last more than "
+                             f"0 s and end by duration_s ({cfg.duration_s}): {d}")
         if f.kind in NODE_FAULTS and not (f.nodes and set(f.nodes) <= set(nodes)):
             raise ValueError(f"nemesis.script[{i}]: {f.kind} needs nodes, a subset of "
                              f"0..{len(nodes) - 1}: {d}")
@@ -587,6 +588,9 @@ def run_inside(cfg: DictConfig) -> int:
     errors: list[str] = []
     out = Path(str(cfg.out_dir)) / "soak.json"
     ok = False
+    done = threading.Event()
+    load: Load | None = None
+    nem: threading.Thread | None = None
     try:
         soak.start()
         assert soak.ledger is not None
@@ -598,7 +602,6 @@ def run_inside(cfg: DictConfig) -> int:
                     size_bytes=int(cfg.size_bytes), call_timeout_s=float(cfg.call_timeout_s),
                     now=soak.now)
         nemesis = Nemesis(faults, soak, soak.now, say=_say)
-        done = threading.Event()
         nem = threading.Thread(target=nemesis.run, args=(done,), name="nemesis", daemon=True)
         load.start()
         nem.start()
@@ -646,9 +649,15 @@ def run_inside(cfg: DictConfig) -> int:
         ok = verdict.ok and not errors
     except Exception as e:
         errors.append(f"soak: {type(e).__name__}: {e}")
+        done.set()            # stop injecting and heal before the parties are torn down
+        if nem is not None:
+            nem.join()
+        if load is not None:
+            load.halt(2 * float(cfg.call_timeout_s) + 10)
         raise
     finally:
         result["error"] = "; ".join(errors) or None
+        result["errors"] = errors
         result.setdefault("faults", [f.as_dict() for f in faults])
         soak.close()
         out.write_text(json.dumps(result, indent=1, default=str))

@@ -283,19 +283,14 @@ def test_queued_switches_in_order_lose_nothing(pulsar_broker, tmp_path):
         r.wait_subscriptions()
 
 
-def test_a_type_queued_away_and_back_is_held_until_both_switches_are_done(tmp_path):
-    """Type 0 on RPC, queued to topic 1 and then back to RPC: both switches gate it (the
-    second compares with the channel the first asked for, not the one in effect), so a
-    message sent after them cannot be released onto topic 1 when the first is done while
-    the second sends later messages over RPC (they would overtake it: its resource then
-    skips it)."""
+def _parked_controller(tmp_path):
+    """A controller with no broker and no agents whose switch thread never runs: the queued
+    switches stay queued."""
     from delivery.controller import Controller, ControllerConfig
     from envs.netutil import free_ports
     from security.tls import Security
 
     class _Parked:
-        """The switch thread, parked: the queued switches stay queued."""
-
         def submit(self, fn):
             return None
 
@@ -304,8 +299,18 @@ def test_a_type_queued_away_and_back_is_held_until_both_switches_are_done(tmp_pa
                                       collect_period_s=3600, reprogram_period_s=3600,
                                       security=Security(insecure=True)), {0: "127.0.0.1:1"})
     ctl._switcher = _Parked()
+    ctl.channel, ctl.hosts = {0: RPC}, {0: (0,)}
+    return ctl
+
+
+def test_a_type_queued_away_and_back_is_held_until_both_switches_are_done(tmp_path):
+    """Type 0 on RPC, queued to topic 1 and then back to RPC: both switches gate it (the
+    second compares with the channel the first asked for, not the one in effect), so a
+    message sent after them cannot be released onto topic 1 when the first is done while
+    the second sends later messages over RPC (they would overtake it: its resource then
+    skips it)."""
+    ctl = _parked_controller(tmp_path)
     try:
-        ctl.channel, ctl.hosts = {0: RPC}, {0: (0,)}
         assert ctl.set_channels({0: 1}, {0: (0,)}, wait=False) == {"queued": 1}
         assert ctl.set_channels({0: RPC}, {0: (0,)}, wait=False) == {"queued": 1}
         assert ctl.set_channels({0: RPC}, {0: (0,)}, wait=False) == {"queued": 0}
@@ -317,6 +322,43 @@ def test_a_type_queued_away_and_back_is_held_until_both_switches_are_done(tmp_pa
         with ctl._dispatch:
             ctl._release_gated([0])          # the first switch done: still held
         assert [cm.message_id for _, cm in ctl._gated_msgs] == [1]
+    finally:
+        ctl.store.close()
+
+
+def test_a_switch_deferred_by_an_outage_holds_its_type_when_applied(tmp_path):
+    """A switch asked while the MQ channel is down is deferred (the asked channel runs ahead
+    of the current one); the failback's switch that applies it still holds the type."""
+    ctl = _parked_controller(tmp_path)
+    try:
+        ctl._mq_down = True
+        assert ctl.set_channels({0: 1}, {0: (0,)})["deferred"] == 1
+        assert ctl.channel[0] == RPC and ctl.channel_asked(0) == 1 and not ctl._gated
+        ctl._mq_down = False
+        assert ctl.set_channels({0: 1}, {0: (0,)}, wait=False) == {"queued": 1}
+        assert ctl._gated == {0: 1}
+    finally:
+        ctl.store.close()
+
+
+def test_a_failed_switch_leaves_the_channel_a_queued_one_asks_for(tmp_path, monkeypatch):
+    """Switch A (type 0 to topic 1) fails while B, asking the same, is queued: the asked
+    channel stays topic 1 (what B will make it), and B holds the type on its own."""
+    from delivery.store import StoreError
+
+    ctl = _parked_controller(tmp_path)
+    try:
+        ctl.set_channels({0: 1}, {0: (0,)}, wait=False)
+        a = ctl._queued.pop(0)            # the switch thread took A and runs it
+        assert ctl.set_channels({0: 1}, {0: (0,)}, wait=False) == {"queued": 1}
+
+        def broken(*_):
+            raise StoreError("disk full")
+
+        monkeypatch.setattr(ctl, "_switch_plan", broken)
+        with pytest.raises(StoreError):
+            ctl._switch(a[0], a[1], a[2])
+        assert ctl.channel_asked(0) == 1 and ctl._gated == {0: 1}
     finally:
         ctl.store.close()
 
@@ -334,8 +376,11 @@ def test_agent_crash_and_restart(pulsar_broker, tmp_path):
     results of the restarted agents are all counted by the controller."""
     nodes = (0, 1, 2)
     hosts = {0: nodes, 1: nodes, 2: (1,), 3: (0, 2)}
+    # relaying (failover.relay_after_s) would carry the queued RPC messages on a topic when
+    # the restart takes long (a loaded machine): off here, so they are reprogrammed
     with rig(pulsar_broker, tmp_path, nodes, agents_in_process=False,
-             ctl_kw={"push_retries": 1, "retry_backoff_s": 0.02}) as r:
+             ctl_kw={"push_retries": 1, "retry_backoff_s": 0.02,
+                     "failover": {"relay_after_s": 600.0}}) as r:
         proc = HostProcess(r, nodes)
         try:
             proc.start()

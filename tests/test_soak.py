@@ -259,6 +259,19 @@ def test_the_end_heals_everything_in_place_network_first_whatever_fails() -> Non
     assert any("broker_kill heal" in e and "60 s" in e for e in nem.errors)
 
 
+def test_nothing_is_injected_after_the_load_ends() -> None:
+    """A broker kill queued behind the broker's slow restart when the load ends is not
+    injected (and so not healed); a fault that lasts no time is refused."""
+    p = _Parties(time.monotonic(), slow={"broker_kill": 1.0})
+    faults = [Fault("broker_kill", 0.0, 0.1), Fault("broker_kill", 0.3, 0.1)]
+    nem = _run(faults, p, stop_after=0.5)
+    assert [(w, k) for w, k, _ in p.log] == [("inject", "broker_kill"), ("heal", "broker_kill")]
+    assert faults[1].injected_s is None and faults[1].healed_s is None and not nem.errors
+    assert faults[1].notes == ["not injected: the load had ended"]
+    with pytest.raises(ValueError, match="loss fault must last more than 0 s"):
+        Nemesis([Fault("loss", 1.0, 0.0, (0,), level=0.1)], p, time.monotonic)
+
+
 def test_a_restart_that_gives_up_raises(monkeypatch) -> None:
     monkeypatch.setattr(soak, "HEAL_RETRY_S", 0.0)
     f = Fault("broker_kill", 0, 1)
@@ -284,6 +297,8 @@ def _cfg(*overrides: str) -> Any:
     ({"kind": "slow_link", "start_s": 1, "nodes": [0], "level": 0}, r"slow_link needs level"),
     ({"kind": "partition_nodes", "start_s": 1, "nodes": [8]}, r"needs nodes, a subset"),
     ({"kind": "disk_full", "start_s": 58}, r"end by duration_s"),
+    ({"kind": "loss", "start_s": 1, "duration_s": 0, "nodes": [0], "level": 0.1},
+     r"last more than 0 s"),
 ])
 def test_a_bad_script_is_refused_naming_the_item(item: dict, match: str) -> None:
     cfg = _cfg("duration_s=60", "out_dir=/nonexistent")
@@ -375,6 +390,7 @@ def test_a_load_that_dies_fails_the_soak_at_once(tmp_path, monkeypatch) -> None:
     rc, r, took = _inside(tmp_path, monkeypatch, die_after=3)
     assert rc == 1 and took < 3.5, took
     assert r["error"].startswith("load: KeyError"), r["error"]
+    assert len(r["errors"]) == 1
     assert r["messages"]["accepted"] == 15
 
 

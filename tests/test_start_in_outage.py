@@ -16,6 +16,7 @@ import time
 
 import pulsar
 
+from delivery import controller as controller_mod
 from delivery.agent import AgentConfig
 from delivery.agent_host import AgentHost
 from delivery.controller import Controller, ControllerConfig
@@ -124,12 +125,14 @@ def _message(mid: int) -> tuple[Message, int]:
     return Message(mid, mid, 1, "SUBNET", "UPDATE", mid, 64, (0, 1)), 1
 
 
-def test_a_message_its_topic_refuses_goes_over_rpc_on_every_dispatch_path(tmp_path) -> None:
+def test_a_message_its_topic_refuses_goes_over_rpc_on_every_dispatch_path(tmp_path,
+                                                                          monkeypatch) -> None:
     """Wherever a stored message is dispatched (accepted, released by the tenant shaper,
     released by a channel switch), a topic whose producer cannot be created sends it over
     RPC at once: nothing is left half-published (in flight, or awaiting the MQ's
     confirmation) and nothing escapes into the shaper's pump thread. The topic is asked
     for a producer once, not once per message, while it keeps refusing."""
+    monkeypatch.setattr(controller_mod, "PRODUCER_RETRY_S", 3600.0)  # however slow this is
     client = _RefusingClient()
     ctl = _offline_controller(tmp_path, client)
     ctl.channel = {1: 1}                      # type 1 on topic 1
@@ -201,11 +204,29 @@ def test_failback_replaces_a_data_producer_that_has_not_reconnected(tmp_path) ->
         assert ctl.stats.producers_renewed == 1 and ctl.stats.republished == 2
         for _, callback in old.sent:                # the old producer's late answers
             callback(pulsar.Result.Ok, None)
-        assert len(ctl._inflight) == 3 and not old_pids & (set(ctl._inflight) - old_pids
-                                                          ) and len(keep.sent) == 1
+        assert len(ctl._inflight) == 3 and len(old_pids & set(ctl._inflight)) == 1
+        assert len(keep.sent) == 1                  # topic 2's publish, still in flight
         for _, callback in fresh.sent + keep.sent:
             callback(pulsar.Result.Ok, None)
         assert not ctl._inflight and ctl.inflight_sends == 0
+    finally:
+        ctl._client = None
+        ctl.store.close()
+
+
+def test_a_republish_its_topic_refuses_waits_for_the_next_flush(tmp_path) -> None:
+    """Publishes to go again on a topic that still refuses a producer (the failback's renewed
+    ones, say) stay queued, in order, for the next flush; the flush goes on and pushes, and
+    later flushes are not left waiting for its turn."""
+    ctl = _offline_controller(tmp_path, _RefusingClient())
+    try:
+        ctl._republish = [(1, b"a"), (1, b"b")]
+        ctl._flush_locked()
+        assert ctl._republish == [(1, b"a"), (1, b"b")]
+        done = threading.Event()
+        threading.Thread(target=lambda: (ctl._flush_locked(), done.set()), daemon=True).start()
+        assert done.wait(10), "the next flush waits for a push turn that never comes"
+        assert ctl._republish == [(1, b"a"), (1, b"b")] and ctl.stats.republished == 0
     finally:
         ctl._client = None
         ctl.store.close()
