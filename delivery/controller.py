@@ -952,8 +952,7 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         with self._dispatch:
             fence = fence_envelope(self.timestamp())
             for c in sorted({c for _, c in unsubs}):
-                self._publish(c, fence)
-                self.stats.fences += 1
+                self._publish_fence(c, fence)
 
     def _release_gated(self, moving: list[int]) -> int:
         """End one switch's gate on ``moving`` (under the dispatch lock; the list is emptied,
@@ -1058,9 +1057,22 @@ class Controller(pb_grpc.ControllerRepliesServicer):
                     with self._lock:
                         self._pending_infos[n].pop(0)
                     if not info.operation:
-                        self._publish(c, fence_envelope(self.timestamp()))
-                        self.stats.fences += 1
+                        self._publish_fence(c, fence_envelope(self.timestamp()))
         return sent
+
+    def _publish_fence(self, c: int, fence: bytes) -> None:
+        """Publish a fence on topic ``c`` (under the dispatch lock). A topic that refuses (its
+        producer cannot be created: the broker is away and not yet known to be down) gets
+        it at the next flush that can publish, in order with the other publishes waiting
+        there: the switch it ends has taken effect and does not fail for it (an agent keeps
+        draining the topic until it arrives; nothing of a moved type is published there)."""
+        try:
+            self._publish(c, fence)
+        except Exception as e:
+            log.warning("topic %d: its fence waits for the next flush (%s)", c, e)
+            with self._lock:
+                self._republish.append((c, fence))
+        self.stats.fences += 1
 
     def _ensure_subscription(self, topic: str, subscription: str) -> bool:
         import pulsar

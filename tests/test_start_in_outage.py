@@ -230,3 +230,19 @@ def test_a_republish_its_topic_refuses_waits_for_the_next_flush(tmp_path) -> Non
     finally:
         ctl._client = None
         ctl.store.close()
+
+
+def test_a_fence_its_topic_refuses_waits_and_the_switch_stands(tmp_path) -> None:
+    """The fence that ends a switch (agents leave topic 1) cannot be published while topic 1
+    refuses a producer: it waits for the next flush, and the switch, already in effect, does
+    not fail for it."""
+    ctl = _offline_controller(tmp_path, _RefusingClient())
+    try:
+        with ctl._lock:
+            ctl._pending[0] = [object()]      # node 0 known unreachable: its info is queued
+        ctl._unsubscribe([(0, 1)], ctl.timestamp())
+        assert [c for c, _ in ctl._republish] == [1] and ctl.stats.fences == 1
+        assert [c for c, _ in ctl._pending_infos[0]] == [1]
+    finally:
+        ctl._client = None
+        ctl.store.close()
