@@ -10,9 +10,12 @@ place in effect at every destination), and delivery delay of the messages genera
 faults vs calm. Each soak runs its own broker, controller and 8 agents in an emulated
 network (needs root); they share this machine with nothing else of the benchmark.
 
-Usage: ``python bench/bench_soak.py [--seeds 1,2,3] [--minutes 60] [--quick] [--name N]``
-(``--quick``: 3 minutes per seed, for a try; ``--name``: the result's name, default
-``bench_soak``, so runs of different lengths keep their own section).
+Usage: ``python bench/bench_soak.py [--seeds 1,2,3] [--minutes 60] [--quick] [--name N]
+[--out DIR [--resume]]`` (``--quick``: 3 minutes per seed, for a try; ``--name``: the
+result's name, default ``bench_soak``, so runs of different lengths keep their own section;
+``--resume``: a seed whose ``DIR/seed<N>/soak.json`` already holds a verdict of the same
+length is read, not run again, so an interrupted multi-seed run goes on where it stopped;
+each seed's commit is kept beside it in ``bench_run.json`` and in the result).
 """
 
 from __future__ import annotations
@@ -28,9 +31,28 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import finish, log, md_table
+from _common import finish, log, machine_info, md_table
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _resumed(seed: int, minutes: float, out: Path) -> dict | None:
+    """The finished soak of ``seed`` under ``out``, or None if it has to run (``--resume``)."""
+    path = out / "soak.json"
+    if not path.exists():
+        return None
+    r = json.loads(path.read_text())
+    if "verdict" not in r:
+        raise SystemExit(f"{path} holds a soak that failed before its verdict: move it away "
+                         f"to run seed {seed} again (nothing was run)")
+    if int(r["config"]["duration_s"]) != int(minutes * 60) or int(r["config"]["seed"]) != seed:
+        raise SystemExit(f"{path} is seed {r['config']['seed']} for "
+                         f"{r['config']['duration_s']} s, not seed {seed} for "
+                         f"{int(minutes * 60)} s (nothing was run)")
+    meta = out / "bench_run.json"
+    r |= json.loads(meta.read_text()) if meta.exists() else {"commit": "unknown"}
+    log(f"soak seed {seed}: read from {path} (measured at {r['commit']})")
+    return r
 
 
 def _one(seed: int, minutes: float, out: Path) -> dict:
@@ -51,6 +73,9 @@ def _one(seed: int, minutes: float, out: Path) -> dict:
         raise SystemExit(f"soak seed {seed} failed before its verdict: {r.get('error')}; "
                          f"see {out}")
     r["wall_s"] = time.perf_counter() - t0
+    r["commit"] = machine_info()["git_commit"]
+    (out / "bench_run.json").write_text(json.dumps({"commit": r["commit"],
+                                                    "wall_s": r["wall_s"]}))
     return r
 
 
@@ -64,14 +89,22 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=60.0)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None, help="where the soaks write (default: a temp dir)")
+    ap.add_argument("--resume", action="store_true",
+                    help="read the seeds --out already holds instead of running them again")
     ap.add_argument("--name", default="bench_soak",
                     help="the result's name (bench/results/<name>.json)")
     args = ap.parse_args()
     minutes = 3.0 if args.quick else args.minutes
     seeds = [int(s) for s in args.seeds.split(",")]
+    if args.resume and not args.out:
+        ap.error("--resume reads the seeds of an earlier --out: give it")
     base = Path(args.out or tempfile.mkdtemp(prefix="bench_soak_"))
     t0 = time.perf_counter()
-    runs = {s: _one(s, minutes, base / f"seed{s}") for s in seeds}
+    runs = {}
+    for s in seeds:
+        runs[s] = ((_resumed(s, minutes, base / f"seed{s}") if args.resume else None)
+                   or _one(s, minutes, base / f"seed{s}"))
+    commits = {str(s): r["commit"] for s, r in runs.items()}
     rows, kinds_total = [], Counter()
     recovery: dict[str, list[float]] = {}
     for s, r in runs.items():
@@ -115,9 +148,13 @@ def main() -> None:
              "place",
              "broker, controller, 8 agents and the driver share this 2-core machine; not "
              "pinned"]
+    if len(set(commits.values())) > 1:
+        notes.append("seeds measured at different commits: " + ", ".join(
+            f"seed {s} at {c}" for s, c in commits.items()))
     cmd = (f"python bench/bench_soak.py --seeds {args.seeds} --minutes {minutes:g}"
            + (f" --name {args.name}" if args.name != "bench_soak" else ""))
-    payload = {"seeds": seeds, "minutes": minutes, "command": cmd,
+    cmd += (f" --out {args.out} --resume" if args.resume else "")
+    payload = {"seeds": seeds, "minutes": minutes, "command": cmd, "commits": commits,
                "runs": {str(s): {k: r.get(k) for k in ("injected", "messages", "verdict",
                                                        "delay_ms", "settle_s", "load_s",
                                                        "notes", "error", "errors")}
