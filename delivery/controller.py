@@ -14,7 +14,9 @@ carried out losslessly:
    comes back and reads the store, and its SubscribeInfos wait in order in a per-node queue
    that the reprogramming thread sends once it answers: an agent whose RPC endpoint was
    unreachable for a while without a restart then subscribes too; a node known to be
-   unreachable is not waited for at all, so it does not stall the switch);
+   unreachable is not waited for at all, so it does not stall the switch). SubscribeInfos
+   go on a connection of their own to each agent (:meth:`Controller._stub`), so on a full
+   link they do not wait behind the pushes queued for that node;
 3. the new channels take effect;
 4. agents that no longer need a topic get an unsubscribing SubscribeInfo and the controller
    publishes a fence on that topic: the agent drains the topic up to the fence, then leaves
@@ -134,6 +136,7 @@ from .health import (
     FailoverConfig,
     MqHealth,
     RateWindow,
+    RpcBacklog,
     close_in_background,
     connected,
     plan_failover,
@@ -158,6 +161,7 @@ __all__ = ["ConfigError", "Controller", "ControllerConfig", "ControllerStats", "
 log = logging.getLogger(__name__)
 
 PRODUCER_RETRY_S = 5.0   # a topic that refused a producer is not asked again sooner
+PRODUCER_WAIT_S = 2.0    # the sending path waits at most this long for a producer's creation
 
 
 class TopicRefused(RuntimeError):
@@ -283,6 +287,7 @@ class ControllerStats:
     outbox_corrupt: int = 0        # stored rows refused at recovery (kept in the store)
     failovers: int = 0             # MQ outages reacted to
     probes_congested: int = 0      # late health probes excused: data acknowledged meanwhile
+    probes_waited: int = 0         # health probes judged after the RPC pushes ahead of them
     failbacks: int = 0             # recoveries (types back on their topics)
     rerouted: int = 0              # MQ-type messages sent over RPC during an outage
     held: int = 0                  # MQ-type messages that waited for the broker
@@ -438,7 +443,11 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         self._acked: dict[int, int] = defaultdict(int)        # node -> last result_seq
         self._channels: dict[int, grpc.Channel] = {}
         self._stubs: dict[int, Any] = {}
+        self._control_channels: dict[int, grpc.Channel] = {}  # SubscribeInfos (see _stub)
+        self._control_stubs: dict[int, Any] = {}
         self._producers: dict[int, Any] = {}
+        # topic -> (its producer's creation, when it started): see _producer
+        self._creating: dict[int, tuple[futures.Future, float]] = {}
         self._producer_refused: dict[int, tuple[float, str]] = {}  # topic -> (when, why)
         self._republish: list[tuple[int, bytes]] = []          # failed publishes
         # publish id -> (topic, envelope, when): publishes not yet acknowledged by the broker
@@ -446,6 +455,7 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         self._last_ack: float | None = None  # monotonic time of the latest acknowledged publish
         self._inflight_units: dict[int, int] = {}  # publish id -> C_p units it holds
         self._limiter = InflightLimiter(cfg.max_inflight_sends, self.stats)
+        self._rpc_backlog = RpcBacklog()  # the pushes in flight, for the health probe
         self._publish_ids = itertools.count()
         self._published_cv = threading.Condition(self._lock)
         # channel failover (see the module docstring)
@@ -500,6 +510,8 @@ class Controller(pb_grpc.ControllerRepliesServicer):
                                      logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error),
                                      **client_args(sec, "controller"))
         self.recover()
+        with self._dispatch:  # the topics in use get their producers at once, side by side
+            self._prepare_producers(self.channel.values())
         address = f"{self.cfg.reply_host}:{self.cfg.reply_port}"
         if insecure:
             self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
@@ -523,7 +535,9 @@ class Controller(pb_grpc.ControllerRepliesServicer):
                                     self.cfg.failover, self._on_health_change,
                                     inflight_age=self._inflight_age,
                                     last_ack=lambda: self._last_ack,
-                                    on_congested=self._probe_congested).start()
+                                    on_congested=self._probe_congested,
+                                    rpc=self._rpc_backlog,
+                                    on_waited=self._probe_waited).start()
             loops.append((self._failover_loop, "failover"))
         for target, name in loops:
             t = threading.Thread(target=target, name=f"controller-{name}", daemon=True)
@@ -640,7 +654,7 @@ class Controller(pb_grpc.ControllerRepliesServicer):
             self._published_cv.notify_all()
             # calls in flight fail now: a push or Collect retried against an agent's old
             # address must not reach whatever listens there next
-            channels = list(self._channels.values())
+            channels = [*self._channels.values(), *self._control_channels.values()]
         for ch in channels:
             ch.close()
         self._health_wake.set()
@@ -655,7 +669,9 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         down = self._mq_down
 
         def close_producers() -> None:
-            for p in self._producers.values():
+            made = [f.result() for f, _ in list(self._creating.values())
+                    if f.done() and f.exception() is None]
+            for p in [*self._producers.values(), *made]:
                 try:
                     if not down:
                         p.flush()
@@ -688,16 +704,24 @@ class Controller(pb_grpc.ControllerRepliesServicer):
             self._last_ts = ts
             return ts
 
-    def _stub(self, node: int) -> Any:
-        s = self._stubs.get(node)
+    def _stub(self, node: int, control: bool = False) -> Any:
+        """Node ``node``'s stub: on the data connection (pushes, collections) or, with
+        ``control``, on a connection of its own for the SubscribeInfos, so that one never
+        waits behind the pushes queued on the data connection (a full link)."""
+        stubs = self._control_stubs if control else self._stubs
+        s = stubs.get(node)
         if s is None:
             with self._lock:  # the collect, reprogram and sending threads all get stubs
-                s = self._stubs.get(node)
+                s = stubs.get(node)
                 if s is None:
                     if self._stop.is_set():
                         raise RuntimeError("the controller is closed")
+                    # a channel of its own: gRPC shares one connection between channels of
+                    # the same target and arguments unless told otherwise
+                    opts = _CHANNEL_OPTIONS + ([("grpc.use_local_subchannel_pool", 1)]
+                                               if control else [])
                     if self.cfg.security.insecure:
-                        ch = grpc.insecure_channel(self.agents[node], options=_CHANNEL_OPTIONS)
+                        ch = grpc.insecure_channel(self.agents[node], options=opts)
                     else:
                         if self._channel_creds is None:
                             self._channel_creds = channel_credentials(
@@ -705,37 +729,80 @@ class Controller(pb_grpc.ControllerRepliesServicer):
                         # only node's own identity may answer there (pinned)
                         ch = grpc.secure_channel(
                             self.agents[node], self._channel_creds,
-                            options=_CHANNEL_OPTIONS + pinned_options(agent_principal(node)))
-                    self._channels[node] = ch
-                    s = self._stubs[node] = pb_grpc.MessageAgentStub(ch)
+                            options=opts + pinned_options(agent_principal(node)))
+                    (self._control_channels if control else self._channels)[node] = ch
+                    s = stubs[node] = pb_grpc.MessageAgentStub(ch)
         return s
+
+    def _control_channel(self, node: int) -> grpc.Channel:
+        """Node ``node``'s control connection (see :meth:`_stub`)."""
+        self._stub(node, control=True)
+        return self._control_channels[node]
 
     def count_refused(self) -> None:
         """Count a refused call (the role checks of this controller's servers)."""
         self.stats.refused_calls += 1
 
     def _producer(self, t: int) -> Any:
-        """Topic ``t``'s producer, created on first use. A topic whose producer could not be
+        """Topic ``t``'s producer, created on first use on a helper thread (under the
+        dispatch lock). The sending path waits for a creation at most ``PRODUCER_WAIT_S``
+        in all (a broker that is away makes a creation wait for the client's operation
+        timeout): after that the topic raises :class:`TopicRefused` at once while the
+        creation goes on, and its messages go over RPC. A topic whose producer could not be
         created is not asked again for ``PRODUCER_RETRY_S`` (:class:`TopicRefused` at
-        once): each attempt waits up to the client's operation timeout, on the dispatch
-        path."""
+        once)."""
         p = self._producers.get(t)
-        if p is None:
-            refused = self._producer_refused.get(t)
-            if refused is not None and time.monotonic() - refused[0] < PRODUCER_RETRY_S:
-                raise TopicRefused(f"topic {t}: no producer ({refused[1]}, "
-                                   f"{time.monotonic() - refused[0]:.1f} s ago)")
-            # with failover on, unacknowledged publishes never time out: the client sends
-            # them again, in order, once the broker is back (those of a type moved to RPC
-            # meanwhile arrive as duplicates)
+        if p is not None:
+            return p
+        refused = self._producer_refused.get(t)
+        if refused is not None and time.monotonic() - refused[0] < PRODUCER_RETRY_S:
+            raise TopicRefused(f"topic {t}: no producer ({refused[1]}, "
+                               f"{time.monotonic() - refused[0]:.1f} s ago)")
+        fut, started = self._creating.get(t) or self._create_in_background(t)
+        # (the client's own timeout is a TimeoutError too: the future tells them apart)
+        futures.wait([fut], timeout=max(0.0, started + PRODUCER_WAIT_S - time.monotonic()))
+        if not fut.done():
+            raise TopicRefused(f"topic {t}: its producer is still being created "
+                               f"({time.monotonic() - started:.1f} s)")
+        del self._creating[t]
+        e = fut.exception()
+        if e is not None:
+            self._producer_refused[t] = (time.monotonic(), f"{type(e).__name__}: {e}")
+            raise e
+        p = fut.result()
+        self._producer_refused.pop(t, None)
+        self._producers[t] = p
+        return p
+
+    def _prepare_producers(self, channels: Iterable[int]) -> None:
+        """Start creating the producers of the topics among ``channels`` that have none and
+        may be asked (under the dispatch lock), so that their creations overlap: the
+        sending path then waits ``PRODUCER_WAIT_S`` once for all of them, not once each."""
+        now = time.monotonic()
+        for c in sorted(set(channels) - {RPC}):
+            refused = self._producer_refused.get(c)
+            if (c not in self._producers and c not in self._creating
+                    and (refused is None or now - refused[0] >= PRODUCER_RETRY_S)):
+                self._create_in_background(c)
+
+    def _create_in_background(self, t: int) -> tuple[futures.Future, float]:
+        """Start creating topic ``t``'s producer on a helper thread that holds no lock (see
+        :meth:`_producer`); a producer created after the controller closed is closed."""
+        fut: futures.Future = futures.Future()
+        self._creating[t] = entry = (fut, time.monotonic())
+
+        def create() -> None:
             try:
                 p = self._create_producer(t)
-            except Exception as e:
-                self._producer_refused[t] = (time.monotonic(), f"{type(e).__name__}: {e}")
-                raise
-            self._producer_refused.pop(t, None)
-            self._producers[t] = p
-        return p
+            except BaseException as e:
+                fut.set_exception(e)
+                return
+            fut.set_result(p)
+            if self._stop.is_set():
+                close_in_background(p)
+
+        threading.Thread(target=create, name=f"controller-producer-{t}", daemon=True).start()
+        return entry
 
     def _create_producer(self, t: int) -> Any:
         assert self._client is not None
@@ -996,7 +1063,7 @@ class Controller(pb_grpc.ControllerRepliesServicer):
             # wait_for_ready: a channel in reconnect backoff (the agent was not up at a
             # Collect a moment ago) would fail it at once, and an agent that misses a
             # SubscribeInfo while it runs never consumes the topic
-            calls.append((n, c, info, self._stub(n).Subscribe.future(
+            calls.append((n, c, info, self._stub(n, control=True).Subscribe.future(
                 info, timeout=self.cfg.subscribe_timeout_s, wait_for_ready=True)))
         for n, c, info, fut in calls:
             try:
@@ -1023,41 +1090,60 @@ class Controller(pb_grpc.ControllerRepliesServicer):
                 q.append((c, info))
 
     def retry_subscribe_infos(self) -> int:
-        """Send the queued SubscribeInfos of nodes that answer again, in order (a node's queue
-        stops at its first failure). An unsubscription sent this way gets a fence of its own:
-        the one of its switch may have gone by. Runs under the switch and dispatch locks, so
-        no switch changes a queue meanwhile, and only for nodes whose channel is ready (a node still
-        down costs a 0.2 s probe, not a blocked dispatcher). Returns the number sent."""
+        """Send the queued SubscribeInfos of nodes that answer again, in order: each round
+        sends the first one of every such node at once and waits for the answers (each
+        within ``push_timeout_s``); a node's queue stops at its first failure. An
+        unsubscription sent this way gets a fence of its own: the one of its switch may have
+        gone by. Runs under the switch lock, so no switch changes a queue meanwhile, but not
+        under the dispatch lock: messages keep leaving while a node is slow to answer (only
+        the fence takes it). Nodes whose control channel is not ready within 0.2 s (all
+        probed at once) wait for the next period. Returns the number sent."""
         with self._lock:
             nodes = [] if self._mq_down else [n for n, infos in self._pending_infos.items()
                                               if infos]
-        sent = 0
-        for n in nodes:
-            self._stub(n)
+        if not nodes:
+            return 0
+        try:
+            probes = {n: grpc.channel_ready_future(self._control_channel(n)) for n in nodes}
+        except RuntimeError:  # closed meanwhile
+            return 0
+        deadline = time.monotonic() + 0.2
+        ready = []
+        for n, f in probes.items():
             try:
-                grpc.channel_ready_future(self._channels[n]).result(timeout=0.2)
+                f.result(timeout=max(0.0, deadline - time.monotonic()))
+                ready.append(n)
             except grpc.FutureTimeoutError:
-                continue
-            with self._switch_lock, self._dispatch:
-                while True:
+                f.cancel()
+        sent = 0
+        with self._switch_lock:
+            while ready:
+                calls = []
+                for n in ready:
                     with self._lock:
                         if not self._pending_infos[n]:
-                            break
+                            continue
                         c, info = self._pending_infos[n][0]
+                    calls.append((n, c, info, self._stub(n, control=True).Subscribe.future(
+                        info, timeout=self.cfg.push_timeout_s)))
+                ready = []
+                for n, c, info, fut in calls:
                     try:
-                        ack = self._stub(n).Subscribe(info, timeout=self.cfg.push_timeout_s)
+                        ack = fut.result()
                     except grpc.RpcError:
-                        break
+                        continue
                     if not ack.ok:  # e.g. the broker is down: try again later
                         log.warning("node %d: queued SubscribeInfo %s: %s", n, info.topic,
                                     ack.error)
-                        break
+                        continue
                     self.stats.rpc_bytes += info.ByteSize()
                     sent += 1
                     with self._lock:
                         self._pending_infos[n].pop(0)
                     if not info.operation:
-                        self._publish_fence(c, fence_envelope(self.timestamp()))
+                        with self._dispatch:
+                            self._publish_fence(c, fence_envelope(self.timestamp()))
+                    ready.append(n)
         return sent
 
     def _publish_fence(self, c: int, fence: bytes) -> None:
@@ -1115,6 +1201,8 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         with self._dispatch:
             self._in_send.active = True
             try:
+                if not self._mq_down:
+                    self._prepare_producers(self.channel.get(t, RPC) for _, t, _ in encoded)
                 for msg, t, cm in encoded:
                     if t not in self.hosts:
                         self.hosts[t] = tuple(msg.hosts)
@@ -1332,6 +1420,10 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         """MqHealth's callback: a late probe excused (the link is full, the broker up)."""
         self.stats.probes_congested += 1
 
+    def _probe_waited(self) -> None:
+        """MqHealth's callback: a probe's deadline moved for the RPC pushes ahead of it."""
+        self.stats.probes_waited += 1
+
     def _on_health_change(self, state: str, reason: str) -> None:
         """MqHealth's callback (its probe thread): note it, wake the failover thread."""
         with self._lock:
@@ -1511,13 +1603,14 @@ class Controller(pb_grpc.ControllerRepliesServicer):
                 units = self._limiter.acquire(len(b.messages))
                 self.stats.rpc_pushes += 1
                 self.stats.rpc_bytes += b.ByteSize()
+                seq = self._rpc_backlog.start()  # ahead of every probe that leaves from now
                 try:
                     calls[n] = fut = self._stub(n).Push.future(b,
                                                                timeout=self.cfg.push_timeout_s)
                 except (ValueError, RuntimeError):  # closed meanwhile: stays queued
-                    self._limiter.release(units)
+                    self._push_done(units, seq, None)
                     break
-                fut.add_done_callback(functools.partial(self._push_done, units))
+                fut.add_done_callback(functools.partial(self._push_done, units, seq))
             failed = {n: b for n, b in todo.items() if n not in calls}
             for n, fut in calls.items():
                 try:
@@ -1552,9 +1645,11 @@ class Controller(pb_grpc.ControllerRepliesServicer):
             self._event("reachable", f"node {n}")
         return ok
 
-    def _push_done(self, units: int, _fut: Any) -> None:
-        """A push call ended (answered, failed or cancelled): its C_p units go back."""
+    def _push_done(self, units: int, seq: int, _fut: Any) -> None:
+        """A push call ended (answered, failed or cancelled): its C_p units go back and the
+        probes behind it may be judged (:class:`delivery.health.RpcBacklog`)."""
         self._limiter.release(units)
+        self._rpc_backlog.end(seq)
 
     def _reprogram_loop(self) -> None:
         while not self._stop.wait(self.cfg.reprogram_period_s):

@@ -19,7 +19,8 @@ SMART Eq. 1's controller constraints, Section V-B).
   ``recover_after`` consecutive successes. Probes are pipelined (one leaves every period
   whatever the previous one's fate), so a broker that dies is declared down within
   :attr:`FailoverConfig.detection_bound_s` = ``fail_after * probe_period_s +
-  probe_timeout_s``. While down, a probe producer that lost its connection gets a fresh
+  probe_timeout_s``, plus at most one ``push_timeout_s`` while RPC pushes fill the link.
+  While down, a probe producer that lost its connection gets a fresh
   twin (another one every 5 s while none has connected, at most 3 creations in flight), and
   the first to be connected is probed with: an existing producer reconnects on the client's
   own back-off, which can leave it disconnected long after the broker is back, and a
@@ -55,6 +56,7 @@ from envs.dsmd.instance import RPC, DSMDInstance
 from security.tls import Security, SecurityError
 
 __all__ = ["ConfigError", "FailoverConfig", "FailoverPlan", "MqHealth", "RateWindow",
+           "RpcBacklog",
            "close_in_background", "connected", "plan_failover", "security_setting", "warm_up"]
 
 log = logging.getLogger(__name__)
@@ -362,15 +364,71 @@ def _fit_reason(state: CostState, m: int, cb: float | None, cp: float | None) ->
 _RECREATE_S = 5.0     # while down, a fresh probe producer is tried at most this often
 _MAX_CREATING = 3     # and at most this many creations are in flight
 
+class RpcBacklog:
+    """The controller's RPC pushes in flight, in the order they started, for the probe
+    (module docstring): :meth:`start` numbers a push, :meth:`end` ends it (answered, failed
+    or cancelled), :meth:`mark` is the number of the latest push started and
+    :meth:`drained_at` the clock time by which every push up to a mark had ended (None: not
+    yet). Thread-safe; keeps the drain times of the last ``memory_s`` seconds."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic,
+                 memory_s: float = 120.0) -> None:
+        self._clock = clock
+        self._memory_s = memory_s
+        self._lock = threading.Lock()
+        self._next = 1
+        self._open: dict[int, None] = {}              # insertion order = start order
+        self._drains: deque[tuple[int, float]] = deque()   # (lowest open, since when)
+
+    def start(self) -> int:
+        with self._lock:
+            seq, self._next = self._next, self._next + 1
+            self._open[seq] = None
+            return seq
+
+    def end(self, seq: int) -> None:
+        with self._lock:
+            if seq not in self._open:  # unknown or ended twice
+                return
+            oldest = next(iter(self._open))
+            del self._open[seq]
+            if seq != oldest:  # an older push is still in flight: nothing more has drained
+                return
+            now = self._clock()
+            self._drains.append((next(iter(self._open), self._next), now))
+            while self._drains and self._drains[0][1] < now - self._memory_s:
+                self._drains.popleft()
+
+    def mark(self) -> int:
+        with self._lock:
+            return self._next - 1
+
+    def drained_at(self, mark: int) -> float | None:
+        with self._lock:
+            if next(iter(self._open), self._next) <= mark:
+                return None
+            for low, t in self._drains:
+                if low > mark:
+                    return t
+            return -math.inf  # drained before anything this object remembers
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._open)
+
+
 @dataclass(eq=False)
 class _Probe:
-    """One probe: due at ``deadline``; ``sent`` unless there was no producer to send it."""
+    """One probe: due at ``deadline``; ``sent`` unless there was no producer to send it;
+    ``mark``: the RPC pushes ahead of it (:class:`RpcBacklog`)."""
 
     deadline: float
     sent: bool = False
     result: Any = None
     answered: float | None = None
     error: str = ""   # why the publish was refused
+    mark: int | None = None
+    waited: bool = False   # its deadline moved for the pushes ahead of it
 
 
 class MqHealth:
@@ -380,10 +438,13 @@ class MqHealth:
     ``inflight_age()`` gives the age (s) of the controller's oldest unacknowledged data
     publish (0 when there is none); ``last_ack()`` the clock time of its latest
     acknowledged data publish (None: none yet), which tells a full link from a dead broker;
-    ``on_congested()`` is called for each late probe so excused.
+    ``on_congested()`` is called for each late probe so excused; ``rpc`` is the
+    controller's :class:`RpcBacklog`, whose pushes ahead of a probe move its deadline
+    (``on_waited()`` is called once for each probe so moved).
     ``events`` lists the changes as (clock, state, reason); ``probes`` and ``failures``
     count the probes judged and those that failed, ``congested`` the late probes excused
-    because data publishes were acknowledged meanwhile."""
+    because data publishes were acknowledged meanwhile, ``waited`` the probes whose
+    deadline moved for the RPC pushes ahead of them."""
 
     UP, DOWN = "up", "down"
 
@@ -392,8 +453,12 @@ class MqHealth:
                  inflight_age: Callable[[], float] | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  last_ack: Callable[[], float | None] | None = None,
-                 on_congested: Callable[[], None] | None = None) -> None:
+                 on_congested: Callable[[], None] | None = None,
+                 rpc: RpcBacklog | None = None,
+                 on_waited: Callable[[], None] | None = None) -> None:
         self.client = client
+        self._rpc = rpc
+        self._on_waited = on_waited
         self.topic = topic
         self.cfg = cfg
         self._on_change = on_change
@@ -410,6 +475,7 @@ class MqHealth:
         self.probes = 0
         self.failures = 0
         self.congested = 0
+        self.waited = 0
         self._fails = self._oks = 0
         self._producer: Any = None
         self._spare: Any = None                    # a fresh producer created while down
@@ -467,15 +533,37 @@ class MqHealth:
             if now >= next_send:
                 pending.append(self._send(now))
                 next_send = max(next_send + period, now)  # no burst after a stall
-            while pending and (pending[0].answered is not None or pending[0].error
-                               or self._clock() >= pending[0].deadline):
+            while pending and self._due(pending[0], self._clock()):
                 self._judge(pending.popleft())
             wake = min([next_send] + [p.deadline for p in pending])
             self._wake.wait(max(0.0, wake - self._clock()))
             self._wake.clear()
 
+    def _due(self, probe: _Probe, now: float) -> bool:
+        """Whether ``probe`` can be judged now: answered, refused, or past its deadline,
+        which is ``probe_timeout_s`` after the RPC pushes ahead of it ended (module
+        docstring; polled every 50 ms while one of them is in flight)."""
+        if probe.answered is not None or probe.error:
+            return True
+        if now < probe.deadline:
+            return False
+        if self._rpc is not None and probe.mark is not None:
+            drained = self._rpc.drained_at(probe.mark)
+            due = (now + 0.05 if drained is None
+                   else max(probe.deadline, drained + self.cfg.probe_timeout_s))
+            if due > probe.deadline:
+                probe.deadline = due
+                if not probe.waited:
+                    probe.waited = True
+                    self.waited += 1
+                    if self._on_waited is not None:
+                        self._on_waited()
+                return False
+        return True
+
     def _send(self, now: float) -> _Probe:
-        probe = _Probe(now + self.cfg.probe_timeout_s)
+        probe = _Probe(now + self.cfg.probe_timeout_s,
+                       mark=None if self._rpc is None else self._rpc.mark())
         producer = self._ensure_producer(now)
         if producer is None:
             return probe  # judged at its deadline (no producer yet)

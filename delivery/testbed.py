@@ -434,7 +434,7 @@ def _measure(spec: RunSpec, out: dict[str, Any], rec_dir: Path, nodes: Sequence[
         **_predicted(out.get("predictions", [])), **_realised(out.get("realised", [])),
         **out.get("links", {}),
         **{k: c.get(k, 0) for k in ("inflight_waits", "inflight_wait_s", "inflight_peak",
-                                    "failovers", "probes_congested", "rerouted")},
+                                    "failovers", "probes_congested", "probes_waited", "rerouted")},
     }
     summary["queued"] = bool(  # a link's queue held >= QUEUED_MS, or a send waited for C_p
         summary.get("link_controller_queue_p95_ms", 0.0) >= QUEUED_MS

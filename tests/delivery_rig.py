@@ -30,6 +30,7 @@ from envs.netutil import free_ports
 from security.pulsar import admin_call, subscription_name
 from security.tls import Security
 
+from .slow_link import SlowLink
 from .waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -133,11 +134,13 @@ class Rig:
     """A controller and in-process agents (one AgentHost) on a broker (a standalone one, or a
     :class:`delivery.pulsar_cluster.PulsarCluster`: the rig uses its service and admin URLs
     and its security), with a fresh store, record directory and topic prefix; ``security``
-    (default: secure) for all of them."""
+    (default: secure) for all of them. ``slow_links`` (node -> bit/s): the controller
+    reaches those nodes through one :class:`tests.slow_link.SlowLink` of that rate each."""
 
     def __init__(self, broker: PulsarStandalone, tmp: Path, nodes: Iterable[int], *,
                  ctl_kw: dict | None = None, agent_kw: dict | None = None,
-                 agents_in_process: bool = True, security: Security | None = None) -> None:
+                 agents_in_process: bool = True, security: Security | None = None,
+                 slow_links: dict[int, float] | None = None) -> None:
         self.broker = broker
         self.security = security or Security()
         self.nodes = list(nodes)
@@ -149,10 +152,13 @@ class Rig:
         kw = {"collect_period_s": 0.3, "reprogram_period_s": 0.2, "push_timeout_s": 2.0,
               "pulsar_admin_url": broker.admin_url}
         kw.update(ctl_kw or {})
+        self.links = {n: SlowLink(self.ports[n], bps).__enter__()
+                      for n, bps in (slow_links or {}).items()}
+        dial = {n: self.links[n].port if n in self.links else p for n, p in self.ports.items()}
         self.ctl = Controller(ControllerConfig(broker.service_url, self.store_url,
                                                topic_prefix=self.prefix,
                                                security=self.security, **kw),
-                              {n: f"127.0.0.1:{p}" for n, p in self.ports.items()}).start()
+                              {n: f"127.0.0.1:{p}" for n, p in dial.items()}).start()
         self.agent_kw: dict = {"pack_period_s": 0.1}
         self.agent_kw.update(agent_kw or {})
         self.host: AgentHost | None = None
@@ -228,6 +234,8 @@ class Rig:
                 self.host.close()
         finally:
             self.ctl.close()
+            for link in self.links.values():
+                link.close()
 
 
 @contextmanager

@@ -626,6 +626,92 @@ def test_subscribe_info_retried_after_rpc_outage(pulsar_broker, tmp_path):
         assert subs[r.topic(1)][0] == "deleted" and subs[r.topic(2)][0] == "subscribed"
 
 
+def test_subscribe_info_does_not_wait_behind_a_full_link(pulsar_broker, tmp_path):
+    """The controller's link to a node is full: 4 MB of pushes on a 2 Mbit/s link (a 16-s
+    drain). A switch that moves another of the node's types to a topic gets its SubscribeInfo
+    through long before the pushes are: it travels on a connection of its own, not behind
+    them. The moved type's messages all arrive, nothing is lost or applied twice."""
+    nodes = (0,)
+    with rig(pulsar_broker, tmp_path, nodes, slow_links={0: 2e6},
+             ctl_kw={"push_timeout_s": 60.0}) as r:
+        r.ctl.set_channels({0: RPC, 1: RPC}, {0: nodes, 1: nodes})
+        r.send(0, resource_id=0, hosts=nodes)
+        r.send(1, resource_id=100, hosts=nodes)
+        r.delivered(every=True)
+        for k in range(64):
+            r.send(0, resource_id=k % 8, hosts=nodes, size=64 * 1024)
+        flushing = threading.Thread(target=r.ctl.flush, daemon=True)
+        flushing.start()
+        wait_until(lambda: r.links[0].forwarded > 256 * 1024, 20, "the pushes on the link")
+        switch = threading.Thread(target=r.ctl.set_channels, args=({1: 1}, {1: nodes}),
+                                  daemon=True)
+        t0 = time.monotonic()
+        switch.start()
+        agent = r.host.agents[0]
+        wait_until(lambda: r.topic(1) in agent.topics() or not flushing.is_alive(), 30,
+                   "node 0's subscription or the end of the pushes")
+        took = time.monotonic() - t0
+        assert r.topic(1) in agent.topics() and flushing.is_alive() and took < 8.0, (
+            f"the SubscribeInfo waited {took:.1f} s, behind the pushes")
+        assert r.links[0].forwarded < 3 * 1024 * 1024
+        for k in range(10):
+            r.send(1, resource_id=100 + k % 3, hosts=nodes)
+        flushing.join(60)
+        switch.join(60)
+        assert not switch.is_alive()
+        r.delivered(every=True, timeout=60)
+        assert_arrived(r)
+
+
+def test_a_node_slow_to_answer_its_queued_subscribe_info_holds_up_no_message(
+        pulsar_broker, tmp_path):
+    """A node whose queued SubscribeInfo is retried but answered only after
+    ``push_timeout_s`` (its subscription is slow to make): messages keep being accepted and
+    pushed to the other node meanwhile (the retry holds no lock of the sending path), and
+    once the node answers in time its queue empties and nothing is lost."""
+    nodes = (0, 1)
+    with rig(pulsar_broker, tmp_path, nodes,
+             ctl_kw={"subscribe_timeout_s": 3.0, "retry_backoff_s": 0.02}) as r:
+        r.ctl.set_channels({0: RPC, 1: RPC}, {0: nodes, 1: (0,)})
+        r.send(0, resource_id=0, hosts=nodes)
+        r.delivered(every=True)
+        agent = r.host.agents[1]
+        r.host.call(agent._server.stop(0))
+        r.ctl.set_channels({0: 1}, {0: nodes})       # node 1 cannot hear the SubscribeInfo
+        # (node 0's may outlast the timeout on a cold broker: retried until here)
+        wait_until(lambda: r.ctl.pending_subscribe_infos() == {1: 1}, 20,
+                   "only node 1's SubscribeInfo queued")
+        slow, tried = [True], []
+        subscribe = agent._subscribe
+
+        def slow_subscribe(*a):
+            if slow[0]:
+                tried.append(time.monotonic())
+                time.sleep(3.0)                        # > push_timeout_s (2 s)
+                raise RuntimeError("a slow broker lookup")
+            return subscribe(*a)
+
+        agent._subscribe = slow_subscribe
+        assert r.host.call(agent.serve()) == agent.port
+        wait_until(lambda: len(tried) >= 1, 15, "the queued SubscribeInfo retried")
+        worst, t_end = 0.0, time.monotonic() + 4.0
+        k = 0
+        while time.monotonic() < t_end:
+            t = time.monotonic()
+            r.send(1, resource_id=10 + k % 4, hosts=(0,))
+            r.ctl.flush(wait=False)
+            worst = max(worst, time.monotonic() - t)
+            k += 1
+            time.sleep(0.05)
+        assert len(tried) >= 2 and r.ctl.pending_subscribe_infos() == {1: 1}
+        assert worst < 1.0, f"a send waited {worst:.2f} s for the retried SubscribeInfo"
+        slow[0] = False
+        wait_until(lambda: not r.ctl.pending_subscribe_infos(), 20, "queued SubscribeInfos")
+        r.send(0, resource_id=1, hosts=nodes)
+        r.delivered(every=True)
+        assert_arrived(r)
+
+
 def test_crash_between_leaving_a_topic_and_deleting_its_subscription(pulsar_broker, tmp_path):
     """An agent that recorded leaving a topic but died before deleting its durable
     subscription (the record's last word on the topic is "unsubscribed", not "deleted")

@@ -20,6 +20,7 @@ from delivery.health import (
     FailoverPlan,
     MqHealth,
     RateWindow,
+    RpcBacklog,
     plan_failover,
 )
 from envs.dsmd.cost import evaluate
@@ -546,6 +547,83 @@ def test_health_tells_a_full_link_from_a_dead_broker():
     old = MqHealth(object(), "t", FAST, Recorder(), clock=lambda: now[0])
     old._judge(_Probe(deadline=now[0], sent=True))
     assert old.failures == 1 and old.congested == 0
+
+
+def test_rpc_backlog_tells_when_the_pushes_ahead_of_a_mark_ended():
+    """Pushes end in any order; a mark is drained once every push started up to it ended,
+    at the time the last of them did."""
+    now = [0.0]
+    b = RpcBacklog(clock=lambda: now[0])
+    assert b.mark() == 0 and b.drained_at(0) == -math.inf
+    s1, s2, s3 = b.start(), b.start(), b.start()
+    mark = b.mark()
+    s4 = b.start()
+    assert (mark, len(b)) == (3, 4) and b.drained_at(mark) is None
+    now[0] = 1.0
+    b.end(s2)                      # a younger push first: nothing drained yet
+    assert b.drained_at(1) is None and b.drained_at(mark) is None
+    now[0] = 2.0
+    b.end(s1)                      # the oldest: 1 and 2 drained now
+    assert b.drained_at(1) == b.drained_at(2) == 2.0 and b.drained_at(mark) is None
+    now[0] = 3.0
+    b.end(s3)
+    b.end(s3)                      # twice: ignored
+    assert b.drained_at(mark) == 3.0 and b.drained_at(s4) is None
+    now[0] = 4.0
+    b.end(s4)
+    assert b.drained_at(s4) == 4.0 and len(b) == 0
+
+
+def test_health_waits_for_the_rpc_pushes_ahead_of_a_probe():
+    """A link full of RPC pushes and no data publish to tell by (every type on RPC): a
+    probe that left behind pushes in flight is judged ``probe_timeout_s`` after the last of
+    them ended, not at its own deadline, so a probe the broker answers once the bytes ahead
+    of it are through is a success (no false failover). A dead broker is still declared
+    down, within the detection bound plus the time the pushes ahead took (at most one
+    ``push_timeout_s``); without pushes in flight a probe is judged at its own deadline."""
+    pulsar = pytest.importorskip("pulsar")
+    from delivery.health import _Probe
+
+    now = [10.0]
+    rpc = RpcBacklog(clock=lambda: now[0])
+    rec, waited = Recorder(), []
+    h = MqHealth(object(), "t", FAST, rec, clock=lambda: now[0], rpc=rpc,
+                 on_waited=lambda: waited.append(now[0]))
+    timeout, push_timeout = FAST.probe_timeout_s, 2.0
+    for _ in range(5 * FAST.fail_after):
+        sent = now[0]
+        push = rpc.start()
+        probe = _Probe(sent + timeout, sent=True, mark=rpc.mark())
+        now[0] = sent + timeout                 # its own deadline: the push still in flight
+        assert not h._due(probe, now[0]) and probe.waited
+        now[0] = sent + 1.5 * timeout
+        rpc.end(push)                           # the link drained the push ahead of it
+        assert not h._due(probe, now[0])
+        assert probe.deadline == pytest.approx(now[0] + timeout)
+        probe.result, probe.answered = pulsar.Result.Ok, now[0] + timeout / 2
+        now[0] = probe.answered
+        assert h._due(probe, now[0])
+        h._judge(probe)
+    assert h.state == MqHealth.UP and h.failures == 0 and h.probes == 5 * FAST.fail_after
+    assert h.waited == len(waited) == 5 * FAST.fail_after
+    # the broker dies while pushes fill the link: down, late by at most one push timeout
+    dead, pushes, pending = now[0], [], []
+    while h.state == MqHealth.UP:
+        pushes.append((now[0], rpc.start()))
+        pending.append(_Probe(now[0] + timeout, sent=True, mark=rpc.mark()))
+        now[0] += FAST.probe_period_s
+        while pushes and pushes[0][0] + push_timeout <= now[0]:
+            rpc.end(pushes.pop(0)[1])           # each push fails at its timeout
+        while pending and h._due(pending[0], now[0]):
+            h._judge(pending.pop(0))
+        assert now[0] - dead < 60
+    assert now[0] - dead <= FAST.detection_bound_s + push_timeout + FAST.probe_period_s + 1e-9
+    assert "probe publish not acknowledged" in rec.changes[-1][2]
+    # no push in flight: judged at its own deadline
+    idle = MqHealth(object(), "t", FAST, Recorder(), clock=lambda: now[0],
+                    rpc=RpcBacklog(clock=lambda: now[0]))
+    probe = _Probe(now[0], sent=True, mark=0)
+    assert idle._due(probe, now[0]) and not probe.waited
 
 
 @pytest.mark.xdist_group("pulsar")

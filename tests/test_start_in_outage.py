@@ -6,7 +6,9 @@ fault-injection soak's ``experiment=soak_restart_in_outage`` combines them):
 * the controller takes the client's ``TimeOut`` for "no answer", so its recovery waits one
   operation timeout, not one per durable subscription;
 * a restarted agent reports its recent applies again from its record, so results that died
-  with the previous process still confirm the controller's outbox rows."""
+  with the previous process still confirm the controller's outbox rows;
+* a broker that takes connections but never answers costs the sending path at most
+  ``PRODUCER_WAIT_S`` per topic, not the client's operation timeout."""
 
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ from delivery.store import MetadataStore, SubscriptionChange
 from envs.dsmd.message import Message
 from envs.netutil import free_ports
 from security.tls import Security
+
+from .waiting import wait_until
 
 
 def test_an_agent_starts_and_serves_while_the_broker_is_down(tmp_path) -> None:
@@ -154,6 +158,48 @@ def test_a_message_its_topic_refuses_goes_over_rpc_on_every_dispatch_path(tmp_pa
     finally:
         ctl._client = None
         ctl.store.close()
+
+
+def test_a_broker_that_never_answers_costs_the_sending_path_one_short_wait(
+        tmp_path, monkeypatch) -> None:
+    """A controller (restarted) while the broker's port takes connections and never answers:
+    the first messages of three topics wait for their producers (created side by side) at
+    most ``PRODUCER_WAIT_S`` in all, not the client's operation timeout each, and go over
+    RPC; later ones go over RPC at once while the creations go on; once a creation failed
+    its topic is not asked again for ``PRODUCER_RETRY_S``."""
+    monkeypatch.setattr(controller_mod, "PRODUCER_WAIT_S", 0.5)
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(16)                                    # accepts (the kernel), never answers
+    url = f"pulsar://127.0.0.1:{hung.getsockname()[1]}"
+    client = pulsar.Client(url, operation_timeout_seconds=3, connection_timeout_ms=3000,
+                           logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error))
+    ctl = _offline_controller(tmp_path, client)
+    ctl.channel = {1: 1, 2: 2, 3: 3}
+    ctl._in_send.active = True                         # no push (no agents here)
+    try:
+        t0 = time.monotonic()
+        ctl.send_many([(_message(k)[0], k) for k in (1, 2, 3)])
+        first = time.monotonic() - t0
+        t1 = time.monotonic()
+        ctl.send_many([(_message(3 + k)[0], k) for k in (1, 2, 3)])
+        later = time.monotonic() - t1
+        assert first < 1.5, f"the first messages waited {first:.1f} s for their producers"
+        assert later < 0.5, f"later messages waited {later:.1f} s"
+        assert ctl.stats.rerouted == 6 and ctl.stats.mq_messages == 0
+        assert len(ctl._outbox[0]) == len(ctl._outbox[1]) == 6
+        wait_until(ctl._creating[1][0].done, 15, "the creation's failure")
+        t2 = time.monotonic()
+        ctl.send_many([(_message(7)[0], 1)])
+        assert time.monotonic() - t2 < 0.5
+        assert "ConnectError" in ctl._producer_refused[1][1] and 1 not in ctl._creating
+        assert ctl.stats.rerouted == 7
+    finally:
+        ctl._stop.set()
+        ctl._client = None
+        client.close()
+        ctl.store.close()
+        hung.close()
 
 
 class _Producer:
