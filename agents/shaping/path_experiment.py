@@ -28,6 +28,9 @@ With ``path.learned`` (``train.py env=path_shaping`` output directories) it also
 ``path_learned.csv`` (:func:`learned_table`): the learned policy of ``smart/PathShaping-v0``
 per training seed against the baselines, and with ``path.baselines`` (``train.py
 env=path_shaping agent=baselines`` directories) the hindsight value on the same episodes.
+With ``path.bounds.seeds`` it writes ``path_bounds.csv`` and ``path_bounds_summary.csv``
+(:mod:`agents.shaping.path_bounds`): on those seeds' test episodes, what a perfect priority
+lane for the setups would gain over ``none``.
 """
 
 from __future__ import annotations
@@ -294,6 +297,24 @@ def learned_table(run_dirs: list[str], baseline_dirs: list[str] | None = None) -
     return out
 
 
+def _bounds(b: dict[str, Any]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """``path.bounds``: :mod:`agents.shaping.path_bounds` on the test episodes of the
+    training seeds ``seeds`` of ``smart/PathShaping-v0`` with the settings of ``env``."""
+    from omegaconf import OmegaConf
+
+    from ..episodes import episode_seeds
+    from .path_bounds import bounds_summary, bounds_table
+
+    f = Path(str(b["env"]))
+    if not f.is_file():
+        raise ShapingError(f"path.bounds.env: {f} is not a file")
+    kw = OmegaConf.to_container(OmegaConf.load(f).env.kwargs, resolve=True)
+    n = int(b.get("episodes", 10))
+    _say(f"hindsight bounds on {n} test episodes of seeds {list(b['seeds'])} ({f.name})")
+    bt = bounds_table(kw, [(int(s), episode_seeds(int(s), "test", n)) for s in b["seeds"]])
+    return bt, bounds_summary(bt)
+
+
 def run_path(cfg: DictConfig) -> dict[str, Any]:
     """The sending-path reproduction (see the module docstring)."""
     out = output_dir(cfg)
@@ -317,6 +338,12 @@ def run_path(cfg: DictConfig) -> dict[str, Any]:
             lt = learned_table(learned, [str(x) for x in p.get("baselines") or []])
             mlog.table(lt, out / "path_learned.csv")
             _say(lt.to_string(index=False))
+        bounds = p.get("bounds") or {}
+        if bounds.get("seeds"):
+            bt, bs = _bounds(bounds)
+            mlog.table(bt, out / "path_bounds.csv")
+            mlog.table(bs, out / "path_bounds_summary.csv")
+            _say(bs.to_string(index=False))
         head = _headline(runs, max(tenants))
         (out / "path_headline.json").write_text(json.dumps(head, indent=2))
         mlog.text(json.dumps(head, indent=2), "path_headline.json")
