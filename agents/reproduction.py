@@ -38,6 +38,7 @@ import json
 import math
 import os
 import platform
+import re
 import shlex
 import shutil
 import statistics
@@ -724,6 +725,19 @@ def load_benchmarks(dirs: Sequence[Path]) -> dict[str, dict[str, Any]]:
     return docs
 
 
+# an absolute path that leads into a repository's own folders (on whatever machine or clone
+# wrote it): the part before the folder goes, so pages name paths from the repository root
+_ABS_INTO_REPO = re.compile(r"(?<![\w.:/~-])/(?:[^\s/,;()'\"`\[\]]+/)+?"
+                            r"(?=(?:outputs|bench/results|results|checkpoints|datasets|mlruns)/)")
+
+
+def repo_relative(text: str) -> str:
+    """``text`` with every absolute path into a repository's ``outputs/``, ``results/``,
+    ``bench/results/``, ``checkpoints/``, ``datasets/`` or ``mlruns/`` written from the
+    repository root (URLs are left alone)."""
+    return _ABS_INTO_REPO.sub("", text)
+
+
 def write_benchmarks(dirs: Sequence[Path], out: Path, collect_to: Path | None = None) -> Path:
     """``docs/benchmarks.md`` from the benchmark results in ``dirs`` (temp file, then
     replace); with ``collect_to`` the result files found are copied there too."""
@@ -734,7 +748,7 @@ def write_benchmarks(dirs: Sequence[Path], out: Path, collect_to: Path | None = 
            "measured on; timings depend on it and on what else ran there.", ""]
     if not docs:
         pre += ["No benchmark results yet: run `make bench`.", ""]
-    text = format_benchmarks(docs, "Benchmarks", pre)
+    text = repo_relative(format_benchmarks(docs, "Benchmarks", pre))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
     tmp.write_text(text)

@@ -253,6 +253,27 @@ def test_benchmark_formatter_shared_with_run_all():
     assert "Command: `python bench/bench_b.py --quick`" in text and "quick settings" in text
 
 
+def test_the_benchmarks_page_names_paths_from_the_repository_root(tmp_path: Path):
+    """A result written on another machine or clone names its files by absolute path; the
+    page names them from the repository root (URLs and paths outside a repository's
+    folders stay as they are)."""
+    from agents.reproduction import write_benchmarks
+
+    res = tmp_path / "bench" / "results"
+    res.mkdir(parents=True)
+    (res / "bench_x.json").write_text(json.dumps({
+        "benchmark": "bench_x", "machine": {"timestamp": "t", "cpu_model": "C", "cpu_count": 2},
+        "table_md": "| a |\n|---|\n| /work/main/bench/results/x/raw.csv |",
+        "notes": ["outputs: /srv/clone-2/outputs/testbed/run_1 (merged from "
+                  "/work/main/results/testbed_fig9/0)", "see https://host/results/page",
+                  "kept under /tmp/soak_hour/seed4"]}))
+    text = write_benchmarks([res], tmp_path / "docs" / "benchmarks.md").read_text()
+    assert "| bench/results/x/raw.csv |" in text
+    assert "outputs: outputs/testbed/run_1 (merged from results/testbed_fig9/0)" in text
+    assert "https://host/results/page" in text and "/tmp/soak_hour/seed4" in text
+    assert "/work/main" not in text and "/srv/clone-2" not in text
+
+
 @pytest.mark.slow
 def test_smoke_from_the_real_entry_points(tmp_path: Path):
     """CI smoke: tiny real runs of ``shaping.py`` and ``trees.py``, then the report."""
