@@ -161,11 +161,19 @@ __all__ = ["ConfigError", "Controller", "ControllerConfig", "ControllerStats", "
 log = logging.getLogger(__name__)
 
 PRODUCER_RETRY_S = 5.0   # a topic that refused a producer is not asked again sooner
-PRODUCER_WAIT_S = 2.0    # the sending path waits at most this long for a producer's creation
 
 
 class TopicRefused(RuntimeError):
     """A topic whose producer could not be created moments ago (not asked again yet)."""
+
+
+@dataclasses.dataclass(eq=False)
+class _Creation:
+    """A data producer being created on a helper thread (:meth:`Controller._producer`)."""
+
+    future: futures.Future
+    started: float                   # monotonic
+    failed_at: float | None = None   # monotonic, when the creation failed
 
 
 RPC = 0
@@ -209,6 +217,7 @@ class ControllerConfig:
     reprogram_period_s: float = 0.5
     collect_period_s: float = 1.0
     subscribe_timeout_s: float = 15.0
+    producer_wait_s: float = 2.0   # the sending path's wait for a topic's producer (_producer)
     payload_scale: float = 1.0
     outbox: bool = True
     outbox_fsync: bool = False
@@ -446,8 +455,7 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         self._control_channels: dict[int, grpc.Channel] = {}  # SubscribeInfos (see _stub)
         self._control_stubs: dict[int, Any] = {}
         self._producers: dict[int, Any] = {}
-        # topic -> (its producer's creation, when it started): see _producer
-        self._creating: dict[int, tuple[futures.Future, float]] = {}
+        self._creating: dict[int, _Creation] = {}   # topic -> its producer's creation
         self._producer_refused: dict[int, tuple[float, str]] = {}  # topic -> (when, why)
         self._republish: list[tuple[int, bytes]] = []          # failed publishes
         # publish id -> (topic, envelope, when): publishes not yet acknowledged by the broker
@@ -669,9 +677,9 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         down = self._mq_down
 
         def close_producers() -> None:
-            made = [f.result() for f, _ in list(self._creating.values())
-                    if f.done() and f.exception() is None]
-            for p in [*self._producers.values(), *made]:
+            made = [c.future.result() for c in list(self._creating.values())
+                    if c.future.done() and c.future.exception() is None]
+            for p in [*list(self._producers.values()), *made]:
                 try:
                     if not down:
                         p.flush()
@@ -745,12 +753,13 @@ class Controller(pb_grpc.ControllerRepliesServicer):
 
     def _producer(self, t: int) -> Any:
         """Topic ``t``'s producer, created on first use on a helper thread (under the
-        dispatch lock). The sending path waits for a creation at most ``PRODUCER_WAIT_S``
-        in all (a broker that is away makes a creation wait for the client's operation
-        timeout): after that the topic raises :class:`TopicRefused` at once while the
-        creation goes on, and its messages go over RPC. A topic whose producer could not be
-        created is not asked again for ``PRODUCER_RETRY_S`` (:class:`TopicRefused` at
-        once)."""
+        dispatch lock). The sending path waits for a creation at most
+        ``producer_wait_s`` in all (a broker that is away makes a creation wait for the
+        client's operation timeout): after that the topic raises :class:`TopicRefused` at
+        once while the creation goes on, and its messages go over RPC. A topic whose
+        producer could not be created is not asked again for ``PRODUCER_RETRY_S`` after the
+        failure (:class:`TopicRefused` at once); a failure older than that starts a new
+        creation."""
         p = self._producers.get(t)
         if p is not None:
             return p
@@ -758,16 +767,25 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         if refused is not None and time.monotonic() - refused[0] < PRODUCER_RETRY_S:
             raise TopicRefused(f"topic {t}: no producer ({refused[1]}, "
                                f"{time.monotonic() - refused[0]:.1f} s ago)")
-        fut, started = self._creating.get(t) or self._create_in_background(t)
+        entry = self._creating.get(t)
+        if entry is not None and entry.failed_at is not None \
+                and time.monotonic() - entry.failed_at >= PRODUCER_RETRY_S:
+            del self._creating[t]  # an old failure (e.g. during an outage): ask again
+            entry = None
+        if entry is None:
+            entry = self._create_in_background(t)
+        fut = entry.future
         # (the client's own timeout is a TimeoutError too: the future tells them apart)
-        futures.wait([fut], timeout=max(0.0, started + PRODUCER_WAIT_S - time.monotonic()))
+        futures.wait([fut], timeout=max(0.0, entry.started + self.cfg.producer_wait_s
+                                        - time.monotonic()))
         if not fut.done():
             raise TopicRefused(f"topic {t}: its producer is still being created "
-                               f"({time.monotonic() - started:.1f} s)")
+                               f"({time.monotonic() - entry.started:.1f} s)")
         del self._creating[t]
         e = fut.exception()
         if e is not None:
-            self._producer_refused[t] = (time.monotonic(), f"{type(e).__name__}: {e}")
+            assert entry.failed_at is not None
+            self._producer_refused[t] = (entry.failed_at, f"{type(e).__name__}: {e}")
             raise e
         p = fut.result()
         self._producer_refused.pop(t, None)
@@ -777,7 +795,7 @@ class Controller(pb_grpc.ControllerRepliesServicer):
     def _prepare_producers(self, channels: Iterable[int]) -> None:
         """Start creating the producers of the topics among ``channels`` that have none and
         may be asked (under the dispatch lock), so that their creations overlap: the
-        sending path then waits ``PRODUCER_WAIT_S`` once for all of them, not once each."""
+        sending path then waits ``producer_wait_s`` once for all of them, not once each."""
         now = time.monotonic()
         for c in sorted(set(channels) - {RPC}):
             refused = self._producer_refused.get(c)
@@ -785,19 +803,19 @@ class Controller(pb_grpc.ControllerRepliesServicer):
                     and (refused is None or now - refused[0] >= PRODUCER_RETRY_S)):
                 self._create_in_background(c)
 
-    def _create_in_background(self, t: int) -> tuple[futures.Future, float]:
+    def _create_in_background(self, t: int) -> _Creation:
         """Start creating topic ``t``'s producer on a helper thread that holds no lock (see
         :meth:`_producer`); a producer created after the controller closed is closed."""
-        fut: futures.Future = futures.Future()
-        self._creating[t] = entry = (fut, time.monotonic())
+        entry = self._creating[t] = _Creation(futures.Future(), time.monotonic())
 
         def create() -> None:
             try:
                 p = self._create_producer(t)
             except BaseException as e:
-                fut.set_exception(e)
+                entry.failed_at = time.monotonic()
+                entry.future.set_exception(e)
                 return
-            fut.set_result(p)
+            entry.future.set_result(p)
             if self._stop.is_set():
                 close_in_background(p)
 
@@ -1575,7 +1593,21 @@ class Controller(pb_grpc.ControllerRepliesServicer):
         same reason). Its unacknowledged publishes go again on the fresh producer, after the
         failed ones and in the order they were first published; a copy the old producer
         still delivers reaches the agents as a duplicate, which they drop. The old producer
-        is closed in the background (under the dispatch lock, as every producer change)."""
+        is closed in the background (under the dispatch lock, as every producer change).
+        A creation that finished during the outage is settled too: a failure is forgotten
+        (the next publish asks again), a connected producer is taken, one that is not is
+        closed."""
+        for t, c in list(self._creating.items()):
+            if not c.future.done():
+                continue
+            del self._creating[t]
+            if c.future.exception() is None:
+                made = c.future.result()
+                if connected(made) and t not in self._producers:
+                    self._producers[t] = made
+                    self._producer_refused.pop(t, None)
+                else:
+                    close_in_background(made)
         for t in [t for t, p in self._producers.items() if not connected(p)]:
             old = self._producers.pop(t)
             with self._lock:
@@ -1610,6 +1642,9 @@ class Controller(pb_grpc.ControllerRepliesServicer):
                 except (ValueError, RuntimeError):  # closed meanwhile: stays queued
                     self._push_done(units, seq, None)
                     break
+                except BaseException:  # no call, no callback: its units and number end here
+                    self._push_done(units, seq, None)
+                    raise
                 fut.add_done_callback(functools.partial(self._push_done, units, seq))
             failed = {n: b for n, b in todo.items() if n not in calls}
             for n, fut in calls.items():

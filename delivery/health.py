@@ -39,6 +39,7 @@ SMART Eq. 1's controller constraints, Section V-B).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import math
@@ -377,8 +378,10 @@ class RpcBacklog:
         self._memory_s = memory_s
         self._lock = threading.Lock()
         self._next = 1
-        self._open: dict[int, None] = {}              # insertion order = start order
-        self._drains: deque[tuple[int, float]] = deque()   # (lowest open, since when)
+        self._open: dict[int, None] = {}   # insertion order = start order
+        # the lowest push still open after each drain, and since when (both increasing)
+        self._lows: list[int] = []
+        self._times: list[float] = []
 
     def start(self) -> int:
         with self._lock:
@@ -395,9 +398,11 @@ class RpcBacklog:
             if seq != oldest:  # an older push is still in flight: nothing more has drained
                 return
             now = self._clock()
-            self._drains.append((next(iter(self._open), self._next), now))
-            while self._drains and self._drains[0][1] < now - self._memory_s:
-                self._drains.popleft()
+            self._lows.append(next(iter(self._open), self._next))
+            self._times.append(now)
+            old = bisect.bisect_left(self._times, now - self._memory_s)
+            if old > len(self._times) // 2:  # forget in bulk: amortised O(1) per drain
+                del self._lows[:old], self._times[:old]
 
     def mark(self) -> int:
         with self._lock:
@@ -407,10 +412,8 @@ class RpcBacklog:
         with self._lock:
             if next(iter(self._open), self._next) <= mark:
                 return None
-            for low, t in self._drains:
-                if low > mark:
-                    return t
-            return -math.inf  # drained before anything this object remembers
+            i = bisect.bisect_right(self._lows, mark)
+            return self._times[i] if i < len(self._lows) else -math.inf
 
     def __len__(self) -> int:
         with self._lock:
@@ -425,6 +428,7 @@ class _Probe:
     deadline: float
     sent: bool = False
     result: Any = None
+    sent_at: float = -math.inf   # when it left (clock time)
     answered: float | None = None
     error: str = ""   # why the publish was refused
     mark: int | None = None
@@ -535,34 +539,47 @@ class MqHealth:
                 next_send = max(next_send + period, now)  # no burst after a stall
             while pending and self._due(pending[0], self._clock()):
                 self._judge(pending.popleft())
-            wake = min([next_send] + [p.deadline for p in pending])
+            # probes are judged in order: only the first one's deadline can wake the thread
+            wake = min(next_send, pending[0].deadline) if pending else next_send
             self._wake.wait(max(0.0, wake - self._clock()))
             self._wake.clear()
 
     def _due(self, probe: _Probe, now: float) -> bool:
-        """Whether ``probe`` can be judged now: answered, refused, or past its deadline,
+        """Whether ``probe`` can be judged now: refused, answered, or past its deadline,
         which is ``probe_timeout_s`` after the RPC pushes ahead of it ended (module
-        docstring; polled every 50 ms while one of them is in flight)."""
-        if probe.answered is not None or probe.error:
+        docstring; polled every 50 ms while one of them is in flight). An answer that came
+        after the probe's own deadline but within that later one is in time."""
+        if probe.error:
             return True
-        if now < probe.deadline:
+        if probe.answered is None and now < probe.deadline:
             return False
         if self._rpc is not None and probe.mark is not None:
             drained = self._rpc.drained_at(probe.mark)
-            due = (now + 0.05 if drained is None
-                   else max(probe.deadline, drained + self.cfg.probe_timeout_s))
-            if due > probe.deadline:
-                probe.deadline = due
-                if not probe.waited:
-                    probe.waited = True
-                    self.waited += 1
-                    if self._on_waited is not None:
-                        self._on_waited()
-                return False
+            if probe.answered is not None:
+                if probe.answered > probe.deadline:  # late by its own deadline only?
+                    self._extend(probe, probe.answered if drained is None
+                                 else drained + self.cfg.probe_timeout_s)
+                return True
+            if self._extend(probe, now + 0.05 if drained is None
+                            else drained + self.cfg.probe_timeout_s):
+                return now >= probe.deadline
+        return probe.answered is not None or now >= probe.deadline
+
+    def _extend(self, probe: _Probe, deadline: float) -> bool:
+        """Move ``probe``'s deadline to ``deadline`` if that is later (counted once per
+        probe in :attr:`waited`); whether it moved."""
+        if deadline <= probe.deadline:
+            return False
+        probe.deadline = deadline
+        if not probe.waited:
+            probe.waited = True
+            self.waited += 1
+            if self._on_waited is not None:
+                self._on_waited()
         return True
 
     def _send(self, now: float) -> _Probe:
-        probe = _Probe(now + self.cfg.probe_timeout_s,
+        probe = _Probe(now + self.cfg.probe_timeout_s, sent_at=now,
                        mark=None if self._rpc is None else self._rpc.mark())
         producer = self._ensure_producer(now)
         if producer is None:
@@ -607,7 +624,8 @@ class MqHealth:
                 stuck = f"oldest unacknowledged data publish is {age:.1f} s old"
                 late = late or not why
                 why = f"{why}; {stuck}" if why else stuck
-        if why and late and self._acked_since(probe.deadline - timeout):
+        if why and late and self._acked_since(
+                probe.sent_at if probe.sent_at > -math.inf else probe.deadline - timeout):
             # the broker acknowledged data after this probe left: a full link, not a dead
             # broker (module docstring)
             self.congested += 1

@@ -149,8 +149,10 @@ class Rig:
         self.record_dir = tmp / "records"
         self.prefix = f"persistent://public/default/td-{uuid.uuid4().hex[:10]}"
         self.ports = dict(zip(self.nodes, free_ports(len(self.nodes))))
+        # producer_wait_s: a cold broker's first creation of a topic may outlast the 2-s
+        # default on a busy machine (its messages would go over RPC): the tests count MQ
         kw = {"collect_period_s": 0.3, "reprogram_period_s": 0.2, "push_timeout_s": 2.0,
-              "pulsar_admin_url": broker.admin_url}
+              "producer_wait_s": 30.0, "pulsar_admin_url": broker.admin_url}
         kw.update(ctl_kw or {})
         self.links = {n: SlowLink(self.ports[n], bps).__enter__()
                       for n, bps in (slow_links or {}).items()}

@@ -626,6 +626,80 @@ def test_health_waits_for_the_rpc_pushes_ahead_of_a_probe():
     assert idle._due(probe, now[0]) and not probe.waited
 
 
+def test_probes_queued_behind_pushes_and_answered_together_are_in_time():
+    """A 3-s push fills the link (every type on RPC, no publish to tell by); the probes sent
+    meanwhile queue behind it and the broker answers them all at once when it drains. Each
+    is judged against its deadline moved past the drain, not against its own: none fails,
+    the channel stays up."""
+    pulsar = pytest.importorskip("pulsar")
+    from collections import deque
+
+    from delivery.health import _Probe
+
+    now = [0.0]
+    rpc = RpcBacklog(clock=lambda: now[0])
+    rec = Recorder()
+    h = MqHealth(object(), "t", FAST, rec, clock=lambda: now[0], rpc=rpc)
+    push = rpc.start()
+    pending: deque = deque()
+    for k in range(120):                        # 6 s in 50-ms steps
+        now[0] = k * 0.05
+        if k % round(FAST.probe_period_s / 0.05) == 0:
+            p = _Probe(now[0] + FAST.probe_timeout_s, sent=True, sent_at=now[0],
+                       mark=rpc.mark())
+            if now[0] > 3.1:
+                p.result, p.answered = pulsar.Result.Ok, now[0]
+            pending.append(p)
+        if k == 60:
+            rpc.end(push)                       # the link drains at 3 s ...
+        if k == 62:                             # ... the broker answers the queue at 3.1 s
+            for p in pending:
+                p.result, p.answered = pulsar.Result.Ok, now[0]
+        while pending and h._due(pending[0], now[0]):
+            h._judge(pending.popleft())
+    assert h.failures == 0 and h.probes > 50 and h.state == MqHealth.UP
+    assert rec.changes == [] and h.waited >= 10
+
+
+def test_the_probe_thread_sleeps_while_pushes_hold_its_probes():
+    """With a push in flight for longer than the probe period, the probe thread polls the
+    first probe every 50 ms; the probes behind it never wake it (they were judged in order
+    before it spun on their past deadlines)."""
+    class Producer:
+        def send_async(self, data, cb):  # never acknowledged
+            pass
+
+        def is_connected(self):
+            return True
+
+        def close(self):
+            pass
+
+    class Client:
+        def create_producer(self, *a, **k):
+            return Producer()
+
+    rpc = RpcBacklog()
+    seq = rpc.start()
+    h = MqHealth(Client(), "t", FailoverConfig(probe_period_s=0.05, probe_timeout_s=0.1),
+                 Recorder(), rpc=rpc)
+    calls = [0]
+    due = h._due
+
+    def counted(p, now):
+        calls[0] += 1
+        return due(p, now)
+
+    h._due = counted
+    h.start()
+    try:
+        time.sleep(1.0)
+    finally:
+        rpc.end(seq)
+        h.close()
+    assert calls[0] < 500, f"{calls[0]} checks in 1 s: the probe thread spins"
+
+
 @pytest.mark.xdist_group("pulsar")
 def test_health_on_a_live_broker_and_a_stuck_publish(pulsar_broker):
     """On the shared broker the probes succeed and the channel stays up, also with a data

@@ -8,21 +8,24 @@ fault-injection soak's ``experiment=soak_restart_in_outage`` combines them):
 * a restarted agent reports its recent applies again from its record, so results that died
   with the previous process still confirm the controller's outbox rows;
 * a broker that takes connections but never answers costs the sending path at most
-  ``PRODUCER_WAIT_S`` per topic, not the client's operation timeout."""
+  ``producer_wait_s`` per topic, not the client's operation timeout."""
 
 from __future__ import annotations
 
 import socket
 import threading
 import time
+from concurrent import futures
 
 import pulsar
+import pytest
 
 from delivery import controller as controller_mod
 from delivery.agent import AgentConfig
 from delivery.agent_host import AgentHost
 from delivery.controller import Controller, ControllerConfig
 from delivery.store import MetadataStore, SubscriptionChange
+from delivery.wire import encode
 from envs.dsmd.message import Message
 from envs.netutil import free_ports
 from security.tls import Security
@@ -160,14 +163,12 @@ def test_a_message_its_topic_refuses_goes_over_rpc_on_every_dispatch_path(tmp_pa
         ctl.store.close()
 
 
-def test_a_broker_that_never_answers_costs_the_sending_path_one_short_wait(
-        tmp_path, monkeypatch) -> None:
+def test_a_broker_that_never_answers_costs_the_sending_path_one_short_wait(tmp_path) -> None:
     """A controller (restarted) while the broker's port takes connections and never answers:
     the first messages of three topics wait for their producers (created side by side) at
-    most ``PRODUCER_WAIT_S`` in all, not the client's operation timeout each, and go over
+    most ``producer_wait_s`` in all, not the client's operation timeout each, and go over
     RPC; later ones go over RPC at once while the creations go on; once a creation failed
     its topic is not asked again for ``PRODUCER_RETRY_S``."""
-    monkeypatch.setattr(controller_mod, "PRODUCER_WAIT_S", 0.5)
     hung = socket.socket()
     hung.bind(("127.0.0.1", 0))
     hung.listen(16)                                    # accepts (the kernel), never answers
@@ -175,6 +176,7 @@ def test_a_broker_that_never_answers_costs_the_sending_path_one_short_wait(
     client = pulsar.Client(url, operation_timeout_seconds=3, connection_timeout_ms=3000,
                            logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error))
     ctl = _offline_controller(tmp_path, client)
+    ctl.cfg.producer_wait_s = 0.5
     ctl.channel = {1: 1, 2: 2, 3: 3}
     ctl._in_send.active = True                         # no push (no agents here)
     try:
@@ -188,7 +190,7 @@ def test_a_broker_that_never_answers_costs_the_sending_path_one_short_wait(
         assert later < 0.5, f"later messages waited {later:.1f} s"
         assert ctl.stats.rerouted == 6 and ctl.stats.mq_messages == 0
         assert len(ctl._outbox[0]) == len(ctl._outbox[1]) == 6
-        wait_until(ctl._creating[1][0].done, 15, "the creation's failure")
+        wait_until(ctl._creating[1].future.done, 15, "the creation's failure")
         t2 = time.monotonic()
         ctl.send_many([(_message(7)[0], 1)])
         assert time.monotonic() - t2 < 0.5
@@ -289,6 +291,82 @@ def test_a_fence_its_topic_refuses_waits_and_the_switch_stands(tmp_path) -> None
         ctl._unsubscribe([(0, 1)], ctl.timestamp())
         assert [c for c, _ in ctl._republish] == [1] and ctl.stats.fences == 1
         assert [c for c, _ in ctl._pending_infos[0]] == [1]
+    finally:
+        ctl._client = None
+        ctl.store.close()
+
+
+class _FlakyClient(_Client):
+    """Refuses the first producer (the broker away), creates the later ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attempts = 0
+
+    def create_producer(self, topic: str, **kw: object) -> _Producer:
+        self.attempts += 1
+        if self.attempts == 1:
+            raise pulsar.ConnectError("Pulsar error: ConnectError")
+        return super().create_producer(topic, **kw)
+
+
+def test_a_creation_that_failed_long_ago_is_asked_again(tmp_path, monkeypatch) -> None:
+    """A producer creation started at the controller's start failed during an outage and
+    nobody asked for the topic until later: the old failure does not refuse the topic
+    again (its message goes on MQ through a fresh creation, not over RPC)."""
+    monkeypatch.setattr(controller_mod, "PRODUCER_RETRY_S", 0.2)
+    client = _FlakyClient()
+    ctl = _offline_controller(tmp_path, client)
+    ctl.channel = {1: 1}
+    ctl._in_send.active = True
+    try:
+        with ctl._dispatch:
+            ctl._prepare_producers([1])           # as start() does
+        wait_until(ctl._creating[1].future.done, 10, "the first creation's failure")
+        time.sleep(0.3)                           # older than PRODUCER_RETRY_S
+        ctl.send_many([_message(1)])
+        assert client.attempts == 2 and ctl.stats.rerouted == 0
+        assert len(client.producers[0].sent) == 1 and 1 not in ctl._creating
+    finally:
+        ctl._client = None
+        ctl.store.close()
+
+
+def test_the_failback_settles_creations_that_finished_during_the_outage(tmp_path) -> None:
+    """Creations that finished while the broker was away are settled at the failback: a
+    connected producer is taken, a disconnected one closed, a failure forgotten."""
+    client = _Client()
+    ctl = _offline_controller(tmp_path, client)
+    try:
+        with ctl._dispatch:
+            ctl._prepare_producers([1, 2, 3])
+        wait_until(lambda: all(c.future.done() for c in ctl._creating.values()), 10,
+                   "the creations")
+        made = {t: c.future.result() for t, c in ctl._creating.items()}
+        made[2].connected = False
+        failed: futures.Future = futures.Future()
+        failed.set_exception(pulsar.ConnectError("Pulsar error: ConnectError"))
+        ctl._creating[3] = controller_mod._Creation(failed, time.monotonic(), time.monotonic())
+        with ctl._dispatch:
+            ctl._renew_producers()
+        assert ctl._creating == {} and ctl._producers == {1: made[1]}
+        assert made[2].closed.wait(5) and not made[1].closed.is_set()
+    finally:
+        ctl._client = None
+        ctl.store.close()
+
+
+def test_a_push_that_cannot_start_leaves_no_push_in_flight(tmp_path) -> None:
+    """A push to a node the controller has no address for raises, and ends its number and
+    C_p units (a number left open would hold every health probe forever)."""
+    ctl = _offline_controller(tmp_path, _Client())
+    try:
+        msg, t = _message(1)
+        with pytest.raises(KeyError):
+            ctl._push_all({7: [encode(msg, t, b"")]}, reprogram=True)
+        assert len(ctl._rpc_backlog) == 0 and ctl._rpc_backlog.mark() == 1
+        assert ctl._rpc_backlog.drained_at(1) is not None
+        assert ctl.inflight_sends == 0
     finally:
         ctl._client = None
         ctl.store.close()
