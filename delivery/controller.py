@@ -824,6 +824,9 @@ class Controller(pb_grpc.ControllerRepliesServicer):
 
     def _create_producer(self, t: int) -> Any:
         assert self._client is not None
+        # with failover on, unacknowledged publishes never time out: the client sends them
+        # again, in order, once the broker is back (those of a type moved to RPC meanwhile
+        # arrive as duplicates)
         return self._client.create_producer(
             topic_name(self.cfg.topic_prefix, t), block_if_queue_full=True,
             max_pending_messages=10_000, batching_enabled=True, batching_max_publish_delay_ms=1,
