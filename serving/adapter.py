@@ -452,9 +452,11 @@ class ControllerAdapter:
             self._refresh_in_background(again=True)
 
     def _on_policy_announced(self, a: PolicyAnnouncement) -> bool:
-        """The subscriber's callback: refresh unless the announced bundle is the one here."""
+        """The subscriber's callback: refresh unless the announced bundle is the one here
+        (an online policy's swap is not this adapter's)."""
         current = self._cached[0]
-        if self.mode != "cached" or (current is not None and current.content_hash == a.hash):
+        if self.mode != "cached" or a.policy != "static" or (
+                current is not None and current.content_hash == a.hash):
             return False
         self.request_refresh()
         return True

@@ -61,6 +61,7 @@ PRINCIPAL = "policy-server"  # the identity the producer presents to the broker
 
 DEFAULT_TOPIC = "persistent://public/default/smart-announce"
 KINDS = ("policy", "health")
+POLICY_KINDS = ("static", "online")  # the stores whose swaps are announced
 _SCHEMES = ("pulsar://", "pulsar+ssl://")
 _MAX_ID = 256  # longest session id / hash accepted from the topic
 
@@ -83,6 +84,7 @@ class PolicyAnnouncement:
     version: int
     hash: str
     ts_ns: int
+    policy: str = "static"   # which store swapped: "static" or "online"
 
 
 @dataclass(frozen=True)
@@ -149,7 +151,12 @@ def decode(data: bytes) -> PolicyAnnouncement | HealthAnnouncement:
         raise MalformedAnnouncement("unknown", f"unknown kind {kind!r:.40}")
     ts = _int(d, "ts_ns", kind)
     if kind == "policy":
-        return PolicyAnnouncement(_int(d, "version", kind, low=1), _str(d, "hash", kind), ts)
+        which = d.get("policy", "static")
+        if which not in POLICY_KINDS:
+            raise MalformedAnnouncement(kind, f"policy announcement: policy must be one of "
+                                        f"{POLICY_KINDS}, got {which!r:.40}")
+        return PolicyAnnouncement(_int(d, "version", kind, low=1), _str(d, "hash", kind), ts,
+                                  which)
     sid = _str(d, "session_id", kind)
     try:
         health = ChannelHealth.model_validate(d.get("health"))
@@ -190,7 +197,8 @@ class Announcer:
                                      logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error),
                                      **client_args(self.security, PRINCIPAL))
         self._producer: Any = None
-        self._deferred: bytes | None = None  # the latest policy announcement, no producer yet
+        # the latest policy announcement of each store, made while there was no producer yet
+        self._deferred: dict[str, bytes] = {}
         self._defer_lock = threading.Lock()
         self._stop = threading.Event()
         self._connected = threading.Event()
@@ -224,18 +232,28 @@ class Announcer:
                 return
             with self._defer_lock:
                 self._producer = p
-                data, self._deferred = self._deferred, None
+                deferred, self._deferred = self._deferred, {}
             self._connected.set()
             log.info("announce: publishing on %s at %s", self.topic, self.url)
-            if data is not None:
+            for data in deferred.values():
                 self._send(p, "policy", data)
             return
 
     # ------------------------------------------------------------------ announcements
-    def policy(self, policy: Any) -> None:
-        """Announce a swapped-in policy (a :class:`serving.policy_store.LoadedPolicy`; the
-        :meth:`serving.policy_store.PolicyStore.add_listener` hook)."""
-        self.announce("policy", version=int(policy.version), hash=str(policy.hash))
+    def policy(self, policy: Any, which: str = "static") -> None:
+        """Announce a swapped-in policy of store ``which`` (``"static"``: a
+        :class:`serving.policy_store.LoadedPolicy`, ``"online"``: a
+        :class:`serving.online_policy.LoadedOnlinePolicy`; the stores' ``add_listener``
+        hook)."""
+        if which not in POLICY_KINDS:
+            raise ValueError(f"policy announcement: which must be one of {POLICY_KINDS}, got "
+                             f"{which!r}")
+        self.announce("policy", policy=which, version=int(policy.version),
+                      hash=str(policy.hash))
+
+    def online_policy(self, policy: Any) -> None:
+        """:meth:`policy` of the online store (its listener)."""
+        self.policy(policy, "online")
 
     def health(self, session_id: str, health: Mapping[str, Any]) -> None:
         """Announce a session's new channel health (a ``ChannelHealth`` dict)."""
@@ -251,7 +269,7 @@ class Announcer:
                 p = self._producer
                 if p is None:
                     if kind == "policy":
-                        self._deferred = data
+                        self._deferred[str(fields.get("policy", "static"))] = data
                     self._count(kind, "deferred" if kind == "policy" else "unavailable")
                     log.debug("announce: %s not sent yet: no producer (broker away)", kind)
                     return

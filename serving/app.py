@@ -439,7 +439,8 @@ def create_app(settings: ServerSettings | None = None, *,
     def load_online(path: str, origin: str | None = None, allow_rollback: bool = False
                     ) -> Any:
         """Install the online bundle at ``path`` or of a ``models:/`` path (as :func:`load`)."""
-        return online_store.load(*materialize(path, origin), allow_rollback=allow_rollback)
+        where, named = materialize(path, origin)
+        return online_store.load(where, origin=named, allow_rollback=allow_rollback)
 
     def follow(uri: str, what: str, install: Callable[[Path, ResolvedVersion], Any]
                ) -> RegistryWatcher:
@@ -459,6 +460,7 @@ def create_app(settings: ServerSettings | None = None, *,
                                   registry=metrics.registry, security=cfg.security)
             app.state.announcer = announcer
             store.add_listener(announcer.policy)
+            online_store.add_listener(announcer.online_policy)
         # session work runs on these threads (serving.limits.KeySlots caps one key's share)
         asyncio.get_running_loop().set_default_executor(
             ThreadPoolExecutor(WORKER_THREADS, thread_name_prefix="session"))
@@ -506,6 +508,7 @@ def create_app(settings: ServerSettings | None = None, *,
             await asyncio.to_thread(f.stop)
         if app.state.announcer is not None:
             store.remove_listener(app.state.announcer.policy)
+            online_store.remove_listener(app.state.announcer.online_policy)
             await asyncio.to_thread(app.state.announcer.close)
             app.state.announcer = None
 

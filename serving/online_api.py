@@ -288,9 +288,13 @@ def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Cal
     @app.put("/v1/online/policy", response_model=OnlinePolicyOut, tags=["online"],
              responses=_errors(400, 401, 403, 409, 422))
     async def swap_online_policy(body: PolicySwap, caller: AdminCaller) -> OnlinePolicyOut:
+        def install() -> LoadedOnlinePolicy:
+            if load is not None:
+                return load(body.path, None, body.allow_rollback)
+            return store.load(body.path, allow_rollback=body.allow_rollback)
+
         try:
-            p = await asyncio.to_thread(load or store.load, body.path, None,
-                                        body.allow_rollback)
+            p = await asyncio.to_thread(install)
         except BundleError as e:
             audit(caller.key_id, "online_policy.load", body.path, "failed", f"409: {e}",
                   level=logging.WARNING)

@@ -6,29 +6,29 @@ current at each interval boundary (its plan and that interval's placements come 
 version), so a swap takes effect at every session's next boundary and never inside an
 interval. A bundle that fails :func:`serving.online_bundle.load_online_bundle`'s checks is
 refused (:class:`serving.bundle.BundleError`; a bad or missing signature,
-:class:`serving.signing.SignatureError`) and the old one stays.
+:class:`serving.signing.SignatureError`) and the old one stays. Listeners hear of every swap
+(the server announces it, :mod:`serving.announce`).
 """
 
 from __future__ import annotations
 
 import io
 import logging
-import threading
-import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from envs.dsmd.online_control import KnobPolicy
 
-from .bundle import BundleError, bundle_zip, origin_named
+from .bundle import BundleError, bundle_zip
 from .online_bundle import (
     ONLINE_BUNDLE_FILES,
     ONLINE_BUNDLE_OPTIONAL,
     OnlineBundle,
     load_online_bundle,
 )
-from .signing import BundleTrust, SerialGuard
+from .policy_store import VersionedStore
+from .signing import BundleTrust
 
 __all__ = [
     "ONLINE_BUNDLE_FILES",
@@ -72,45 +72,16 @@ class LoadedOnlinePolicy:
         return self.bundle.decider(f"online-v{self.version}")
 
 
-class OnlinePolicyStore:
-    """The server's current online policy (module docstring). ``trust``: the public keys a
-    bundle's signature must verify against (None: :func:`serving.signing.default_trust`,
-    the PKI's key)."""
+class OnlinePolicyStore(VersionedStore[OnlineBundle, LoadedOnlinePolicy]):
+    """The server's current online policy (module docstring; the one store of
+    :class:`serving.policy_store.VersionedStore`, listeners included). ``trust``: the public
+    keys a bundle's signature must verify against (None:
+    :func:`serving.signing.default_trust`, the PKI's key)."""
 
     def __init__(self, trust: BundleTrust | None = None) -> None:
         self.trust = trust
-        self._current: LoadedOnlinePolicy | None = None
-        self._lock = threading.Lock()  # serialises loads, not reads
-        self._version = 0
-        self.serials = SerialGuard()
-
-    def current(self) -> LoadedOnlinePolicy | None:
-        return self._current
-
-    def load(self, path: str | Path, origin: str | None = None,
-             allow_rollback: bool = False) -> LoadedOnlinePolicy:
-        """Load, verify and install the online bundle at ``path`` (``BundleError`` if
-        refused; the current one stays). ``origin``: where ``path`` came from (a registry
-        version), named in messages and kept on the policy. A bundle whose signed serial is
-        below the highest loaded is refused unless ``allow_rollback``
-        (:class:`serving.signing.SerialGuard`); the bundle loaded now, loaded again, is
-        the same version."""
-        with self._lock:
-            with origin_named(origin):
-                bundle = load_online_bundle(path, self.trust)
-            cur = self._current
-            with origin_named(origin):
-                same = self.serials.admit(None if cur is None else cur.bundle, bundle,
-                                          origin or str(path), allow_rollback)
-            if same and cur is not None:
-                return cur
-            cand = LoadedOnlinePolicy(bundle, self._version + 1, time.time(), origin)
-            self._version = cand.version
-            self._current = cand  # one reference assignment: atomic for readers
-            self.serials.loaded(bundle.verified)
-            log.info("online policy v%d loaded from %s (actor %s...)", cand.version,
-                     origin or path, cand.hash[:12])
-            return cand
+        super().__init__(lambda path: load_online_bundle(path, self.trust),
+                         LoadedOnlinePolicy, "online policy")
 
 
 def unzip_bundle(raw: bytes, directory: str | Path) -> Path:

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -33,7 +34,7 @@ from .bundle import (
 )
 from .signing import BundleTrust, SerialGuard, SignatureError
 
-__all__ = ["BundleError", "BundleWatcher", "LoadedPolicy", "PolicyStore"]
+__all__ = ["BundleError", "BundleWatcher", "LoadedPolicy", "PolicyStore", "VersionedStore"]
 
 log = logging.getLogger(__name__)
 
@@ -86,41 +87,56 @@ class LoadedPolicy:
         return self.bundle.score_rows(n, fill)
 
 
-class PolicyStore:
-    """The server's current policy. ``batch_threads`` and ``trust`` (the public keys a
-    bundle's signature must verify against): passed to :func:`serving.bundle.load_bundle`
-    for every bundle it loads (None: its defaults; the PKI's key for ``trust``)."""
+class _Bundle(Protocol):
+    @property
+    def verified(self) -> Any: ...
 
-    def __init__(self, batch_threads: int | None = None,
-                 trust: BundleTrust | None = None) -> None:
-        self.batch_threads = batch_threads
-        self.trust = trust
-        self._current: LoadedPolicy | None = None
+
+class _Loaded(Protocol):
+    @property
+    def bundle(self) -> Any: ...
+    @property
+    def hash(self) -> str: ...
+
+
+B = TypeVar("B", bound=_Bundle)    # a verified bundle (static or online)
+L = TypeVar("L", bound=_Loaded)    # its loaded policy (the bundle with the server's version)
+
+
+class VersionedStore(Generic[B, L]):
+    """The server's current policy of one kind, swapped atomically (the module docstring):
+    the one store of both policy kinds. ``read(path)`` loads and verifies a bundle (raising
+    ``BundleError``); ``make(bundle, version, loaded_at, origin)`` wraps it as the loaded
+    policy (which has ``version`` and ``hash``); ``kind`` names the policies in log lines."""
+
+    def __init__(self, read: Callable[[str | Path], B],
+                 make: Callable[[B, int, float, str | None], L], kind: str = "policy") -> None:
+        self._read, self._make, self.kind = read, make, kind
+        self._current: L | None = None
         self._lock = threading.Lock()  # serialises loads, not reads
         self._version = 0
         self.serials = SerialGuard()
-        self._listeners: list[Callable[[LoadedPolicy], None]] = []
+        self._listeners: list[Callable[[L], None]] = []
 
-    def current(self) -> LoadedPolicy | None:
+    def current(self) -> L | None:
         return self._current
 
-    def add_listener(self, listener: Callable[[LoadedPolicy], None]) -> None:
-        """Call ``listener(policy)`` after every successful swap (the ``PUT /v1/policy``
-        endpoint, the start-up load and :class:`BundleWatcher` all load through
+    def add_listener(self, listener: Callable[[L], None]) -> None:
+        """Call ``listener(policy)`` after every successful swap (the ``PUT`` endpoints, the
+        start-up load, the registry follower and :class:`BundleWatcher` all load through
         :meth:`load`), in load order, on the loading thread: it must not block (e.g.
         :meth:`serving.announce.Announcer.policy`). A listener's exception is logged and
         neither refuses the load nor stops the other listeners."""
         self._listeners.append(listener)
 
-    def remove_listener(self, listener: Callable[[LoadedPolicy], None]) -> None:
+    def remove_listener(self, listener: Callable[[L], None]) -> None:
         """Stop calling ``listener`` (a no-op if it is not registered)."""
         if listener in self._listeners:
             self._listeners.remove(listener)
 
-    def load(self, path: str | Path,
-             check: Callable[[LoadedPolicy], list[str]] | None = None,
+    def load(self, path: str | Path, check: Callable[[L], list[str]] | None = None,
              force: bool = False, origin: str | None = None,
-             allow_rollback: bool = False) -> LoadedPolicy:
+             allow_rollback: bool = False) -> L:
         """Load, verify and install the bundle at ``path``. ``check`` returns the problems
         the candidate would cause (e.g. live sessions it does not fit); any problem refuses
         it (``BundleError``) unless ``force``. ``origin``: where ``path`` came from (a
@@ -131,32 +147,47 @@ class PolicyStore:
         where = origin or str(path)
         with self._lock:
             with origin_named(origin):
-                bundle = load_bundle(path, batch_threads=self.batch_threads, trust=self.trust)
+                bundle = self._read(path)
             cur = self._current
             with origin_named(origin):
-                same = self.serials.admit(None if cur is None else cur.bundle, bundle, where,
-                                          allow_rollback)
+                same = self.serials.admit(None if cur is None else cur.bundle, bundle,
+                                          where, allow_rollback)
             if same and cur is not None:
                 return cur
-            cand = LoadedPolicy(bundle, self._version + 1, time.time(), origin)
+            cand = self._make(bundle, self._version + 1, time.time(), origin)
             problems = check(cand) if check is not None else []
             if problems and not force:
                 raise BundleError(f"{where}: refused: " + "; ".join(problems))
-            self._version = cand.version
+            self._version += 1
             self._current = cand  # one reference assignment: atomic for readers
             self.serials.loaded(bundle.verified)
-            log.info("policy v%d loaded from %s (actor %s...)", cand.version, where,
+            log.info("%s v%d loaded from %s (actor %s...)", self.kind, self._version, where,
                      cand.hash[:12])
             for listener in list(self._listeners):
                 try:
                     listener(cand)
                 except Exception:  # a listener never undoes or fails a swap
-                    log.exception("policy listener %r failed on v%d", listener, cand.version)
+                    log.exception("%s listener %r failed on v%d", self.kind, listener,
+                                  self._version)
             return cand
 
     def unload(self) -> None:
         with self._lock:
             self._current = None
+
+
+class PolicyStore(VersionedStore[PolicyBundle, LoadedPolicy]):
+    """The server's current static policy. ``batch_threads`` and ``trust`` (the public keys a
+    bundle's signature must verify against): passed to :func:`serving.bundle.load_bundle`
+    for every bundle it loads (None: its defaults; the PKI's key for ``trust``)."""
+
+    def __init__(self, batch_threads: int | None = None,
+                 trust: BundleTrust | None = None) -> None:
+        self.batch_threads = batch_threads
+        self.trust = trust
+        super().__init__(lambda path: load_bundle(path, batch_threads=self.batch_threads,
+                                                  trust=self.trust),
+                         LoadedPolicy, "policy")
 
 
 class BundleWatcher:

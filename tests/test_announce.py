@@ -12,6 +12,7 @@ import json
 import sys
 import time
 import uuid
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -133,6 +134,73 @@ def test_format_round_trip_and_malformed_messages():
         with pytest.raises(MalformedAnnouncement, match=what) as e:
             decode(data)
         assert e.value.kind == kind
+
+
+def test_a_policy_announcement_names_its_store():
+    """``policy`` says which store swapped; an announcement without it (an older server) is
+    the static one's; any other value is malformed."""
+    p = decode(encode("policy", policy="online", version=2, hash="cd" * 32))
+    assert isinstance(p, PolicyAnnouncement) and (p.policy, p.version) == ("online", 2)
+    old = decode(json.dumps({"kind": "policy", "version": 1, "hash": "h", "ts_ns": 1}).encode())
+    assert isinstance(old, PolicyAnnouncement) and old.policy == "static"
+    with pytest.raises(MalformedAnnouncement, match="policy must be one of"):
+        decode(json.dumps({"kind": "policy", "policy": "both", "version": 1, "hash": "h",
+                           "ts_ns": 1}).encode())
+
+
+def test_online_swaps_reach_the_listeners_and_the_announcer(tmp_path):
+    """The online store has the static one's listeners (one store for both kinds): every swap
+    is heard, a reload of the same bundle is not; with no producer yet the announcer keeps
+    the latest announcement of each store, so neither hides the other."""
+    pytest.importorskip("pulsar")
+    from serving.announce import Announcer
+    from serving.online_policy import OnlinePolicyStore
+
+    from .conftest import export_tiny_online_bundle
+
+    a = export_tiny_online_bundle(tmp_path / "a", None)
+    b = export_online_bundle_seeded(tmp_path / "b")
+    store, seen = OnlinePolicyStore(), []
+    store.add_listener(lambda p: seen.append((p.version, p.hash)))
+    store.load(a)
+    store.load(b)
+    store.load(b, allow_rollback=True)       # the same bundle again: the same version
+    assert [v for v, _ in seen] == [1, 2] and seen[0][1] != seen[1][1]
+    ann = Announcer(f"pulsar://127.0.0.1:{free_ports(1)[0]}", _topic(), retry_s=5.0,
+                    max_retry_s=5.0, security=Security(insecure=True))
+    try:
+        ann.policy(SimpleNamespace(version=7, hash="ab" * 32))
+        ann.online_policy(store.current())
+        assert {k: decode(v).version for k, v in ann._deferred.items()} == {"static": 7,
+                                                                             "online": 2}
+        with pytest.raises(ValueError, match="which must be one of"):
+            ann.policy(store.current(), "both")
+    finally:
+        ann.close()
+
+
+def export_online_bundle_seeded(directory):
+    """Another online bundle than :func:`tests.conftest.export_tiny_online_bundle`'s."""
+    torch = pytest.importorskip("torch")
+    from agents.bundle_export import export_online_bundle
+    from envs.dsmd.online import OnlineCost
+    from envs.dsmd.online_control import OBS_SIZE, KnobMap
+
+    torch.manual_seed(1)
+    actor = torch.nn.Sequential(torch.nn.Linear(OBS_SIZE, 3), torch.nn.Tanh())
+    return export_online_bundle(actor, KnobMap(), OnlineCost(), directory)
+
+
+def test_a_static_adapter_ignores_an_online_swap():
+    from serving.adapter import ControllerAdapter
+
+    asked = []
+    me = SimpleNamespace(mode="cached", _cached=(None, 0),
+                         request_refresh=lambda: asked.append(1))
+    online = PolicyAnnouncement(3, "ef" * 32, 1, "online")
+    static = PolicyAnnouncement(3, "ef" * 32, 1, "static")
+    assert ControllerAdapter._on_policy_announced(me, online) is False and asked == []
+    assert ControllerAdapter._on_policy_announced(me, static) is True and asked == [1]
 
 
 def test_settings_are_checked(monkeypatch):
@@ -287,6 +355,33 @@ def test_malformed_announcements_are_ignored(announcing, tiny_problems, tiny_bun
     finally:
         ad.close()
         client.close()
+
+
+def test_an_online_swap_is_announced(announcing, tiny_problems, tmp_path):
+    """An online policy swapped in on the server (``PUT /v1/online/policy``) is announced
+    like a static one, naming its store: a subscriber hears it, and a cached static adapter
+    leaves its own policy alone."""
+    ps = tiny_problems
+    srv, url, topic = announcing
+    bundle = export_online_bundle_seeded(tmp_path / "online")
+    ad = _adapter(ps, srv.url, "cached", tmp_path, "o", refresh_s=600, announce_url=url,
+                  announce_topic=topic)
+    try:
+        replay_window(ad, ps, ps.windows["test"][0])
+        assert ad.subscriber.wait_ready(30)
+        before, sent = ad.policy.content_hash, _metric(srv, "policy", "sent")
+        r = httpx.put(srv.url + "/v1/online/policy", verify=srv.verify, timeout=30,
+                      json={"path": str(bundle), "allow_rollback": True},
+                      headers={"X-API-Key": ADMIN})
+        assert r.status_code == 200, r.text
+        counts = ad.subscriber.counts
+        wait_until(lambda: counts[("policy", "ignored")] == 1, 10,
+                   lambda: f"the online announcement heard ({dict(counts)})")
+        wait_until(lambda: _metric(srv, "policy", "sent") == sent + 1, 5,
+                   "the announcement counted as sent")
+        assert ad.policy.content_hash == before and counts[("policy", "applied")] == 0
+    finally:
+        ad.close()
 
 
 def test_channel_health_through_the_session(announcing, tiny_problems, tmp_path):
