@@ -24,6 +24,13 @@ the same messages. Two modes, as :class:`serving.adapter.ControllerAdapter`'s:
             lost (404, a restart) is restored so at once when the adapter asks for a plan.
             To restore, remote mode keeps every message and decision of the session.
 
+With ``announce_url`` (cached mode) the adapter also follows the server's announcements
+(:mod:`serving.subscriber`, as :class:`serving.adapter.ControllerAdapter` does): an online
+policy swap (``{"kind": "policy", "policy": "online"}``) whose hash differs from the bundle
+here starts the refresh at once instead of at the next due boundary; polling every
+``refresh_s`` stays as the fallback. Static swaps and channel health are not its business
+(counted ``ignored``).
+
 ``security`` (secure by default) is the server's TLS check, as for
 :class:`serving.adapter.ControllerAdapter`: an ``https://`` URL verified against the PKI's
 CA; ``Security(insecure=True)`` for a plain ``http://`` URL (debugging; warned). In cached
@@ -48,7 +55,7 @@ import math
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -69,6 +76,7 @@ from .adapter import (
     http_client,
     send,
 )
+from .announce import DEFAULT_TOPIC, PolicyAnnouncement
 from .bundle import HEX_DIGEST, BundleError
 from .online_bundle import OnlineBundle, load_online_bundle
 from .online_policy import unzip_bundle
@@ -82,6 +90,9 @@ from .online_schemas import (
 from .online_session import Closed, OnlineSession, Plan, fallback_decider
 from .schemas import NodeIn, request_body
 from .signing import BundleTrust, SignatureError
+
+if TYPE_CHECKING:
+    from .subscriber import AnnouncementSubscriber
 
 __all__ = ["OnlineAdapter", "online_session_body"]
 
@@ -118,7 +129,9 @@ class OnlineAdapter:
                  cache_dir: str | Path | None = None, trace_log: bool = False,
                  name: str = "live", chunk: int = 1000,
                  security: Security | None = None,
-                 bundle_trust: BundleTrust | None = None) -> None:
+                 bundle_trust: BundleTrust | None = None,
+                 announce_url: str | None = None,
+                 announce_topic: str = DEFAULT_TOPIC) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if retries < 0 or timeout_s <= 0 or chunk < 1:
@@ -140,8 +153,16 @@ class OnlineAdapter:
         self._deciding = 0  # cached: the version the engine decides with (0: fallback)
         self._last_refresh = -float("inf")
         self._refresher: threading.Thread | None = None
+        self._refresh_lock = threading.Lock()
+        self.subscriber: AnnouncementSubscriber | None = None
         if mode == "cached":
             self.refresh(force=True)
+        if announce_url is not None:
+            from .subscriber import AnnouncementSubscriber
+
+            self.subscriber = AnnouncementSubscriber(
+                announce_url, announce_topic, on_policy=self._on_policy_announced,
+                on_health=lambda _a: False, security=self.security)
         b = self._bundle[0]
         self.engine = OnlineSession(scenario, topology,
                                     cost=cost or (b.cost if b is not None else OnlineCost()),
@@ -337,16 +358,34 @@ class OnlineAdapter:
         """At a boundary: decide with the newest fetched bundle (a refresh is started when
         one is due)."""
         if time.monotonic() - self._last_refresh >= self.refresh_s:
-            t = self._refresher
-            if t is None or not t.is_alive():
-                self._last_refresh = time.monotonic()
-                self._refresher = threading.Thread(target=self.refresh, name="online-refresh",
-                                                   daemon=True)
-                self._refresher.start()
+            self._refresh_in_background()
         bundle, version = self._bundle  # one read: bundle and version agree
         if bundle is not None and version != self._deciding:
             self.engine.set_decider(bundle.decider(f"online-v{version}"), "policy")
             self._deciding = self.policy_version = version
+
+    def _refresh_in_background(self) -> bool:
+        """Start :meth:`refresh` on a daemon thread unless one is running (a slow server
+        never delays a boundary); whether one was started."""
+        with self._refresh_lock:
+            t = self._refresher
+            if t is not None and t.is_alive():
+                return False
+            self._last_refresh = time.monotonic()
+            self._refresher = threading.Thread(target=self.refresh, name="online-refresh",
+                                               daemon=True)
+            self._refresher.start()
+            return True
+
+    def _on_policy_announced(self, a: PolicyAnnouncement) -> bool:
+        """The subscriber's callback: refresh now for an online swap whose bundle is not the
+        one here (it decides from the next boundary)."""
+        current = self._bundle[0]
+        if self.mode != "cached" or a.policy != "online" or (
+                current is not None and current.metadata.get("actor_sha256") == a.hash):
+            return False
+        self._refresh_in_background()
+        return True
 
     def refresh(self, force: bool = False) -> bool:
         """Cached mode: fetch the online bundle if the server publishes another version.
@@ -401,6 +440,8 @@ class OnlineAdapter:
         return len(self._messages)
 
     def close(self) -> None:
+        if self.subscriber is not None:
+            self.subscriber.close()
         if self._client is not None:
             self._client.close()
 

@@ -179,14 +179,14 @@ def test_online_swaps_reach_the_listeners_and_the_announcer(tmp_path):
         ann.close()
 
 
-def export_online_bundle_seeded(directory):
+def export_online_bundle_seeded(directory, seed: int = 1):
     """Another online bundle than :func:`tests.conftest.export_tiny_online_bundle`'s."""
     torch = pytest.importorskip("torch")
     from agents.bundle_export import export_online_bundle
     from envs.dsmd.online import OnlineCost
     from envs.dsmd.online_control import OBS_SIZE, KnobMap
 
-    torch.manual_seed(1)
+    torch.manual_seed(seed)
     actor = torch.nn.Sequential(torch.nn.Linear(OBS_SIZE, 3), torch.nn.Tanh())
     return export_online_bundle(actor, KnobMap(), OnlineCost(), directory)
 
@@ -380,6 +380,43 @@ def test_an_online_swap_is_announced(announcing, tiny_problems, tmp_path):
         wait_until(lambda: _metric(srv, "policy", "sent") == sent + 1, 5,
                    "the announcement counted as sent")
         assert ad.policy.content_hash == before and counts[("policy", "applied")] == 0
+    finally:
+        ad.close()
+
+
+def test_a_cached_online_adapter_refreshes_on_announcement(announcing, tmp_path):
+    """A cached online adapter that would poll only every 600 s fetches an online policy
+    swapped in on the server within seconds of the PUT, and decides with it from the next
+    boundary."""
+    from envs.dsmd.dataset import build_dataset, load_dataset_spec
+    from serving.online_adapter import OnlineAdapter
+
+    srv, url, topic = announcing
+    ds = build_dataset(load_dataset_spec("tiny_online"), tmp_path / "datasets")
+    topology = ds.load(ds.traces("test")[0].id).topology
+    bundles = [export_online_bundle_seeded(tmp_path / f"b{k}", seed=10 + k) for k in (0, 1)]
+    ad = OnlineAdapter(topology, ds.scenario, base_url=srv.url, api_key=KEY, mode="cached",
+                       refresh_s=600, cache_dir=tmp_path / "cache", announce_url=url,
+                       announce_topic=topic)
+    try:
+        assert ad.subscriber is not None and ad.subscriber.wait_ready(30)
+        ad.plan()                                     # the first boundary
+        had = ad._bundle[0]
+        fresh = next(b for b in bundles
+                     if had is None or json.loads((b / "metadata.json").read_text())
+                     ["actor_sha256"] != had.metadata["actor_sha256"])
+        want = json.loads((fresh / "metadata.json").read_text())["actor_sha256"]
+        r = httpx.put(srv.url + "/v1/online/policy", verify=srv.verify, timeout=30,
+                      json={"path": str(fresh), "allow_rollback": True},
+                      headers={"X-API-Key": ADMIN})
+        assert r.status_code == 200, r.text
+        wait_until(lambda: ad._bundle[0] is not None
+                   and ad._bundle[0].metadata["actor_sha256"] == want, 10,
+                   "the announced online bundle fetched")
+        assert ad.subscriber.counts[("policy", "applied")] == 1
+        ad.close_interval()
+        ad.plan()                                     # the next boundary decides with it
+        assert ad.policy_version == int(r.json()["version"])
     finally:
         ad.close()
 
