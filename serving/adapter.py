@@ -53,14 +53,11 @@ message is kept and written as a trace (``messages.parquet``, the simulator's fo
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import logging
-import os
 import ssl
 import threading
 import time
-import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,7 +75,14 @@ from envs.dsmd.traces import write_trace
 from security.tls import Security, client_ssl_context
 
 from .announce import DEFAULT_TOPIC, HealthAnnouncement, PolicyAnnouncement
-from .bundle import BUNDLE_FILES, HEX_DIGEST, BundleError, PolicyBundle, load_bundle
+from .bundle import (
+    BUNDLE_FILES,
+    HEX_DIGEST,
+    BundleError,
+    PolicyBundle,
+    load_bundle,
+    unzip_files,
+)
 from .schemas import (
     ChannelHealth,
     ControllerIn,
@@ -491,14 +495,7 @@ class ControllerAdapter:
             log.warning("policy refresh: the server's bundle hash %r is not a hex digest; "
                         "keeping version %d", info.get("hash"), self._cached[1])
             return False
-        d = root / info["hash"][:16]
-        d.mkdir(parents=True, exist_ok=True)
-        with zipfile.ZipFile(io.BytesIO(raw)) as z:
-            for name in set(z.namelist()) & set(BUNDLE_FILES):
-                # whole files only: adapters sharing a cache directory may load it meanwhile
-                tmp = d / f".{name}.{os.getpid()}.{threading.get_ident()}"
-                tmp.write_bytes(z.read(name))
-                os.replace(tmp, d / name)
+        d = unzip_files(raw, root / info["hash"][:16], BUNDLE_FILES)
         try:
             bundle = load_bundle(d, trust=self.bundle_trust)
         except SignatureError:  # logged once by the verification, with the key id

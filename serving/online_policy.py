@@ -12,15 +12,13 @@ refused (:class:`serving.bundle.BundleError`; a bad or missing signature,
 
 from __future__ import annotations
 
-import io
 import logging
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from envs.dsmd.online_control import KnobPolicy
 
-from .bundle import BundleError, bundle_zip
+from .bundle import BundleError, bundle_zip, unzip_files
 from .online_bundle import (
     ONLINE_BUNDLE_FILES,
     ONLINE_BUNDLE_OPTIONAL,
@@ -85,11 +83,6 @@ class OnlinePolicyStore(VersionedStore[OnlineBundle, LoadedOnlinePolicy]):
 
 
 def unzip_bundle(raw: bytes, directory: str | Path) -> Path:
-    """Write a downloaded bundle zip's files into ``directory`` (the adapter's cache)."""
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    with zipfile.ZipFile(io.BytesIO(raw)) as z:
-        for name in set(z.namelist()) & {*ONLINE_BUNDLE_FILES, *ONLINE_BUNDLE_OPTIONAL}:
-            (d / name).write_bytes(z.read(name))
-    return d
-
+    """Write a downloaded online bundle zip's files into ``directory`` (the adapter's cache),
+    each one whole (:func:`serving.bundle.unzip_files`)."""
+    return unzip_files(raw, directory, (*ONLINE_BUNDLE_FILES, *ONLINE_BUNDLE_OPTIONAL))

@@ -376,3 +376,28 @@ def test_single_rows_through_bound_buffers_equal_session_run(kind, request):
     plain = _BoundRow(Plain(row), layout.size)
     assert plain.call is None
     np.testing.assert_array_equal(plain(x[2]), ref[2])
+
+
+def test_a_downloaded_bundle_is_written_file_by_file_whole(tmp_path):
+    """Both adapters write a downloaded bundle into their cache through one function: only
+    the bundle's files, each replaced whole (no temporary file left behind, an old copy of a
+    file overwritten, a file the zip does not name untouched)."""
+    import io
+    import zipfile
+
+    from serving.bundle import unzip_files
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr("metadata.json", "{\"new\": 1}")
+        z.writestr("actor.onnx", b"\x00\x01")
+        z.writestr("../evil.txt", "outside")
+    d = tmp_path / "cache" / "abcd"
+    d.mkdir(parents=True)
+    (d / "metadata.json").write_text("{\"old\": 1, \"longer than the new one\": true}")
+    (d / "keep.txt").write_text("mine")
+    out = unzip_files(buf.getvalue(), d, ("metadata.json", "actor.onnx"))
+    assert out == d
+    assert sorted(p.name for p in d.iterdir()) == ["actor.onnx", "keep.txt", "metadata.json"]
+    assert (d / "metadata.json").read_text() == "{\"new\": 1}"
+    assert not (tmp_path / "cache" / "evil.txt").exists()
