@@ -42,7 +42,7 @@ from envs.dsmd.online import OnlineCost
 from envs.dsmd.online_control import FEATURES, OBS_SIZE, KnobMap, KnobPolicy
 from envs.dsmd.online_greedy import FILE_ARGS
 
-from .bundle import SIGNATURE_FILE, BundleError, read_metadata
+from .bundle import SIGNATURE_FILE, BundleError, inference_session, read_metadata
 
 if TYPE_CHECKING:
     from .signing import BundleTrust
@@ -163,14 +163,9 @@ def load_online_bundle(directory: str | Path,
         knob_map.build(cost)
     except (OSError, ValueError) as e:
         raise BundleError(f"{what} {src}: its executor cannot be built ({e})") from None
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = opts.inter_op_num_threads = 1
-    try:
-        ort_session = ort.InferenceSession(str(onnx_path), opts,
-                                           providers=["CPUExecutionProvider"])
-    except Exception as e:  # onnxruntime raises its own exception types
+    try:  # the static bundles' session builder: one thread, sequential, no spinning
+        ort_session = inference_session(onnx_path)
+    except BundleError as e:
         raise BundleError(f"{what} {src}: actor.onnx cannot be loaded ({e})") from None
     return OnlineBundle(src, meta, knob_map, cost, ort_session, signed_by, vb)
 
