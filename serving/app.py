@@ -127,6 +127,7 @@ from .online_api import add_online_routes
 from .online_policy import OnlinePolicyStore
 from .policy_store import BundleError, BundleWatcher, LoadedPolicy, PolicyStore
 from .schemas import (
+    ERROR_RESPONSES,
     OUT_OF_RANGE,
     ChannelHealth,
     DecideBatchRequest,
@@ -145,6 +146,7 @@ from .schemas import (
     SessionOut,
     SessionUpdate,
     TypeIn,
+    error_responses,
 )
 from .session import FALLBACKS, Decision, Session, SessionError, SessionSpec
 from .signing import BundleTrust
@@ -288,17 +290,6 @@ class ServerSettings:
         return str(ident.cert), str(ident.key), str(ident.ca)
 
 
-_ERRORS = {400: {"model": ErrorOut, "description": "Body is not parseable (not JSON)"},
-           401: {"model": ErrorOut, "description": "Missing or invalid API key"},
-           404: {"model": ErrorOut, "description": "Unknown session"},
-           409: {"model": ErrorOut, "description": "Contradicts the session's state or "
-                 "itself (names what)"},
-           413: {"model": ErrorOut, "description": "Body too large"},
-           422: {"model": ErrorOut, "description": "Validation error (field and problem)"}}
-
-
-def _errors(*codes: int) -> dict:
-    return {c: _ERRORS[c] for c in codes}
 
 
 class BodyLimit:
@@ -775,7 +766,7 @@ def create_app(settings: ServerSettings | None = None, *,
              dependencies=[Depends(require_metrics)],
              responses={200: {"content": {"text/plain": {}},
                               "description": "Prometheus text format"},
-                        **_errors(401), 403: {"model": ErrorOut, "description":
+                        **error_responses(401), 403: {"model": ErrorOut, "description":
                                               "Not an admin or metrics key"}})
     async def prometheus() -> Response:
         metrics.sessions.set(len(sessions))
@@ -784,7 +775,7 @@ def create_app(settings: ServerSettings | None = None, *,
 
     # ------------------------------------------------------------------ policy
     @app.get("/v1/policy", response_model=PolicyOut, tags=["policy"],
-             dependencies=[Depends(controller)], responses=_errors(401))
+             dependencies=[Depends(controller)], responses=error_responses(401))
     async def get_policy() -> PolicyOut:
         return policy_out(store.current())
 
@@ -792,8 +783,8 @@ def create_app(settings: ServerSettings | None = None, *,
              response_class=Response,
              responses={200: {"content": {"application/zip": {}},
                               "description": "The bundle's files (zip)"},
-                        404: _ERRORS[404] | {"description": "No policy loaded"},
-                        401: _ERRORS[401]})
+                        404: ERROR_RESPONSES[404] | {"description": "No policy loaded"},
+                        401: ERROR_RESPONSES[401]})
     async def get_bundle() -> Response:
         p = store.current()
         if p is None:
@@ -804,7 +795,7 @@ def create_app(settings: ServerSettings | None = None, *,
                                  "X-Policy-Hash": p.hash})
 
     @app.put("/v1/policy", response_model=PolicyOut, tags=["policy"],
-             responses=_errors(400, 401, 409, 422) | {403: {"model": ErrorOut,
+             responses=error_responses(400, 401, 409, 422) | {403: {"model": ErrorOut,
                                                        "description": "Not an admin key"}})
     async def swap_policy(body: PolicySwap, caller: AdminCaller) -> PolicyOut:
         try:
@@ -843,7 +834,7 @@ def create_app(settings: ServerSettings | None = None, *,
                                     s.num_destinations + new_destinations)
 
     @app.post("/v1/sessions", response_model=SessionCreated, status_code=201, tags=["sessions"],
-              responses=_errors(400, 401, 409, 413, 422) | {429: {"model": ErrorOut,
+              responses=error_responses(400, 401, 409, 413, 422) | {429: {"model": ErrorOut,
                                                         "description": "Too many sessions, or "
                                                         "over the memory budget"}})
     async def create_session(body: SessionCreate,
@@ -897,7 +888,7 @@ def create_app(settings: ServerSettings | None = None, *,
         return await run_on(lease, render)
 
     @app.get("/v1/sessions/{session_id}", response_model=SessionOut, tags=["sessions"],
-             responses=_errors(401, 404))
+             responses=error_responses(401, 404))
     async def read_session(session_id: str,
                            caller: ControllerCaller) -> SessionOut:
         s, lease = get_session(session_id, caller, "read")
@@ -906,7 +897,7 @@ def create_app(settings: ServerSettings | None = None, *,
         return out
 
     @app.patch("/v1/sessions/{session_id}", response_model=SessionOut, tags=["sessions"],
-               responses=_errors(400, 401, 404, 409, 413, 422) | {
+               responses=error_responses(400, 401, 404, 409, 413, 422) | {
                    429: {"model": ErrorOut, "description": "Over the memory budget"}})
     async def update_session(session_id: str, body: SessionUpdate,
                              caller: ControllerCaller) -> SessionOut:
@@ -954,7 +945,7 @@ def create_app(settings: ServerSettings | None = None, *,
         return out
 
     @app.get("/v1/sessions/{session_id}/health", response_model=SessionHealthOut,
-             tags=["sessions"], responses=_errors(401, 404))
+             tags=["sessions"], responses=error_responses(401, 404))
     async def read_session_health(session_id: str,
                                   caller: ControllerCaller) -> SessionHealthOut:
         s, lease = get_session(session_id, caller, "read")
@@ -964,7 +955,7 @@ def create_app(settings: ServerSettings | None = None, *,
                                 else ChannelHealth(**s.health))
 
     @app.delete("/v1/sessions/{session_id}", status_code=204, tags=["sessions"],
-                responses=_errors(401, 404))
+                responses=error_responses(401, 404))
     async def delete_session(session_id: str,
                              caller: ControllerCaller) -> Response:
         get_session(session_id, caller, "delete")
@@ -972,7 +963,7 @@ def create_app(settings: ServerSettings | None = None, *,
         return Response(status_code=204)
 
     @app.post("/v1/sessions/{session_id}/rates", response_model=RateUpdated, tags=["sessions"],
-              responses=_errors(400, 401, 404, 409, 413, 422))
+              responses=error_responses(400, 401, 404, 409, 413, 422))
     async def update_rates(session_id: str, body: RateUpdate,
                            caller: ControllerCaller) -> RateUpdated:
         s, lease = get_session(session_id, caller, "rates")
@@ -989,7 +980,7 @@ def create_app(settings: ServerSettings | None = None, *,
     # ------------------------------------------------------------------ decisions
     @app.post("/v1/sessions/{session_id}/decide", response_model=DecisionSingleOut,
               tags=["decisions"],
-              responses=_errors(400, 401, 404, 409, 413, 422))
+              responses=error_responses(400, 401, 404, 409, 413, 422))
     async def decide(session_id: str, body: DecideRequest,
                      caller: ControllerCaller) -> dict[str, Any]:
         s, lease = get_session(session_id, caller, "decide")
@@ -1002,7 +993,7 @@ def create_app(settings: ServerSettings | None = None, *,
 
     @app.post("/v1/sessions/{session_id}/decide/batch", response_model=DecisionBatchOut,
               tags=["decisions"],
-              responses=_errors(400, 401, 404, 409, 413, 422))
+              responses=error_responses(400, 401, 404, 409, 413, 422))
     async def decide_batch(session_id: str, body: DecideBatchRequest,
                            caller: ControllerCaller) -> dict[str, Any]:
         s, lease = get_session(session_id, caller, "decide")

@@ -72,7 +72,7 @@ from .online_schemas import (
     PlanOut,
 )
 from .online_session import MessageRejected, OnlineSession, Plan, StateConflict, signature_scenario
-from .schemas import MAX_JSON_INT, ErrorOut, PolicySwap
+from .schemas import MAX_JSON_INT, ErrorOut, PolicySwap, error_responses
 
 __all__ = ["OnlineEntry", "add_online_routes", "known_datasets"]
 
@@ -109,11 +109,6 @@ class OnlineEntry:
 #: an interval index in a path (a JSON-safe integer: the same bound as every id)
 WindowParam = Annotated[int, Path(ge=0, le=MAX_JSON_INT, description="The interval index.")]
 
-_E = {c: {"model": ErrorOut} for c in (400, 401, 403, 404, 409, 413, 422, 429)}
-
-
-def _errors(*codes: int) -> dict:
-    return {c: _E[c] for c in codes}
 
 
 def known_datasets() -> list[str]:
@@ -267,7 +262,7 @@ def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Cal
 
     # ------------------------------------------------------------------ policy
     @app.get("/v1/online/policy", response_model=OnlinePolicyOut, tags=["online"],
-             dependencies=[Depends(controller)], responses=_errors(401))
+             dependencies=[Depends(controller)], responses=error_responses(401))
     async def get_online_policy() -> OnlinePolicyOut:
         return policy_out(store.current())
 
@@ -276,7 +271,7 @@ def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Cal
              responses={200: {"content": {"application/zip": {}},
                               "description": "the bundle's files (zip)"},
                         404: {"model": ErrorOut, "description": "No online policy loaded"},
-                        401: _E[401]})
+                        **error_responses(401)})
     async def get_online_bundle() -> Response:
         p = store.current()
         if p is None:
@@ -286,7 +281,7 @@ def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Cal
                         headers={"X-Policy-Version": str(p.version), "X-Policy-Hash": p.hash})
 
     @app.put("/v1/online/policy", response_model=OnlinePolicyOut, tags=["online"],
-             responses=_errors(400, 401, 403, 409, 422))
+             responses=error_responses(400, 401, 403, 409, 422))
     async def swap_online_policy(body: PolicySwap, caller: AdminCaller) -> OnlinePolicyOut:
         def install() -> LoadedOnlinePolicy:
             if load is not None:
@@ -306,7 +301,7 @@ def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Cal
 
     # ------------------------------------------------------------------ sessions
     @app.post("/v1/online/sessions", response_model=OnlineSessionCreated, status_code=201,
-              tags=["online"], responses=_errors(400, 401, 409, 413, 422, 429))
+              tags=["online"], responses=error_responses(400, 401, 409, 413, 422, 429))
     async def create_online_session(body: OnlineSessionCreate,
                                     caller: ControllerCaller) -> OnlineSessionCreated:
         if len(body.nodes) > lim.max_nodes:
@@ -358,7 +353,7 @@ def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Cal
                                     policy_version=0 if p is None else p.version)
 
     @app.get("/v1/online/sessions/{session_id}", response_model=OnlineSessionOut,
-             tags=["online"], responses=_errors(401, 404))
+             tags=["online"], responses=error_responses(401, 404))
     async def read_online_session(session_id: str, caller: ControllerCaller) -> OnlineSessionOut:
         e = entry(session_id, caller, "read")
         s = e.session
@@ -371,7 +366,7 @@ def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Cal
                                 else (cur.version if cur is not None else 0))
 
     @app.delete("/v1/online/sessions/{session_id}", status_code=204, tags=["online"],
-                responses=_errors(401, 404))
+                responses=error_responses(401, 404))
     async def delete_online_session(session_id: str, caller: ControllerCaller) -> Response:
         entry(session_id, caller, "delete")
         drop(session_id)
@@ -379,7 +374,7 @@ def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Cal
 
     # ------------------------------------------------------------------ intervals
     @app.get("/v1/online/sessions/{session_id}/intervals/{window}/plan",
-             response_model=PlanOut, tags=["online"], responses=_errors(401, 404, 409))
+             response_model=PlanOut, tags=["online"], responses=error_responses(401, 404, 409))
     async def get_plan(session_id: str, window: WindowParam, caller: ControllerCaller) -> PlanOut:
         e = entry(session_id, caller, "plan")
 
@@ -394,7 +389,7 @@ def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Cal
 
     @app.put("/v1/online/sessions/{session_id}/intervals/{window}/plan",
              response_model=PlanOut, tags=["online"],
-             responses=_errors(400, 401, 404, 409, 413, 422))
+             responses=error_responses(400, 401, 404, 409, 413, 422))
     async def put_plan(session_id: str, window: WindowParam, body: PlanIn,
                        caller: ControllerCaller) -> PlanOut:
         e = entry(session_id, caller, "plan")
@@ -409,7 +404,7 @@ def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Cal
 
     @app.post("/v1/online/sessions/{session_id}/intervals/{window}/messages",
               response_model=MessagesOut, tags=["online"],
-              responses=_errors(400, 401, 404, 409, 413, 422))
+              responses=error_responses(400, 401, 404, 409, 413, 422))
     async def post_messages(session_id: str, window: WindowParam, body: MessagesIn,
                             caller: ControllerCaller) -> MessagesOut:
         e = entry(session_id, caller, "messages")
@@ -450,7 +445,7 @@ def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Cal
                 budget.charge(lease, e.estimate())
 
     @app.post("/v1/online/sessions/{session_id}/intervals/{window}/close",
-              response_model=IntervalOut, tags=["online"], responses=_errors(401, 404, 409))
+              response_model=IntervalOut, tags=["online"], responses=error_responses(401, 404, 409))
     async def close_interval(session_id: str, window: WindowParam,
                              caller: ControllerCaller) -> IntervalOut:
         e = entry(session_id, caller, "close")

@@ -360,3 +360,22 @@ class HealthOut(BaseModel):
 
 class ErrorOut(BaseModel):
     detail: str | list = Field(description="What is wrong, and where.")
+
+
+#: the error responses of every endpoint (OpenAPI), by status: one table for the static
+#: and the online API (an endpoint may give a status a more precise description)
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorOut, "description": "Body is not parseable (not JSON)"},
+    401: {"model": ErrorOut, "description": "Missing or invalid API key"},
+    403: {"model": ErrorOut, "description": "The key's role may not do this"},
+    404: {"model": ErrorOut, "description": "Unknown session"},
+    409: {"model": ErrorOut, "description": "Contradicts the session's state or itself "
+          "(names what)"},
+    413: {"model": ErrorOut, "description": "Body too large"},
+    422: {"model": ErrorOut, "description": "Validation error (field and problem)"},
+    429: {"model": ErrorOut, "description": "Too many sessions, or over a memory budget"}}
+
+
+def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI ``responses`` of ``codes`` (:data:`ERROR_RESPONSES`)."""
+    return {c: ERROR_RESPONSES[c] for c in codes}
