@@ -102,7 +102,7 @@ if TYPE_CHECKING:
     from .subscriber import AnnouncementSubscriber
 
 __all__ = ["MODES", "AdapterDecision", "AdapterError", "CircuitBreaker", "ControllerAdapter",
-           "http_client", "tls_verify"]
+           "ServerUnavailable", "http_client", "tls_verify"]
 
 log = logging.getLogger(__name__)
 MODES = ("remote", "cached")
@@ -112,8 +112,10 @@ class AdapterError(RuntimeError):
     """A request the server refused as wrong (4xx): a bug in the caller, not an outage."""
 
 
-class _Unavailable(Exception):
-    pass
+class ServerUnavailable(Exception):
+    """The policy server could not answer (no client, an open circuit, timeouts, refused
+    connections, 5xx): an outage, which the adapters ride out with their fallback (shared
+    by the static and the online adapter)."""
 
 
 def tls_verify(security: Security, url: str, component: str = "controller adapter"
@@ -149,14 +151,14 @@ def http_client(base_url: str, api_key: str | None, timeout_s: float, security: 
 def send(client: httpx.Client | None, breaker: CircuitBreaker, retries: int, method: str,
          path: str, body: Any) -> httpx.Response:
     """One request with ``retries`` retries through the circuit ``breaker``: the first
-    answer below 500 (the breaker counts it a success), else ``_Unavailable`` (no client,
+    answer below 500 (the breaker counts it a success), else ``ServerUnavailable`` (no client,
     open circuit, timeouts, refused connections, 5xx)."""
     import httpx
 
     if client is None:
-        raise _Unavailable("no server configured")
+        raise ServerUnavailable("no server configured")
     if not breaker.allow():
-        raise _Unavailable("circuit open")
+        raise ServerUnavailable("circuit open")
     err = "?"
     for _ in range(1 + retries):
         try:
@@ -175,20 +177,20 @@ def send(client: httpx.Client | None, breaker: CircuitBreaker, retries: int, met
             continue
         breaker.success()
         return r
-    raise _Unavailable(err)
+    raise ServerUnavailable(err)
 
 
 def get_bytes(client: httpx.Client | None, path: str, timeout_s: float) -> bytes:
     """``GET path`` on the adapter's HTTP client: the body, ``AdapterError`` on a non-200
-    answer, ``_Unavailable`` when there is no client or the server cannot be reached."""
+    answer, ``ServerUnavailable`` when there is no client or the server cannot be reached."""
     import httpx
 
     if client is None:
-        raise _Unavailable("no server configured")
+        raise ServerUnavailable("no server configured")
     try:
         r = client.get(path, timeout=max(timeout_s, 5.0))
     except httpx.HTTPError as e:
-        raise _Unavailable(type(e).__name__) from None
+        raise ServerUnavailable(type(e).__name__) from None
     if r.status_code != 200:
         raise AdapterError(f"GET {path}: HTTP {r.status_code}")
     return r.content
@@ -372,7 +374,7 @@ class ControllerAdapter:
                 types=None if types is None else [int(t) for t in types], replan=replan,
                 parallel=parallel))
             r = self._request("POST", f"/v1/sessions/{self.session_id}/decide/batch", body)
-        except _Unavailable as e:
+        except ServerUnavailable as e:
             ds = self.local.decide(types, None, fallback=self.fallback, replan=replan,
                                    parallel=parallel)
             self._synced = False  # the server has not seen these decisions
@@ -406,7 +408,7 @@ class ControllerAdapter:
         if self.local.health is health:
             self._health_dirty = False
         if old is not None:
-            with contextlib.suppress(_Unavailable, AdapterError):
+            with contextlib.suppress(ServerUnavailable, AdapterError):
                 self._request("DELETE", f"/v1/sessions/{old}", None, expect_json=False)
         return sid
 
@@ -486,7 +488,7 @@ class ControllerAdapter:
                                       and info["hash"] == current.content_hash):
                 return False
             raw = self._get_bytes("/v1/policy/bundle")
-        except (_Unavailable, AdapterError) as e:
+        except (ServerUnavailable, AdapterError) as e:
             log.warning("policy refresh failed (%s); keeping version %d", e,
                         self._cached[1])
             return False
@@ -520,7 +522,7 @@ class ControllerAdapter:
             health = ChannelHealth.model_validate(raw).model_dump()
             if health != self.local.health:
                 self.local.set_health(health)
-        except (_Unavailable, AdapterError, ValidationError, SessionError, KeyError,
+        except (ServerUnavailable, AdapterError, ValidationError, SessionError, KeyError,
                 ValueError) as e:
             log.warning("channel health of session %s not polled: %s", sid, e)
 
@@ -556,7 +558,7 @@ class ControllerAdapter:
         body = request_body(SessionUpdate(channel_health=ChannelHealth(**health)))
         try:
             r = send(self._client, self.breaker, 0, "PATCH", f"/v1/sessions/{sid}", body)
-        except _Unavailable as e:
+        except ServerUnavailable as e:
             log.warning("channel health not sent to the server (%s); sent again at the next "
                         "call", e)
             return

@@ -71,7 +71,7 @@ from .adapter import (
     MODES,
     AdapterError,
     CircuitBreaker,
-    _Unavailable,
+    ServerUnavailable,
     get_bytes,
     http_client,
     send,
@@ -220,7 +220,7 @@ class OnlineAdapter:
             try:
                 self._send_unsent()
                 r = self._request("POST", self._path("close"), None)
-            except (_Unavailable, _Lost) as e:
+            except (ServerUnavailable, _Lost) as e:
                 self._lose(e)
                 r = None
         else:
@@ -250,7 +250,7 @@ class OnlineAdapter:
                 self._synced = False
                 self._ensure_session()
                 r = self._request("GET", self._path("plan"), None)
-        except (_Unavailable, _Lost) as err:
+        except (ServerUnavailable, _Lost) as err:
             self._lose(err)
             return e.begin()
         types = [p["type"] for p in r["plan"]]
@@ -274,7 +274,7 @@ class OnlineAdapter:
             if len(self._unsent) >= self.chunk:
                 try:
                     self._send_unsent()
-                except (_Unavailable, _Lost) as err:
+                except (ServerUnavailable, _Lost) as err:
                     self._lose(err)
         elif self._synced:
             try:
@@ -286,7 +286,7 @@ class OnlineAdapter:
                     raise AdapterError(f"the server placed {placed} where the local copy "
                                        f"places types {need}: the copies differ")
                 sub = e.submit([msg], given=placed)
-            except (_Unavailable, _Lost) as err:
+            except (ServerUnavailable, _Lost) as err:
                 self._lose(err)
         if sub is None:  # the server is not deciding: the fallback decider places
             sub = e.submit([msg], decider=self._fallback)
@@ -321,7 +321,7 @@ class OnlineAdapter:
         old = self.session_id
         self.session_id = self._request("POST", "/v1/online/sessions", body)["session_id"]
         if old is not None:
-            with contextlib.suppress(_Unavailable, _Lost, AdapterError):
+            with contextlib.suppress(ServerUnavailable, _Lost, AdapterError):
                 self._request("DELETE", f"/v1/online/sessions/{old}", None, expect_json=False)
         for w, (plan, msgs, placed) in enumerate(self._history):
             self._restore(w, plan, msgs, placed)
@@ -343,7 +343,7 @@ class OnlineAdapter:
         self._request("POST", f"{base}/close", None)
 
     def _request(self, method: str, path: str, body: Any, expect_json: bool = True) -> Any:
-        """One request with retries and the circuit breaker: ``_Unavailable`` (timeouts,
+        """One request with retries and the circuit breaker: ``ServerUnavailable`` (timeouts,
         5xx, open breaker), ``_Lost`` (404: the server lost the session),
         :class:`AdapterError` (another 4xx: the request is wrong)."""
         r = send(self._client, self.breaker, self.retries, method, path, body)
@@ -399,7 +399,7 @@ class OnlineAdapter:
                                       and cur.metadata.get("actor_sha256") == info["hash"]):
                 return False
             raw = self._get_bytes("/v1/online/policy/bundle")
-        except (_Unavailable, _Lost, AdapterError) as e:
+        except (ServerUnavailable, _Lost, AdapterError) as e:
             log.warning("online policy refresh failed (%s); keeping version %d", e,
                         self._bundle[1])
             return False

@@ -110,7 +110,6 @@ class OnlineEntry:
 WindowParam = Annotated[int, Path(ge=0, le=MAX_JSON_INT, description="The interval index.")]
 
 
-
 def known_datasets() -> list[str]:
     """The dataset configs the server ships (``configs/dataset/<name>.yaml``), by name."""
     return sorted(p.stem for p in DATASET_CONFIG_DIR.glob("*.yaml"))
