@@ -75,14 +75,8 @@ from envs.dsmd.traces import write_trace
 from security.tls import Security, client_ssl_context
 
 from .announce import DEFAULT_TOPIC, HealthAnnouncement, PolicyAnnouncement
-from .bundle import (
-    BUNDLE_FILES,
-    HEX_DIGEST,
-    BundleError,
-    PolicyBundle,
-    load_bundle,
-    unzip_files,
-)
+from .bundle import BUNDLE_FILES, BundleError, PolicyBundle, load_bundle, unzip_files
+from .bundle_format import HEX_DIGEST
 from .schemas import (
     ChannelHealth,
     ControllerIn,

@@ -32,26 +32,34 @@ The two actor files are scored by :class:`OnnxScorer`, which holds one ONNX Runt
 
 from __future__ import annotations
 
-import hashlib
 import io
-import json
 import os
 import queue
-import re
 import threading
 import zipfile
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import numpy as np
 
 from envs.dsmd.observation import ObservationLayout
 
-if TYPE_CHECKING:
-    from .signing import BundleTrust
+from .bundle_format import (
+    BUNDLE_CONTENT,
+    BUNDLE_FILES,
+    BUNDLE_FORMAT,
+    BUNDLE_VERSION,
+    READABLE_VERSIONS,
+    SIGNATURE_FILE,
+    BundleError,
+    read_metadata,
+    sha256_bytes,
+    sha256_file,
+)
+from .signing import BundleTrust, verified_copy
 
 __all__ = [
     "BUNDLE_CONTENT",
@@ -69,23 +77,6 @@ __all__ = [
     "sha256_file",
 ]
 
-BUNDLE_FORMAT = "smart-dsmd-policy"
-#: the version :mod:`agents.bundle_export` writes: the decoding mode (envs.dsmd.decoding)
-#: recorded, the one-row actor file, a per-channel actor's row file taking its globals and
-#: features as two inputs
-BUNDLE_VERSION = 4
-#: the versions :func:`load_bundle` reads
-READABLE_VERSIONS = (BUNDLE_VERSION,)
-#: the files the loader reads (every one covered by the signature)
-BUNDLE_CONTENT = ("metadata.json", "actor.onnx", "actor_row.onnx")
-#: the signature file of a signed bundle (:mod:`serving.signing`)
-SIGNATURE_FILE = "SIGNATURE.json"
-#: every file a bundle holds (what is copied when a bundle is published or fetched; an
-#: unsigned bundle, accepted only by an insecure loader, has no SIGNATURE.json)
-BUNDLE_FILES = (*BUNDLE_CONTENT, SIGNATURE_FILE)
-#: a bundle's content hash as the server announces it (a SHA-256 hex digest): adapters name
-#: their cache directories after it, so nothing else is accepted
-HEX_DIGEST = re.compile(r"[0-9a-f]{64}")
 #: the decoding modes a bundle may record, and how each turns scores into a channel
 DECODING = {"argmax": "argmax over the K+1 channel scores (0 = RPC, t = MQ topic t); ties "
                       "broken uniformly at random",
@@ -113,28 +104,6 @@ def _batch_pool(workers: int) -> Any:
         if pool is None:
             pool = _POOL[key] = ThreadPoolExecutor(workers, thread_name_prefix="bundle-batch")
         return pool
-
-
-class BundleError(ValueError):
-    """A policy bundle that cannot be used (missing, corrupted, of another format or version,
-    or mismatched)."""
-
-
-@contextmanager
-def origin_named(origin: str | None) -> Iterator[None]:
-    """A :class:`BundleError` raised inside, re-raised with ``origin`` (where the bundle came
-    from: a registry version) in front of its message; unchanged when ``origin`` is None."""
-    try:
-        yield
-    except BundleError as e:
-        if origin is None:
-            raise
-        raise type(e)(f"{origin}: {e}") from None
-
-
-def sha256_file(path: Path) -> str:
-    """The SHA-256 of a file's bytes (hex), as a bundle's metadata records it."""
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 class OnnxScorer:
@@ -361,37 +330,9 @@ class _BoundRow:
         return cast(np.ndarray, self.y[0].copy())
 
 
-def read_metadata(d: Path, fmt: str, versions: tuple[int, ...], files: tuple[str, ...],
-                  what: str = "policy bundle") -> dict:
-    """``d/metadata.json`` of a bundle of format ``fmt`` and one of ``versions`` whose
-    ``files`` are all present, else :class:`BundleError` naming the directory or file and
-    what is wrong (shared by :func:`load_bundle` and
-    :func:`serving.online_bundle.load_online_bundle`)."""
-    meta_path = d / "metadata.json"
-    try:
-        for name in ("metadata.json", *files):
-            if not (d / name).is_file():
-                raise BundleError(f"{what} {str(d)[:200]}: {name} is missing")
-        meta = json.loads(meta_path.read_text())
-    except json.JSONDecodeError as e:
-        raise BundleError(f"{meta_path}: not valid JSON ({e})") from None
-    except (OSError, UnicodeDecodeError) as e:  # unreadable, name too long, not text, ...
-        raise BundleError(f"{what} {str(d)[:200]}: cannot be read ({e.__class__.__name__}: "
-                          f"{getattr(e, 'strerror', None) or e})") from None
-    if not isinstance(meta, dict):
-        raise BundleError(f"{meta_path}: not a JSON object")
-    if meta.get("format") != fmt:
-        raise BundleError(f"{meta_path}: format {meta.get('format')!r}, expected {fmt!r}")
-    if meta.get("version") not in versions:
-        raise BundleError(f"{meta_path}: {what} version {meta.get('version')!r}; this "
-                          f"version of the code reads version "
-                          f"{' or '.join(map(str, versions))} (re-export the policy)")
-    return meta
-
-
 def _check_hash(path: Path, data: bytes, meta: dict, key: str) -> None:
     """``data`` (the verified bytes of ``path``) against the metadata's recorded hash."""
-    got = hashlib.sha256(data).hexdigest()
+    got = sha256_bytes(data)
     if got != meta.get(key):
         raise BundleError(f"{path}: content hash {got[:12]}... does not match the metadata's "
                           f"{str(meta.get(key))[:12]}... (corrupted or replaced)")
@@ -438,7 +379,6 @@ def load_bundle(directory: str | Path, *, expect_layout: ObservationLayout | Non
     """
     d = Path(directory)
     read_metadata(d, BUNDLE_FORMAT, READABLE_VERSIONS, BUNDLE_CONTENT[1:])  # clear errors
-    from .signing import verified_copy
 
     # every file read once: verified, then loaded from the private copy of those bytes
     vb = verified_copy(d, trust, required=BUNDLE_CONTENT)
@@ -487,15 +427,6 @@ def verified_bytes(bundle: Any) -> dict[str, bytes]:
     if vb is not None:
         return {n: vb.blobs[n] for n in bundle.files}
     return {n: (bundle.directory / n).read_bytes() for n in bundle.files}
-
-
-def same_bundle(a: Any, b: Any) -> bool:
-    """Whether two loaded bundles are one signed bundle read twice: the same signer, the
-    same serial and the same bytes (loading it again is then not a new version)."""
-    va, vb = a.verified, b.verified
-    return (va is not None and vb is not None and va.serial is not None
-            and va.serial == vb.serial and va.signed_by == vb.signed_by
-            and dict(va.blobs) == dict(vb.blobs))
 
 
 def bundle_zip(bundle: Any) -> bytes:

@@ -77,7 +77,7 @@ from .adapter import (
     send,
 )
 from .announce import DEFAULT_TOPIC, PolicyAnnouncement
-from .bundle import HEX_DIGEST, BundleError
+from .bundle_format import HEX_DIGEST, BundleError
 from .online_bundle import OnlineBundle, load_online_bundle
 from .online_policy import unzip_bundle
 from .online_schemas import (

@@ -31,56 +31,35 @@ fixed arguments) is read as before.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import numpy as np
 
 from envs.dsmd.online import OnlineCost
 from envs.dsmd.online_control import FEATURES, OBS_SIZE, KnobMap, KnobPolicy
-from envs.dsmd.online_greedy import FILE_ARGS
 
-from .bundle import SIGNATURE_FILE, BundleError, inference_session, read_metadata
-
-if TYPE_CHECKING:
-    from .signing import BundleTrust
+from .bundle import inference_session
+from .bundle_format import (
+    FILE_ARGS,
+    ONLINE_BUNDLE_CONTENT,
+    ONLINE_BUNDLE_FILES,
+    ONLINE_BUNDLE_FORMAT,
+    ONLINE_BUNDLE_OPTIONAL,
+    ONLINE_BUNDLE_VERSION,
+    ONLINE_BUNDLE_VERSIONS,
+    SIGNATURE_FILE,
+    BundleError,
+    online_bundle_files,
+    read_metadata,
+    sha256_bytes,
+)
+from .signing import BundleTrust, verified_copy
 
 __all__ = ["FILE_ARGS", "ONLINE_BUNDLE_CONTENT", "ONLINE_BUNDLE_FILES", "ONLINE_BUNDLE_FORMAT",
            "ONLINE_BUNDLE_OPTIONAL", "ONLINE_BUNDLE_VERSION", "OnlineBundle",
            "load_online_bundle", "online_bundle_files"]
-
-ONLINE_BUNDLE_FORMAT = "smart-dsmd-online-policy"
-#: the version :func:`agents.bundle_export.export_online_bundle` writes
-ONLINE_BUNDLE_VERSION = 2
-#: the versions this runtime reads
-ONLINE_BUNDLE_VERSIONS = (1, 2)
-#: the files the loader always reads (every one covered by the signature)
-ONLINE_BUNDLE_CONTENT = ("metadata.json", "actor.onnx")
-#: every file an online bundle always holds (no SIGNATURE.json if unsigned)
-ONLINE_BUNDLE_FILES = (*ONLINE_BUNDLE_CONTENT, SIGNATURE_FILE)
-#: the executor's fixed arguments that name a file, and the file's name in the bundle
-#: (:data:`envs.dsmd.online_greedy.FILE_ARGS`)
-#: the optional files a bundle may hold (read, hashed and signed when its metadata's
-#: ``files`` names them)
-ONLINE_BUNDLE_OPTIONAL = tuple(FILE_ARGS.values())
-
-
-def online_bundle_files(meta: dict[str, Any], where: str = "online policy bundle"
-                        ) -> tuple[str, ...]:
-    """The files the loader reads for ``meta`` (its ``metadata.json``): the content and the
-    optional files its ``files`` names (an unknown name is a :class:`BundleError`)."""
-    files = meta.get("files") or {}
-    if not isinstance(files, dict):
-        raise BundleError(f"{where}: metadata.json: 'files' must be an object of file name "
-                          "-> SHA-256")
-    unknown = sorted(set(files) - set(ONLINE_BUNDLE_OPTIONAL))
-    if unknown:
-        raise BundleError(f"{where}: metadata.json names unknown files {unknown[:5]}; this "
-                          f"version reads {list(ONLINE_BUNDLE_OPTIONAL)}")
-    return (*ONLINE_BUNDLE_CONTENT, *sorted(files))
-
 
 @dataclass
 class OnlineBundle:
@@ -132,7 +111,6 @@ def load_online_bundle(directory: str | Path,
     meta = read_metadata(src, ONLINE_BUNDLE_FORMAT, ONLINE_BUNDLE_VERSIONS, ("actor.onnx",),
                          what)
     read = online_bundle_files(meta, f"{what} {str(src)[:200]}")
-    from .signing import verified_copy
 
     # every file read once: verified, then loaded from the private copy of those bytes
     vb = verified_copy(src, trust, required=read)
@@ -147,10 +125,10 @@ def load_online_bundle(directory: str | Path,
         raise BundleError(f"{what} {src}: observation features "
                           f"{meta.get('features')} differ from this version's {list(FEATURES)}")
     # the bytes already read and verified, hashed in memory (not read again from the copy)
-    if hashlib.sha256(vb.blobs["actor.onnx"]).hexdigest() != meta.get("actor_sha256"):
+    if sha256_bytes(vb.blobs["actor.onnx"]) != meta.get("actor_sha256"):
         raise BundleError(f"{what} {src}: actor.onnx does not match its recorded SHA-256")
     for name, want in (meta.get("files") or {}).items():
-        if hashlib.sha256(vb.blobs[name]).hexdigest() != want:
+        if sha256_bytes(vb.blobs[name]) != want:
             raise BundleError(f"{what} {src}: {name} does not match its recorded SHA-256")
     try:
         km = dict(meta["knob_map"])

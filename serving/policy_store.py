@@ -25,13 +25,8 @@ import numpy as np
 
 from envs.dsmd.observation import ObservationLayout
 
-from .bundle import (
-    BUNDLE_FILES,
-    BundleError,
-    PolicyBundle,
-    load_bundle,
-    origin_named,
-)
+from .bundle import BUNDLE_FILES, BundleError, PolicyBundle, load_bundle
+from .bundle_format import origin_named
 from .signing import BundleTrust, SerialGuard, SignatureError
 
 __all__ = ["BundleError", "BundleWatcher", "LoadedPolicy", "PolicyStore", "VersionedStore"]

@@ -69,7 +69,16 @@ from typing import Any
 from security.pki import PkiError
 from security.tls import Security
 
-from .bundle import BUNDLE_CONTENT, BUNDLE_FORMAT, SIGNATURE_FILE, BundleError, same_bundle
+from .bundle_format import (
+    BUNDLE_CONTENT,
+    BUNDLE_FORMAT,
+    ONLINE_BUNDLE_CONTENT,
+    ONLINE_BUNDLE_FORMAT,
+    SIGNATURE_FILE,
+    BundleError,
+    online_bundle_files,
+    same_bundle,
+)
 from .logsafe import log_field
 
 __all__ = [
@@ -123,8 +132,6 @@ class SignatureInfo:
 def bundle_files(fmt: object, meta: dict | None = None) -> tuple[str, ...]:
     """The files the loader of bundle format ``fmt`` reads (all signed); with the bundle's
     ``meta`` (its metadata), the optional files it names too."""
-    from .online_bundle import ONLINE_BUNDLE_CONTENT, ONLINE_BUNDLE_FORMAT, online_bundle_files
-
     table = {BUNDLE_FORMAT: BUNDLE_CONTENT, ONLINE_BUNDLE_FORMAT: ONLINE_BUNDLE_CONTENT}
     if fmt not in table:
         raise BundleError(f"unknown bundle format {fmt!r} (expected one of {sorted(table)})")

@@ -107,3 +107,67 @@ def test_the_check_sees_imports_and_paths_in_strings(tmp_path):
     assert any("import torch.nn" in g for g in got)
     assert sum("string" in g for g in got) == 3
     assert not any("onnx" in g for g in got)
+
+
+def _serving_imports(path: Path) -> set[str]:
+    """The ``serving`` modules a module imports, anywhere in it (inside functions too), but
+    not under ``if TYPE_CHECKING:`` (no import at run time)."""
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for node in ast.walk(tree)
+                   if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+                   for n in ast.walk(node)}
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            mod = node.module or ""
+            if node.level == 1:
+                out |= {mod.split(".")[0]} if mod else {a.name for a in node.names}
+            elif mod.startswith("serving."):
+                out.add(mod.split(".")[1])
+        elif isinstance(node, ast.Import):
+            out |= {a.name.split(".")[1] for a in node.names if a.name.startswith("serving.")}
+    return out
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle_under_serving():
+    """No module of ``serving/`` imports, even inside a function, one that imports it back
+    (the bundles' format, signing and loaders included)."""
+    mods = {p.stem: p for p in (ROOT / "serving").glob("*.py")}
+    graph = {m: {d for d in _serving_imports(p) if d in mods and d != m}
+             for m, p in mods.items()}
+    assert _cycles(graph) == []
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
