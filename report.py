@@ -9,7 +9,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from agents.reproduction import main as build
+from reporting.reproduction import main as build
 
 ROOT = Path(__file__).resolve().parent
 if not OmegaConf.has_resolver("project_root"):  # agents.config's resolver, without its imports

@@ -46,8 +46,8 @@ def _load(name: str) -> dict | None:
 
 def summary(results: dict[str, tuple[int, float]], quick: bool) -> str:
     """``SUMMARY.md``: this machine, versions and commit, then the shared benchmark page
-    format (:func:`agents.reproduction.format_benchmarks`, also used for the docs)."""
-    from agents.reproduction import format_benchmarks
+    format (:func:`reporting.reproduction.format_benchmarks`, also used for the docs)."""
+    from reporting.reproduction import format_benchmarks
 
     m = machine_info()
     v = m["versions"]

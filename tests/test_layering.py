@@ -78,7 +78,7 @@ def violations(path: Path) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("layer", ["envs", "serving"])
+@pytest.mark.parametrize("layer", ["envs", "serving", "reporting"])
 def test_a_layer_imports_no_training_package(layer):
     files = sorted((ROOT / layer).rglob("*.py"))
     assert files

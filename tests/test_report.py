@@ -1,4 +1,4 @@
-"""The reproduction report (``report.py``, ``agents/reproduction.py``): built from result
+"""The reproduction report (``report.py``, ``reporting/reproduction.py``): built from result
 directories in a temporary tree, it lists every figure of ``configs/report.yaml``, reads ours
 from the files (mean and spread over seeds), states the figures that are not reproduced and
 those whose results are missing, picks the latest run of each command, keeps the previous
@@ -19,7 +19,7 @@ import pandas as pd
 import pytest
 from omegaconf import OmegaConf
 
-from agents.reproduction import ReportError, build_report, format_benchmarks
+from reporting.reproduction import ReportError, build_report, format_benchmarks
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"  # the report copies plots; it does not decode them
@@ -257,7 +257,7 @@ def test_the_benchmarks_page_names_paths_from_the_repository_root(tmp_path: Path
     """A result written on another machine or clone names its files by absolute path; the
     page names them from the repository root (URLs and paths outside a repository's
     folders stay as they are)."""
-    from agents.reproduction import write_benchmarks
+    from reporting.reproduction import write_benchmarks
 
     res = tmp_path / "bench" / "results"
     res.mkdir(parents=True)
