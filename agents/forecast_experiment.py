@@ -35,6 +35,7 @@ from omegaconf import DictConfig
 
 from envs.dsmd.demand import RATE_ALPHAS, TSB_ALPHAS, DemandPanel, trace_panel
 from envs.dsmd.online_env import load_online_traces
+from reporting.reproduction import machine_summary
 
 from .forecaster import (
     calibrated_last,
@@ -47,7 +48,6 @@ from .forecaster import (
 )
 from .online_eval import ci95
 from .plots import pinball_plot, reliability_plot
-from .reproduction import machine_summary
 
 __all__ = ["run_forecast"]
 
