@@ -27,9 +27,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from delivery.sending_sim import BURST, STREAM, PathRecords, PathSimulation
+from delivery.sending_sim import BURST, STREAM, PathRecords
 from envs.shaping.path_env import PathShapingEnv
-from envs.shaping.sincon import ExternalLimits
 
 __all__ = ["bounds_summary", "bounds_table", "episode_bounds"]
 
@@ -37,14 +36,8 @@ __all__ = ["bounds_summary", "bounds_table", "episode_bounds"]
 def _setups_alone(env: PathShapingEnv) -> PathRecords:
     """The episode's workload without its bursts, through the same path with every class
     at ``G``."""
-    w = replace(env.current, bursts=())
-    shaping = {"enabled": True, "policy": "static", "classes": env.n,
-               "tenant_class": env.tenant_class, "global_throughput_Bps": env.g}
-    sim = PathSimulation(w, shaping, env.costs, link_Bps=env.g if env.link else None)
-    assert sim.shaper is not None
-    limits = ExternalLimits(env.n, env.g)
+    sim, limits = env.simulation(replace(env.current, bursts=()))
     limits.set(np.full(env.n, env.g))
-    sim.shaper.limits.policy = limits
     return sim.run()
 
 

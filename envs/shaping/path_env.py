@@ -177,18 +177,24 @@ class PathShapingEnv(gym.Env):
               options: dict[str, Any] | None = None) -> tuple[np.ndarray, dict[str, Any]]:
         super().reset(seed=seed)
         self.current = self._draw_workload()
-        shaping = {"enabled": True, "policy": "static", "classes": self.n,
-                   "tenant_class": self.tenant_class, "global_throughput_Bps": self.g}
-        self.sim = PathSimulation(self.current, shaping, self.costs,
-                                  link_Bps=self.g if self.link else None)
-        assert self.sim.shaper is not None
-        self.limits = ExternalLimits(self.n, self.g)
-        self.sim.shaper.limits.policy = self.limits
+        self.sim, self.limits = self.simulation(self.current)
         self.t = 0
         self._released = np.zeros(self.n)
         self._last_released = np.zeros(self.n)
         self._pen_sum = 0.0
         return self._obs(), {"bursts": len(self.current.bursts)}
+
+    def simulation(self, workload: PathWorkload) -> tuple[PathSimulation, ExternalLimits]:
+        """``workload`` on this environment's path (its classes, cap and link), with the
+        class limits set from outside (returned; every limit starts at ``G / C``)."""
+        shaping = {"enabled": True, "policy": "static", "classes": self.n,
+                   "tenant_class": self.tenant_class, "global_throughput_Bps": self.g}
+        sim = PathSimulation(workload, shaping, self.costs,
+                             link_Bps=self.g if self.link else None)
+        assert sim.shaper is not None
+        limits = ExternalLimits(self.n, self.g)
+        sim.shaper.limits.policy = limits
+        return sim, limits
 
     @property
     def size(self) -> int:
