@@ -4,10 +4,10 @@ Served over HTTPS by default (uvicorn's own TLS: ``ssl_certfile``/``ssl_keyfile`
 ``policy-server`` identity (``security.pki_dir``, :mod:`security.pki`) or the files of
 ``tls.certfile``/``tls.keyfile``; ``security.insecure=true`` serves plain HTTP and warns.
 Every bundle it loads must be signed by a key of ``bundle_trust`` (``keys``: public key
-files, ``pki_key``: the PKI's ``bundle-signing.pub`` too; :mod:`serving.signing`).
+files, ``pki_key``: the PKI's ``bundle-signing.pub`` too; :mod:`serving.bundles.signing`).
 ``bundle`` and ``online_bundle`` take a directory or a registered model of ``registry``'s
 MLflow server (``models:/<name>@<alias>``, followed while ``watch``;
-:mod:`serving.model_registry`)."""
+:mod:`serving.bundles.registry`)."""
 
 import logging
 import sys
@@ -28,8 +28,8 @@ def settings_from(cfg: DictConfig):
     from serving.access import RateLimit, read_key_file
     from serving.announce import DEFAULT_TOPIC
     from serving.app import DEFAULT_AUTH_FAILURES, DEFAULT_RATE_LIMIT, ServerSettings
+    from serving.bundles.signing import BundleTrust
     from serving.limits import ResourceLimits
-    from serving.signing import BundleTrust
 
     def keys(v) -> list[str]:
         if v is None:

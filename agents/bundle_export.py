@@ -1,8 +1,8 @@
 """The policy bundle exporters (torch -> ONNX): a trained actor written as the directory the
-serving runtime loads (:mod:`serving.bundle` for the static policy,
-:mod:`serving.online_bundle` for the online one; their docstrings describe the files).
+serving runtime loads (:mod:`serving.bundles.static` for the static policy,
+:mod:`serving.bundles.online` for the online one; their docstrings describe the files).
 Writing is atomic (:func:`envs.fsutil.atomic_directory`), and every bundle is signed before
-it appears (:func:`serving.signing.sign_bundle`) with the configured Ed25519 key
+it appears (:func:`serving.bundles.signing.sign_bundle`) with the configured Ed25519 key
 (``signing_key``; default the PKI's ``bundle-signing.key``, created with the development PKI
 on first use)."""
 
@@ -24,9 +24,9 @@ from envs.dsmd.online import OnlineCost
 from envs.dsmd.online_control import FEATURES, OBS_SIZE, KnobMap
 from envs.dsmd.online_greedy import FILE_ARGS
 from envs.fsutil import atomic_directory
-from serving.bundle import BUNDLE_FORMAT, BUNDLE_VERSION, DECODING, sha256_file
-from serving.online_bundle import ONLINE_BUNDLE_FORMAT, ONLINE_BUNDLE_VERSION
-from serving.signing import sign_bundle
+from serving.bundles.online import ONLINE_BUNDLE_FORMAT, ONLINE_BUNDLE_VERSION
+from serving.bundles.signing import sign_bundle
+from serving.bundles.static import BUNDLE_FORMAT, BUNDLE_VERSION, DECODING, sha256_file
 
 __all__ = ["export_bundle", "export_online_bundle", "export_onnx"]
 
@@ -95,7 +95,7 @@ def export_bundle(actor: Any, layout: ObservationLayout, signature: dict, direct
                   extra: dict | None = None, overwrite: bool = False,
                   signing_key: str | Path | None = None) -> Path:
     """Export a torch actor (``nn.Module``: obs -> scores in [-1, 1]) as a policy bundle of
-    version :data:`serving.bundle.BUNDLE_VERSION`, signed with ``signing_key`` (an Ed25519
+    version :data:`serving.bundles.static.BUNDLE_VERSION`, signed with ``signing_key`` (an Ed25519
     PKCS#8 PEM file; None: the PKI's ``bundle-signing.key``)."""
     import torch
 
@@ -127,7 +127,7 @@ def export_online_bundle(actor: Any, knob_map: KnobMap, cost: OnlineCost, direct
                          overwrite: bool = False,
                          signing_key: str | Path | None = None) -> Path:
     """Export a torch actor (``nn.Module``: obs [B, 12] -> action [B, 3] in [-1, 1]) as an
-    online policy bundle of version :data:`serving.online_bundle.ONLINE_BUNDLE_VERSION`
+    online policy bundle of version :data:`serving.bundles.online.ONLINE_BUNDLE_VERSION`
     (the files the knob map's fixed arguments name copied in, :data:`~envs.dsmd.
     online_greedy.FILE_ARGS`),
     signed with ``signing_key`` (an Ed25519 PKCS#8 PEM file; None: the PKI's

@@ -38,8 +38,8 @@ class ActorPolicy(Policy):
 
     @classmethod
     def from_bundle(cls, bundle, *, name: str | None = None, seed: int = 0) -> ActorPolicy:
-        """The policy of a loaded :class:`~serving.bundle.PolicyBundle` (its layout, decision
-        order and decoding)."""
+        """The policy of a loaded :class:`~serving.bundles.static.PolicyBundle` (its layout,
+        decision order and decoding)."""
         return cls(bundle, bundle.layout, name=name or bundle.metadata["extra"].get(
             "algorithm", "learned"), order=bundle.order, decoding=bundle.decoding, seed=seed)
 

@@ -1,7 +1,7 @@
 """A trained run's exported, signed policy bundle registered as a model version in the MLflow
 model registry of the run's tracking store (``logger.registry``), where the policy server
 finds it by name and alias (``serve.py bundle=models:/<name>@<alias>``,
-:mod:`serving.model_registry`).
+:mod:`serving.bundles.registry`).
 
 The version's source is the run's ``policy_bundle`` artifact folder (the files the server
 downloads and verifies), and its tags carry what a reader of the registry needs to pick one
@@ -49,8 +49,8 @@ def default_model_name(meta: dict[str, Any]) -> str:
 
 def bundle_tags(bundle_dir: Path, metrics: dict[str, float] | None = None) -> dict[str, str]:
     """The model version tags of the bundle in ``bundle_dir`` (module docstring)."""
-    from serving.bundle import SIGNATURE_FILE
-    from serving.model_registry import ACTOR_TAG
+    from serving.bundles.registry import ACTOR_TAG
+    from serving.bundles.static import SIGNATURE_FILE
 
     meta = json.loads((bundle_dir / "metadata.json").read_text())
     sig_path = bundle_dir / SIGNATURE_FILE

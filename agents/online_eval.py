@@ -58,7 +58,7 @@ class DeciderSpec:
     ``kind``: ``static`` (``params.policy`` re-planned every interval), ``online_greedy``
     (:class:`agents.online.OnlineGreedy` knobs in ``params``), ``oracle`` (hindsight) or
     ``learned`` (``params.bundle``: an online policy bundle's directory,
-    :mod:`serving.online_bundle`)."""
+    :mod:`serving.bundles.online`)."""
 
     name: str
     kind: str
@@ -82,8 +82,8 @@ class DeciderSpec:
         if self.kind == "online_greedy":
             return OnlineGreedy(cost=cost, name=self.name, **p)
         if self.kind == "learned":
-            from serving.online_bundle import load_online_bundle
-            from serving.signing import BundleTrust
+            from serving.bundles.online import load_online_bundle
+            from serving.bundles.signing import BundleTrust
 
             # the run's own export: trusted because its signing key is (None: the PKI's)
             key = p.get("signing_key")

@@ -347,7 +347,7 @@ def stress_test(cfg: DictConfig, tuning: Tuning, log: Any, out: Path,
 def learned_bundles(cfg: DictConfig) -> list[DeciderSpec]:
     """``env.learned`` (name -> online bundle directory): policies trained elsewhere (e.g.
     on another dataset or scale, for transfer) evaluated beside the baselines; each bundle
-    must verify against the PKI's key (:func:`serving.online_bundle.load_online_bundle`)."""
+    must verify against the PKI's key (:func:`serving.bundles.online.load_online_bundle`)."""
     out = []
     for name, path in (cfg.env.get("learned") or {}).items():
         p = Path(str(path)).expanduser()

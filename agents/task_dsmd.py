@@ -117,7 +117,7 @@ class DSMDTask:
         per_window = evaluate_policies(pols, test, progress=bool(cfg.progress))
         summary = report(log, per_window, out, spec, str(cfg.eval_split),
                          f"{self.name.upper()} vs baselines")
-        from serving.bundle import BUNDLE_FILES
+        from serving.bundles.static import BUNDLE_FILES
 
         from .bundle_export import export_bundle
         from .model_registration import register_bundle

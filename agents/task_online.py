@@ -15,7 +15,7 @@ DDPG sets the knobs of the feasible-by-construction executor at every interval b
    the first step, then every ``agent.eval_every`` steps; the weights with the least mean
    interval cost are kept. The teacher's cost on the same intervals is the reference line.
 4. The actor is exported as an online policy bundle (:mod:`agents.bundle_export`, read by
-   :mod:`serving.online_bundle`), and the
+   :mod:`serving.bundles.online`), and the
    yardstick's test step (:func:`agents.online_job.test_online`) runs it beside every
    baseline, the tuned heuristics and the oracle on the test traces.
 """
@@ -231,8 +231,8 @@ class OnlineTask:
                best: Selected | None, updates: int | None) -> dict[str, Any]:
         import ray
 
-        from serving.bundle import SIGNATURE_FILE
-        from serving.online_bundle import online_bundle_files
+        from serving.bundles.online import online_bundle_files
+        from serving.bundles.static import SIGNATURE_FILE
 
         from .bundle_export import export_online_bundle
         from .model_registration import register_bundle

@@ -135,7 +135,7 @@ def run_mode(mode: str, server: Any, problems: Any, bundles: dict[str, Path], ur
         replay_window(ad, problems, problems.windows["test"][0])
         if ad.subscriber is not None and not ad.subscriber.wait_ready(60):
             raise RuntimeError("an adapter's subscription never connected")
-    from serving.bundle import load_bundle
+    from serving.bundles.static import load_bundle
 
     hash_a = load_bundle(bundles["a"]).content_hash
     drv = Driver(ads, problems).start()

@@ -103,11 +103,11 @@ def measure(srv: Any, ps: Any) -> dict[str, dict[str, float]]:
 
 def bundle_costs(repeats: int = 7) -> dict[str, dict[str, float]]:
     """Milliseconds to verify the committed example bundle's signature
-    (:func:`serving.signing.verify_bundle`: hash every file, one Ed25519 verification) and to
-    load it whole (:func:`serving.bundle.load_bundle`, verification included), after one
-    warm-up each; median (min-max) of ``repeats``."""
-    from serving.bundle import load_bundle
-    from serving.signing import BundleTrust, verify_bundle
+    (:func:`serving.bundles.signing.verify_bundle`: hash every file, one Ed25519 verification)
+    and to load it whole (:func:`serving.bundles.static.load_bundle`, verification included),
+    after one warm-up each; median (min-max) of ``repeats``."""
+    from serving.bundles.signing import BundleTrust, verify_bundle
+    from serving.bundles.static import load_bundle
 
     root = Path(__file__).resolve().parents[1]
     bundle = root / "checkpoints" / "default"

@@ -65,7 +65,7 @@ are the ``FULL`` settings, ``--quick`` uses ``QUICK``):
    2 s request timeout (``ADAPTER_TIMEOUT_S``; the default 0.25 s only matters when a
    request is that slow, which the initial whole-window replan can be on a busy machine).
 
-ONNX Runtime sessions: ``bundle`` is the session as ``serving.bundle.load_bundle`` creates
+ONNX Runtime sessions: ``bundle`` is the session as ``serving.bundles.static.load_bundle`` creates
 it (the server, the cached adapter and this benchmark's in-process runs all load through
 it); ``ort_default`` is the same bundle with ONNX Runtime's default ``SessionOptions``
 (``intra_op_num_threads=0``: one intra-op thread per physical core, the extra worker pinned
@@ -129,12 +129,12 @@ from envs.dsmd.problems import ProblemSet, problems_for  # noqa: E402
 from security.tls import Security  # noqa: E402
 from serving.adapter import ControllerAdapter  # noqa: E402
 from serving.app import ServerSettings, create_app  # noqa: E402
-from serving.bundle import load_bundle, row_inputs  # noqa: E402
+from serving.bundles.signing import BundleTrust  # noqa: E402
+from serving.bundles.static import load_bundle, row_inputs  # noqa: E402
 from serving.local import LocalServer  # noqa: E402
 from serving.policy_store import LoadedPolicy, PolicyStore  # noqa: E402
 from serving.scenario import adapter_for, replay_window, session_body  # noqa: E402
 from serving.session import Session  # noqa: E402
-from serving.signing import BundleTrust  # noqa: E402
 
 SCENARIO = "godaddy"
 BUNDLE = ROOT / "checkpoints" / "default"
@@ -1013,7 +1013,7 @@ def main() -> None:
         f"sessions each run, core {CORE}, 1 BLAS thread; HTTP: a fresh `serve.py` process "
         f"per run and configuration, pinned to core {SERVER_CORE}; load generator and adapter "
         f"in this process on core {CLIENT_CORE}",
-        f"ORT session 'load_bundle' = serving.bundle.load_bundle's, as the server and the "
+        f"ORT session 'load_bundle' = serving.bundles.static.load_bundle's, as the server and the "
         f"cached adapter use it ({sessions_desc['bundle']}; server threads name:cores "
         f"{', '.join(http[0]['bundle']['server_threads'])}); 'ORT defaults' = the same bundle "
         f"with ONNX Runtime's default SessionOptions ({sessions_desc['ort_default']}): ORT "

@@ -12,7 +12,7 @@ estimated for the interval that just closed, Algorithm 1).
   online evaluation
   (Section V-D, online execution; :class:`agents.online.OnlineGreedy`, the families the
   online yardstick tunes, :mod:`agents.online_eval`), and ``online_learned``, an online
-  policy bundle (:mod:`serving.online_bundle`): :class:`OnlinePolicy`, which drives the
+  policy bundle (:mod:`serving.bundles.online`): :class:`OnlinePolicy`, which drives the
   decider through the simulator's own live engine (:class:`serving.online_session.
   OnlineSession`: the :class:`~envs.dsmd.online.OnlineView` at each boundary, a placement for
   each type on its first message of an interval), so the live channels are exactly the

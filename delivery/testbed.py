@@ -208,7 +208,7 @@ def _adapter(spec: RunSpec):
     if spec.policy == "learned":
         if spec.server_url is None:
             raise ValueError("the learned policy needs a policy server (server_url)")
-        from serving.signing import BundleTrust
+        from serving.bundles.signing import BundleTrust
 
         trust = BundleTrust.from_security(spec.security, keys=list(spec.bundle_trust_keys))
         return adapter_for(spec.problems, spec.server_url, spec.adapter_mode,

@@ -46,7 +46,7 @@ def static_godaddy(out: dict) -> None:
     from envs.dsmd.problems import build_problems
 
     try:  # the bundle loader moves with the refactoring; either place will do
-        from serving.bundle import load_bundle  # type: ignore
+        from serving.bundles.static import load_bundle  # type: ignore
     except ImportError:
         from agents.bundle import load_bundle  # type: ignore
 
@@ -56,7 +56,7 @@ def static_godaddy(out: dict) -> None:
     insts = ps.instances("test")
     names = [p for p in cfg.baseline.policies if p != "exact"]
     pols = make_policies(names, ps, to_dict(cfg.baseline.params))
-    from serving.signing import BundleTrust
+    from serving.bundles.signing import BundleTrust
 
     trust = BundleTrust.from_security(keys=[ROOT / "configs/keys/example-bundle.pub"])
     pols.append(ActorPolicy.from_bundle(load_bundle(ROOT / "checkpoints/default", trust=trust),

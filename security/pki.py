@@ -9,7 +9,7 @@ directory outside the repository (default ``~/.cache/smart-dsmd/pki``, or
   ``policy-server`` and ``admin``, and ``agent-<n>`` for each agent asked for (agents'
   identities are also issued on first use, :meth:`Pki.identity`);
 * ``bundle-signing.key`` / ``bundle-signing.pub``: the Ed25519 key pair that signs policy
-  bundles (:mod:`serving.signing`).
+  bundles (:mod:`serving.bundles.signing`).
 
 Every certificate carries its principal as common name (Pulsar's TLS authentication takes it
 as the role), ``spiffe://smart-dsmd/<role>/<principal>`` as URI subject alternative name (the

@@ -4,7 +4,7 @@
 
 Both decide with one engine (:mod:`serving.session`): the simulator's cost model
 (:class:`envs.dsmd.cost.CostState`), observation builder and decoder, and the exported
-policy bundle run by ONNX Runtime (:mod:`serving.bundle`). Nothing here imports RLlib,
+policy bundle run by ONNX Runtime (:mod:`serving.bundles.static`). Nothing here imports RLlib,
 torch, gymnasium or :mod:`agents` (``tests/test_install_groups.py``).
 
 The online policy (a plan at every interval boundary from the session's own history) is

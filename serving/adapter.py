@@ -39,7 +39,7 @@ the server's URL must be ``https://`` and its certificate must verify against th
 ``http://`` URL (debugging; warned). The announcement subscriber connects to the broker with
 the ``controller`` identity (:func:`security.pulsar.client_args`). In cached mode a
 downloaded bundle is installed only if its signature verifies against ``bundle_trust``
-(:class:`serving.signing.BundleTrust`; default: the PKI's bundle-signing key of
+(:class:`serving.bundles.signing.BundleTrust`; default: the PKI's bundle-signing key of
 ``security``): a bundle the server offers unsigned, signed by another key or changed after
 signing is refused (logged once, with the key id and the reason) and the adapter keeps
 deciding with the bundle it has.
@@ -75,8 +75,9 @@ from envs.dsmd.traces import write_trace
 from security.tls import Security, client_ssl_context
 
 from .announce import DEFAULT_TOPIC, HealthAnnouncement, PolicyAnnouncement
-from .bundle import BUNDLE_FILES, BundleError, PolicyBundle, load_bundle, unzip_files
-from .bundle_format import HEX_DIGEST
+from .bundles.format import HEX_DIGEST
+from .bundles.signing import BundleTrust, SignatureError
+from .bundles.static import BUNDLE_FILES, BundleError, PolicyBundle, load_bundle, unzip_files
 from .schemas import (
     ChannelHealth,
     ControllerIn,
@@ -88,7 +89,6 @@ from .schemas import (
     request_body,
 )
 from .session import Decision, Session, SessionError, SessionSpec
-from .signing import BundleTrust, SignatureError
 
 if TYPE_CHECKING:
     import httpx

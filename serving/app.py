@@ -32,7 +32,7 @@ on ``smart.audit`` (a key id, never the key); each key has its own token bucket
 (``rate_limit``). Transport: served over TLS by ``serve.py`` (uvicorn's own TLS, the
 ``security`` setting; ``security.insecure`` for plain HTTP while debugging).
 
-Signed bundles (:mod:`serving.signing`): a policy or online policy bundle is loaded only if
+Signed bundles (:mod:`serving.bundles.signing`): a policy or online policy bundle is loaded only if
 its signature verifies against a key of ``bundle_trust`` (the PKI's bundle-signing key and
 the configured public keys); a bundle unsigned, signed by another key or changed after
 signing is refused with 409 on ``PUT``, the reason (file, key id) in the message and the
@@ -104,7 +104,16 @@ from .access import (
     retry_after,
 )
 from .announce import DEFAULT_TOPIC, Announcer, check_settings
-from .bundle import bundle_zip
+from .bundles.registry import (
+    ModelRegistry,
+    RegistryError,
+    RegistryRef,
+    RegistryWatcher,
+    ResolvedVersion,
+    is_registry_uri,
+)
+from .bundles.signing import BundleTrust
+from .bundles.static import bundle_zip
 from .limits import (
     WORKER_THREADS,
     BudgetExceeded,
@@ -115,14 +124,6 @@ from .limits import (
     static_session_bytes,
 )
 from .metrics import MetricsMiddleware, ServerMetrics
-from .model_registry import (
-    ModelRegistry,
-    RegistryError,
-    RegistryRef,
-    RegistryWatcher,
-    ResolvedVersion,
-    is_registry_uri,
-)
 from .online_api import add_online_routes
 from .online_policy import OnlinePolicyStore
 from .policy_store import BundleError, BundleWatcher, LoadedPolicy, PolicyStore
@@ -149,7 +150,6 @@ from .schemas import (
     error_responses,
 )
 from .session import FALLBACKS, Decision, Session, SessionError, SessionSpec
-from .signing import BundleTrust
 from .strictjson import StrictJSONRoute, json_safe
 
 __all__ = ["DEFAULT_AUTH_FAILURES", "DEFAULT_RATE_LIMIT", "ServerSettings", "create_app"]
@@ -172,7 +172,7 @@ class ServerSettings:
     """Everything the server is configured with (``configs/serve.yaml``)."""
 
     bundle: str | None = None  # policy bundle directory loaded at start (None: heuristic)
-    #: online policy bundle (serving.online_bundle) loaded at start; None: none until a
+    #: online policy bundle (serving.bundles.online) loaded at start; None: none until a
     #: PUT /v1/online/policy (serving/online_api.py)
     online_bundle: str | None = None
     api_keys: list[str] = field(default_factory=list, repr=False)  # controllers' keys
@@ -195,8 +195,8 @@ class ServerSettings:
     #: (``gc.freeze``): a full collection would otherwise walk the libraries' ~150,000
     #: objects (tens of milliseconds), a stall that queues every request arriving meanwhile
     freeze_gc: bool = True
-    #: threads that score one batch's chunks (``serving.bundle.load_bundle``); None: the cores
-    #: this process may use, at most 4
+    #: threads that score one batch's chunks (``serving.bundles.static.load_bundle``); None:
+    #: the cores this process may use, at most 4
     batch_threads: int | None = None
     #: Pulsar service URL of the announcement topic (``announce.url``; None: no
     #: announcements, the adapters poll); the ``pulsar-client`` package is then required
@@ -218,7 +218,7 @@ class ServerSettings:
     #: session sizes, memory budgets and idle expiry (``limits: {...}``, serving.limits)
     limits: ResourceLimits = field(default_factory=ResourceLimits)
     #: the public keys a bundle's signature must verify against, for the policy and the
-    #: online policy (``bundle_trust: {keys, pki_key}``, :mod:`serving.signing`); None: the
+    #: online policy (``bundle_trust: {keys, pki_key}``, :mod:`serving.bundles.signing`); None: the
     #: PKI's ``bundle-signing.pub`` of ``security`` (unsigned bundles accepted, warned, when
     #: ``security.insecure``)
     bundle_trust: BundleTrust | None = None
@@ -240,8 +240,8 @@ class ServerSettings:
         if self.security.insecure and self.tls_certfile is not None:
             raise ValueError("tls.certfile is set but security.insecure is true: choose one")
         if self.bundle_trust is not None and not isinstance(self.bundle_trust, BundleTrust):
-            raise ValueError(f"bundle_trust: expected a serving.signing.BundleTrust (or None), "
-                             f"got {type(self.bundle_trust).__name__}")
+            raise ValueError("bundle_trust: expected a serving.bundles.signing.BundleTrust "
+                             f"(or None), got {type(self.bundle_trust).__name__}")
         if self.fallback not in FALLBACKS:
             raise ValueError(f"fallback must be one of {FALLBACKS}, got {self.fallback!r}")
         for k in ("bundle", "online_bundle"):

@@ -35,7 +35,7 @@ here starts the refresh at once instead of at the next due boundary; polling eve
 :class:`serving.adapter.ControllerAdapter`: an ``https://`` URL verified against the PKI's
 CA; ``Security(insecure=True)`` for a plain ``http://`` URL (debugging; warned). In cached
 mode a fetched bundle is used only if its signature verifies against ``bundle_trust``
-(:class:`serving.signing.BundleTrust`; default: the PKI's bundle-signing key): one the
+(:class:`serving.bundles.signing.BundleTrust`; default: the PKI's bundle-signing key): one the
 server offers that does not is refused (logged once with the key id and the reason) and the
 adapter keeps the bundle it has.
 
@@ -77,8 +77,9 @@ from .adapter import (
     send,
 )
 from .announce import DEFAULT_TOPIC, PolicyAnnouncement
-from .bundle_format import HEX_DIGEST, BundleError
-from .online_bundle import OnlineBundle, load_online_bundle
+from .bundles.format import HEX_DIGEST, BundleError
+from .bundles.online import OnlineBundle, load_online_bundle
+from .bundles.signing import BundleTrust, SignatureError
 from .online_policy import unzip_bundle
 from .online_schemas import (
     OnlineSessionCreate,
@@ -89,7 +90,6 @@ from .online_schemas import (
 )
 from .online_session import Closed, OnlineSession, Plan, fallback_decider
 from .schemas import NodeIn, request_body
-from .signing import BundleTrust, SignatureError
 
 if TYPE_CHECKING:
     from .subscriber import AnnouncementSubscriber

@@ -163,7 +163,7 @@ def add_online_routes(app: FastAPI, *, store: OnlinePolicyStore, controller: Cal
     take :data:`~serving.access.ControllerCaller` / :data:`~serving.access.AdminCaller`);
     ``owned(what, session_id, owner, caller, action)`` raises the 404 for a session the
     caller may not use. ``load(path)`` installs a swap's bundle (default ``store.load``;
-    the app's also takes ``models:/`` URIs, :mod:`serving.model_registry`). ``limits`` and
+    the app's also takes ``models:/`` URIs, :mod:`serving.bundles.registry`). ``limits`` and
     ``budget`` bound what sessions hold (shared with the static sessions'); the online
     sessions' expiry is appended to ``sweepers``; ``slots`` caps the worker threads of one
     key (shared with the static sessions)."""

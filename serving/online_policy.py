@@ -1,12 +1,12 @@
-"""The server's current online policy (a :mod:`serving.online_bundle` bundle), swapped
+"""The server's current online policy (a :mod:`serving.bundles.online` bundle), swapped
 atomically as :class:`serving.policy_store.PolicyStore` swaps the static one.
 
 A request reads :meth:`OnlinePolicyStore.current` once. An online session takes the policy
 current at each interval boundary (its plan and that interval's placements come from one
 version), so a swap takes effect at every session's next boundary and never inside an
-interval. A bundle that fails :func:`serving.online_bundle.load_online_bundle`'s checks is
-refused (:class:`serving.bundle.BundleError`; a bad or missing signature,
-:class:`serving.signing.SignatureError`) and the old one stays. Listeners hear of every swap
+interval. A bundle that fails :func:`serving.bundles.online.load_online_bundle`'s checks is
+refused (:class:`serving.bundles.static.BundleError`; a bad or missing signature,
+:class:`serving.bundles.signing.SignatureError`) and the old one stays. Listeners hear of every swap
 (the server announces it, :mod:`serving.announce`).
 """
 
@@ -18,15 +18,15 @@ from pathlib import Path
 
 from envs.dsmd.online_control import KnobPolicy
 
-from .bundle import BundleError, bundle_zip, unzip_files
-from .online_bundle import (
+from .bundles.online import (
     ONLINE_BUNDLE_FILES,
     ONLINE_BUNDLE_OPTIONAL,
     OnlineBundle,
     load_online_bundle,
 )
+from .bundles.signing import BundleTrust
+from .bundles.static import BundleError, bundle_zip, unzip_files
 from .policy_store import VersionedStore
-from .signing import BundleTrust
 
 __all__ = [
     "ONLINE_BUNDLE_FILES",
@@ -48,7 +48,7 @@ class LoadedOnlinePolicy:
     version: int
     loaded_at: float
     #: where it came from when not a directory named by the caller: the registry version
-    #: (``models:/<name>/<version> (alias ...)``, :mod:`serving.model_registry`)
+    #: (``models:/<name>/<version> (alias ...)``, :mod:`serving.bundles.registry`)
     origin: str | None = None
 
     @property
@@ -74,7 +74,7 @@ class OnlinePolicyStore(VersionedStore[OnlineBundle, LoadedOnlinePolicy]):
     """The server's current online policy (module docstring; the one store of
     :class:`serving.policy_store.VersionedStore`, listeners included). ``trust``: the public
     keys a bundle's signature must verify against (None:
-    :func:`serving.signing.default_trust`, the PKI's key)."""
+    :func:`serving.bundles.signing.default_trust`, the PKI's key)."""
 
     def __init__(self, trust: BundleTrust | None = None) -> None:
         self.trust = trust
@@ -84,5 +84,5 @@ class OnlinePolicyStore(VersionedStore[OnlineBundle, LoadedOnlinePolicy]):
 
 def unzip_bundle(raw: bytes, directory: str | Path) -> Path:
     """Write a downloaded online bundle zip's files into ``directory`` (the adapter's cache),
-    each one whole (:func:`serving.bundle.unzip_files`)."""
+    each one whole (:func:`serving.bundles.static.unzip_files`)."""
     return unzip_files(raw, directory, (*ONLINE_BUNDLE_FILES, *ONLINE_BUNDLE_OPTIONAL))

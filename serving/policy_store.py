@@ -3,7 +3,7 @@
 A request reads :meth:`PolicyStore.current` once and uses that one object for all of its
 decisions, so a swap never mixes versions inside a response and never fails a request in
 flight: the old bundle stays alive until the last request holding it finishes. A new bundle
-is loaded and verified (:func:`serving.bundle.load_bundle`: files, signature against the
+is loaded and verified (:func:`serving.bundles.static.load_bundle`: files, signature against the
 store's trusted keys, content hash, format) and checked against the live sessions before it
 replaces the old one; a bundle that fails either check is refused and the old one stays.
 
@@ -25,9 +25,9 @@ import numpy as np
 
 from envs.dsmd.observation import ObservationLayout
 
-from .bundle import BUNDLE_FILES, BundleError, PolicyBundle, load_bundle
-from .bundle_format import origin_named
-from .signing import BundleTrust, SerialGuard, SignatureError
+from .bundles.format import origin_named
+from .bundles.signing import BundleTrust, SerialGuard, SignatureError
+from .bundles.static import BUNDLE_FILES, BundleError, PolicyBundle, load_bundle
 
 __all__ = ["BundleError", "BundleWatcher", "LoadedPolicy", "PolicyStore", "VersionedStore"]
 
@@ -42,7 +42,7 @@ class LoadedPolicy:
     version: int
     loaded_at: float
     #: where it came from when not a directory named by the caller: the registry version
-    #: (``models:/<name>/<version> (alias ...)``, :mod:`serving.model_registry`)
+    #: (``models:/<name>/<version> (alias ...)``, :mod:`serving.bundles.registry`)
     origin: str | None = None
 
     @property
@@ -137,7 +137,7 @@ class VersionedStore(Generic[B, L]):
         it (``BundleError``) unless ``force``. ``origin``: where ``path`` came from (a
         registry version), named in messages and kept on the policy. A bundle whose signed
         serial is below the highest loaded is refused unless ``allow_rollback``
-        (:class:`serving.signing.SerialGuard`); the bundle loaded now, loaded again, is the
+        (:class:`serving.bundles.signing.SerialGuard`); the bundle loaded now, loaded again, is the
         same version (no listener is called)."""
         where = origin or str(path)
         with self._lock:
@@ -173,7 +173,7 @@ class VersionedStore(Generic[B, L]):
 
 class PolicyStore(VersionedStore[PolicyBundle, LoadedPolicy]):
     """The server's current static policy. ``batch_threads`` and ``trust`` (the public keys a
-    bundle's signature must verify against): passed to :func:`serving.bundle.load_bundle`
+    bundle's signature must verify against): passed to :func:`serving.bundles.static.load_bundle`
     for every bundle it loads (None: its defaults; the PKI's key for ``trust``)."""
 
     def __init__(self, batch_threads: int | None = None,

@@ -56,7 +56,8 @@ class SessionError(DSMDError):
 
 
 class ScoringPolicy(Protocol):
-    """What the engine needs from a policy (a loaded :class:`serving.bundle.PolicyBundle`)."""
+    """What the engine needs from a policy (a loaded
+    :class:`serving.bundles.static.PolicyBundle`)."""
 
     @property
     def layout(self) -> ObservationLayout: ...
@@ -75,7 +76,7 @@ class ScoringPolicy(Protocol):
     def score_rows(self, n: int, fill: Callable[[int, int, np.ndarray], None]
                    ) -> tuple[np.ndarray, np.ndarray]:
         """``n`` observations written by ``fill`` and their scores
-        (:meth:`serving.bundle.PolicyBundle.score_rows`)."""
+        (:meth:`serving.bundles.static.PolicyBundle.score_rows`)."""
         ...
 
 

@@ -31,7 +31,7 @@ from serving.announce import (
     encode,
 )
 from serving.app import ServerSettings
-from serving.bundle import load_bundle
+from serving.bundles.static import load_bundle
 from serving.local import LocalServer
 from serving.policy_store import PolicyStore
 from serving.scenario import adapter_for, replay_window

@@ -1,5 +1,5 @@
 """The policy bundle: the exporter (:mod:`agents.bundle_export`, torch -> ONNX) and the
-runtime (:mod:`serving.bundle`, ONNX Runtime): round trip, verification, refusal of bad
+runtime (:mod:`serving.bundles.static`, ONNX Runtime): round trip, verification, refusal of bad
 bundles, and batch and single-row scoring."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from agents.bundle_export import export_bundle
 from agents.ddpg.networks import mlp
 from agents.learned import ActorPolicy
 from envs.dsmd.observation import ObservationLayout
-from serving.bundle import BundleError, load_bundle
+from serving.bundles.static import BundleError, load_bundle
 
 
 @pytest.fixture()
@@ -91,7 +91,7 @@ def test_per_channel_actor_exports_with_a_dynamic_batch(tmp_path, tiny_problems)
 def _chunked_bundle(tmp_path, ps, monkeypatch, threads: int):
     """A per-channel actor's bundle whose batches are scored in chunks of 3 observations on
     ``threads`` threads: (bundle, its directory, the actor, the layout)."""
-    import serving.bundle as bundle_mod
+    import serving.bundles.static as bundle_mod
     from agents.ddpg.networks import ChannelActor
 
     torch.manual_seed(0)
@@ -168,7 +168,7 @@ def test_a_batch_does_not_wait_for_a_busy_pool(tmp_path, tiny_problems, monkeypa
     (another request's batch), the caller scores every chunk itself and returns at once."""
     import threading
 
-    import serving.bundle as bundle_mod
+    import serving.bundles.static as bundle_mod
 
     b, _, _, layout = _chunked_bundle(tmp_path, tiny_problems, monkeypatch, 2)
     x = np.random.default_rng(6).uniform(-1, 1, (20, layout.size)).astype(np.float32)
@@ -307,7 +307,7 @@ def test_per_channel_row_file_takes_globals_and_features(per_channel_exported):
     GEMMs; it scores as the torch actor and the batch file do."""
     import onnx
 
-    from serving.bundle import row_inputs
+    from serving.bundles.static import row_inputs
 
     d, actor, layout, _ps = per_channel_exported
     assert json.loads((d / "metadata.json").read_text())["version"] == 4
@@ -335,7 +335,7 @@ def test_single_rows_through_bound_buffers_equal_session_run(kind, request):
     with two (a per-channel actor's globals and features)."""
     import threading
 
-    from serving.bundle import _BoundRow, row_inputs
+    from serving.bundles.static import _BoundRow, row_inputs
 
     d, _actor, layout, _ps = request.getfixturevalue(kind)
     b = load_bundle(d)
@@ -385,7 +385,7 @@ def test_a_downloaded_bundle_is_written_file_by_file_whole(tmp_path):
     import io
     import zipfile
 
-    from serving.bundle import unzip_files
+    from serving.bundles.static import unzip_files
 
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w") as z:

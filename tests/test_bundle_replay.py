@@ -1,4 +1,4 @@
-"""What a signed bundle's bytes and serial guarantee (:mod:`serving.signing`): the bytes
+"""What a signed bundle's bytes and serial guarantee (:mod:`serving.bundles.signing`): the bytes
 that are verified are the bytes loaded and served (a writer who swaps a file after the check
 changes nothing), an older signed bundle is not loaded over a newer one (rollback) unless an
 admin asks for it, loading the current bundle again is not a new version, and a revoked
@@ -19,10 +19,8 @@ from fastapi.testclient import TestClient
 
 from security.pki import PkiError
 from security.tls import Security
-from serving import bundle as bundle_mod
-from serving.bundle import load_bundle
-from serving.policy_store import PolicyStore
-from serving.signing import (
+from serving.bundles import static as bundle_mod
+from serving.bundles.signing import (
     SIGNATURE_FILE,
     BundleTrust,
     SignatureError,
@@ -30,6 +28,8 @@ from serving.signing import (
     main,
     sign_bundle,
 )
+from serving.bundles.static import load_bundle
+from serving.policy_store import PolicyStore
 
 KEY, ADMIN = (f"{n}-Zq81vB5tXw3nY0kR6mC2hL9pD4sF7gJ" for n in ("ctl", "adm"))
 H, HA = {"X-API-Key": KEY}, {"X-API-Key": ADMIN}

@@ -267,7 +267,7 @@ def test_online_learned_bundle_is_the_online_simulators(ps, tmp_path):
     torch = pytest.importorskip("torch")
     from agents.bundle_export import export_online_bundle
     from envs.dsmd.online_control import OBS_SIZE, KnobMap
-    from serving.online_bundle import load_online_bundle
+    from serving.bundles.online import load_online_bundle
 
     torch.manual_seed(0)
     actor = torch.nn.Sequential(torch.nn.Linear(OBS_SIZE, 3), torch.nn.Tanh())

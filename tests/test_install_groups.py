@@ -1,6 +1,6 @@
 """Install what you use: the policy server and the controller adapters (``pip install
 '.[serve]'``) import neither torch, Ray, gymnasium, MLflow nor the training package
-``agents``, and run on the bundle runtime alone (:mod:`serving.bundle`, ONNX Runtime): the
+``agents``, and run on the bundle runtime alone (:mod:`serving.bundles.static`, ONNX Runtime): the
 static endpoints and a whole online session (the online policy's boundary plans through
 its executor, the placements during an interval, each interval's close)."""
 
@@ -49,10 +49,10 @@ _SERVE = textwrap.dedent("""
     from fastapi.testclient import TestClient
 
     from serving.app import ServerSettings, create_app
-    from serving.bundle import load_bundle
+    from serving.bundles.static import load_bundle
     from serving.online_schemas import OnlineSessionCreate
     from serving.schemas import SessionCreate, request_body
-    from serving.signing import BundleTrust
+    from serving.bundles.signing import BundleTrust
 
     bundle_dir = {bundle!r}
     # the committed bundle's signer (the development PKI is not needed for it)

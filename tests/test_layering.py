@@ -109,26 +109,39 @@ def test_the_check_sees_imports_and_paths_in_strings(tmp_path):
     assert not any("onnx" in g for g in got)
 
 
+def _serving_modules() -> dict[str, Path]:
+    """Every module under ``serving/``, subpackages included, by dotted name (``serving.app``,
+    ``serving.bundles.static``; a package by its ``__init__``)."""
+    out = {}
+    for p in (ROOT / "serving").rglob("*.py"):
+        parts = p.relative_to(ROOT).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    return out
+
+
 def _serving_imports(path: Path) -> set[str]:
-    """The ``serving`` modules a module imports, anywhere in it (inside functions too), but
-    not under ``if TYPE_CHECKING:`` (no import at run time)."""
+    """The ``serving`` modules (dotted names) a module imports, anywhere in it (inside
+    functions too), but not under ``if TYPE_CHECKING:`` (no import at run time). ``from X
+    import y`` names ``X.y`` and ``X`` (a module or a name in ``X``: the caller keeps those
+    that exist)."""
     tree = ast.parse(path.read_text())
     typing_only = {id(n) for node in ast.walk(tree)
                    if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
                    for n in ast.walk(node)}
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    package = list(parts[:-1])  # a module's package; a package's __init__ is in its own
     out: set[str] = set()
     for node in ast.walk(tree):
         if id(node) in typing_only:
             continue
         if isinstance(node, ast.ImportFrom):
-            mod = node.module or ""
-            if node.level == 1:
-                out |= {mod.split(".")[0]} if mod else {a.name for a in node.names}
-            elif mod.startswith("serving."):
-                out.add(mod.split(".")[1])
+            base = package[:len(package) - node.level + 1] if node.level else []
+            mod = ".".join(base + ([node.module] if node.module else []))
+            out.add(mod)
+            out |= {f"{mod}.{a.name}" for a in node.names}
         elif isinstance(node, ast.Import):
-            out |= {a.name.split(".")[1] for a in node.names if a.name.startswith("serving.")}
-    return out
+            out |= {a.name for a in node.names}
+    return {m for m in out if m == "serving" or m.startswith("serving.")}
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -166,8 +179,11 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_no_import_circle_under_serving():
     """No module of ``serving/`` imports, even inside a function, one that imports it back
     (the bundles' format, signing and loaders included)."""
-    mods = {p.stem: p for p in (ROOT / "serving").glob("*.py")}
+    mods = _serving_modules()
+    assert {"serving.app", "serving.bundles.static", "serving.bundles.format"} <= set(mods)
     graph = {m: {d for d in _serving_imports(p) if d in mods and d != m}
              for m, p in mods.items()}
+    assert graph["serving.bundles.static"] >= {"serving.bundles.format",
+                                               "serving.bundles.signing"}
     assert _cycles(graph) == []
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

@@ -133,7 +133,7 @@ def test_train_ddpg_tiny_budget_end_to_end(tmp_path):
     assert len(hist) >= 2 and "train/critic_loss" in run.data.metrics
     # the exported bundle loads with ONNX Runtime and decides like the trained policy
     from agents.learned import ActorPolicy
-    from serving.bundle import load_bundle
+    from serving.bundles.static import load_bundle
 
     b = load_bundle(res["bundle_dir"], expect_layout=res["layout"],
                     expect_signature=res["problems"].signature())
@@ -158,7 +158,7 @@ def test_train_builtin_algorithms_tiny_budget(tmp_path, algo):
 
     from agents.learned import ActorPolicy
     from agents.training import run_training
-    from serving.bundle import load_bundle
+    from serving.bundles.static import load_bundle
 
     budget = {"sac": ["agent.training.num_steps_sampled_before_learning_starts=100",
                       "agent.training.train_batch_size_per_learner=32"],

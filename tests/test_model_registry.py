@@ -2,7 +2,7 @@
 server: the slow round trip through ``mlflow server`` is ``test_registry_serving.py``):
 bundles registered with their metadata by :func:`agents.model_registration.register_bundle`,
 fetched by alias and by version into the cache and checked against the registered hash,
-every missing piece named; the alias followed by :class:`serving.model_registry.RegistryWatcher`
+every missing piece named; the alias followed by :class:`serving.bundles.registry.RegistryWatcher`
 and by the app (swaps, refusals that keep the serving policy, ``PUT`` with ``models:/``)."""
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ import pytest
 from fastapi.testclient import TestClient
 from omegaconf import OmegaConf
 
-from serving.bundle import BUNDLE_FILES, BundleError, load_bundle
-from serving.model_registry import (
+from serving.bundles.registry import (
     ACTOR_TAG,
     ModelRegistry,
     RegistryError,
@@ -25,6 +24,7 @@ from serving.model_registry import (
     RegistryWatcher,
     is_registry_uri,
 )
+from serving.bundles.static import BUNDLE_FILES, BundleError, load_bundle
 
 from .waiting import wait_until
 
@@ -166,7 +166,7 @@ def test_the_watcher_follows_the_alias_and_keeps_the_policy_on_refusal(reg, tmp_
     assert w.poll().version == "1" and installed == ["1"]
     assert w.poll().version == "1" and installed == ["1"]  # unchanged: nothing installed
     client.set_registered_model_alias(NAME, alias, "2")
-    with caplog.at_level(logging.ERROR, logger="serving.model_registry"):
+    with caplog.at_level(logging.ERROR, logger="serving.bundles.registry"):
         assert w.poll().version == "1"  # refused: version 1 stays
         assert w.poll().version == "1"  # and not tried again while the alias stays
     assert installed == ["1"] and len(w.errors) == 1 and "refused" in w.errors[0]
@@ -182,7 +182,7 @@ def test_the_server_serves_and_follows_a_registry_alias(reg, tmp_path, tiny_bund
     from mlflow import MlflowClient
 
     from serving.app import ServerSettings, create_app
-    from serving.signing import generate_key_pair, sign_bundle
+    from serving.bundles.signing import generate_key_pair, sign_bundle
 
     uri, root = reg
     client = MlflowClient(tracking_uri=uri, registry_uri=uri)

@@ -139,7 +139,7 @@ def test_train_online_end_to_end(tmp_path, capsys):
     forecaster, and the yardstick on the test traces with the learned policy."""
     from envs.dsmd.online import OnlineSimulator
     from envs.dsmd.online_env import DSMDOnlineEnv, load_online_traces
-    from serving.online_bundle import load_online_bundle
+    from serving.bundles.online import load_online_bundle
 
     # the plain families planning against 10% of every capacity: the forecaster's family
     # is the teacher, so DDPG trains on top of its fixed arguments

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from serving.bundles.registry import ACTOR_TAG
 from serving.local import LocalServer
-from serving.model_registry import ACTOR_TAG
 
 from .mlflow_server import mlflow_server
 from .test_online_job import GRID, ONLINE_AGENT
@@ -35,7 +35,7 @@ def _register(url: str, bundle_dir: Path, name: str = MODEL) -> str:
     """``bundle_dir`` logged by a run on the server and registered as the trainer does."""
     from agents.model_registration import register_bundle
     from agents.tracking import tracked_run
-    from serving.online_bundle import online_bundle_files
+    from serving.bundles.online import online_bundle_files
 
     cfg = OmegaConf.create({"tags": {}, "logger": {
         "enabled": True, "tracking_uri": url, "experiment_name": "smart-dsmd",
@@ -68,7 +68,7 @@ def _export(directory: Path, seed: int, signing_key: Path | None = None) -> str:
 def test_train_register_serve_and_follow_the_alias(tmp_path):
     from mlflow import MlflowClient
 
-    from serving.signing import generate_key_pair
+    from serving.bundles.signing import generate_key_pair
 
     with mlflow_server(tmp_path / "mlflow") as ml:
         cmd = [sys.executable, "train.py", f"hydra.run.dir={tmp_path / 'out'}",

@@ -9,7 +9,7 @@ from fastapi.testclient import TestClient
 from agents.learned import ActorPolicy
 from envs.dsmd.env import DSMDEnv
 from serving.app import ServerSettings, create_app
-from serving.bundle import load_bundle
+from serving.bundles.static import load_bundle
 from serving.scenario import rates_body, session_body
 
 KEY, ADMIN = (f"{n}-k7Qx2mW9pL4vR8nT3sY6bZ1cF5hJ0" for n in ("controller-key", "admin-key"))
@@ -279,7 +279,7 @@ def test_parallel_batch_in_chunks_across_threads_decides_as_one_chunk(tiny_probl
     """A parallel batch whose observations are built and scored chunk by chunk on three
     threads (``PolicyBundle.score_rows``) gives the observations, scores and channels of one
     chunk on one thread."""
-    import serving.bundle as bundle_mod
+    import serving.bundles.static as bundle_mod
     from serving.policy_store import PolicyStore
     from serving.session import Session
 

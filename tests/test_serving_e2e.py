@@ -13,7 +13,7 @@ import pytest
 
 from agents.learned import ActorPolicy
 from serving.adapter import ControllerAdapter
-from serving.bundle import load_bundle
+from serving.bundles.static import load_bundle
 from serving.local import LocalServer
 from serving.scenario import adapter_for, replay_window, session_body
 

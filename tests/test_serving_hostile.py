@@ -433,7 +433,7 @@ def test_a_refused_swap_names_only_the_callers_sessions(tiny_bundles, tiny_probl
 def test_a_key_id_cannot_forge_a_log_line(tiny_bundles, tmp_path, caplog):
     import shutil
 
-    from serving.signing import SIGNATURE_FILE, verify_bundle
+    from serving.bundles.signing import SIGNATURE_FILE, verify_bundle
 
     d = tmp_path / "forged"
     shutil.copytree(tiny_bundles["a"], d)

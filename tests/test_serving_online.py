@@ -41,7 +41,7 @@ def online(tmp_path_factory):
     bundle exported from a seeded (untrained) tanh actor, with each trace's expected run."""
     torch = pytest.importorskip("torch")
     from agents.bundle_export import export_online_bundle
-    from serving.online_bundle import load_online_bundle
+    from serving.bundles.online import load_online_bundle
 
     root = tmp_path_factory.mktemp("online")
     ds = build_dataset(load_dataset_spec("tiny_online"), root / "datasets")
@@ -130,9 +130,9 @@ def test_the_bundle_carries_its_forecaster(online, tmp_path):
     """The forecaster travels in the bundle (hashed and signed); one changed, missing, or
     named otherwise is refused, naming it; the bundle's decider is the teacher-shaped
     executor with the bundle's copy."""
-    from serving.bundle import BundleError, sha256_file
-    from serving.online_bundle import load_online_bundle
-    from serving.signing import SignatureError, sign_bundle
+    from serving.bundles.online import load_online_bundle
+    from serving.bundles.signing import SignatureError, sign_bundle
+    from serving.bundles.static import BundleError, sha256_file
 
     b = online.bundle
     assert b.metadata["version"] == 2 and "send_forecaster.npz" in b.metadata["files"]

@@ -19,10 +19,10 @@ import shutil
 import httpx
 import pytest
 
-from serving.bundle import load_bundle
+from serving.bundles.signing import SIGNATURE_FILE, BundleTrust, generate_key_pair, sign_bundle
+from serving.bundles.static import load_bundle
 from serving.local import LocalServer
 from serving.scenario import adapter_for, replay_window
-from serving.signing import SIGNATURE_FILE, BundleTrust, generate_key_pair, sign_bundle
 
 KEY, ADMIN = (f"{n}-k7Qx2mW9pL4vR8nT3sY6bZ1cF5hJ0" for n in ("signed-key", "signed-admin"))
 LOGGER = "smart.security.bundle"

@@ -1,6 +1,6 @@
-"""Signed policy bundles (:mod:`serving.signing`): the exporters sign what they write with the
-configured key, the loaders (:func:`serving.bundle.load_bundle`,
-:func:`serving.online_bundle.load_online_bundle`, and the policy stores over them) refuse a
+"""Signed policy bundles (:mod:`serving.bundles.signing`): the exporters sign what they write
+with the configured key, the loaders (:func:`serving.bundles.static.load_bundle`,
+:func:`serving.bundles.online.load_online_bundle`, and the policy stores over them) refuse a
 bundle whose signature is missing, malformed, by a key not trusted, or does not verify, and a
 store keeps serving the policy it has."""
 
@@ -21,9 +21,7 @@ import pytest
 
 from security.pki import PkiError, default_pki_dir
 from security.tls import Security
-from serving.bundle import BUNDLE_FILES, BundleError, load_bundle
-from serving.policy_store import BundleWatcher, PolicyStore
-from serving.signing import (
+from serving.bundles.signing import (
     SIGNATURE_FILE,
     BundleTrust,
     SignatureError,
@@ -35,6 +33,8 @@ from serving.signing import (
     sign_bundle,
     verify_bundle,
 )
+from serving.bundles.static import BUNDLE_FILES, BundleError, load_bundle
+from serving.policy_store import BundleWatcher, PolicyStore
 
 LOGGER = "smart.security.bundle"
 
@@ -241,7 +241,7 @@ def test_the_policy_store_keeps_serving_after_a_refused_bundle(tiny_bundles, tmp
 def test_the_cached_adapters_copy_is_verified_too(tiny_bundles, tmp_path):
     """What a cached adapter loads: the files the server zips (``PolicyBundle.files``, the
     signature included), written into the adapter's cache (the files of
-    :data:`serving.bundle.BUNDLE_FILES`) and opened with ``load_bundle``: a genuine copy
+    :data:`serving.bundles.static.BUNDLE_FILES`) and opened with ``load_bundle``: a genuine copy
     loads; a copy whose actor was replaced in transit, or whose signature was dropped, is
     refused."""
     served = load_bundle(tiny_bundles["a"])
@@ -277,7 +277,7 @@ def test_online_bundles_are_signed_and_verified(tmp_path, other_key):
     """The online exporter signs with the configured key; the online store refuses a bundle
     signed by an untrusted key or changed after signing, keeping the one it has; the zip the
     server sends and the adapter's cache copy carry the signature."""
-    from serving.online_bundle import load_online_bundle
+    from serving.bundles.online import load_online_bundle
     from serving.online_policy import OnlinePolicyStore, bundle_zip, unzip_bundle
 
     from .conftest import export_tiny_online_bundle

@@ -162,7 +162,7 @@ class ObservationBuilder:
         ``ms[lo:hi]`` into ``out`` (``[hi - lo, size]`` float32). For the ``channel``
         variant, what the rows share is computed here, and ``fill`` only reads the state and
         that, so calls for disjoint ranges may run on several threads at once (how
-        :meth:`serving.bundle.PolicyBundle.score_rows` builds a batch's observations on the
+        :meth:`serving.bundles.static.PolicyBundle.score_rows` builds a batch's observations on the
         threads that score them). Valid until ``state`` changes."""
         ms = np.asarray(ms, dtype=np.int64)
         if self.layout.variant != "channel":

@@ -8,19 +8,20 @@ logged and registered: ``logger.registry`` of ``train.py``) into a local cache,
 ``<cache_dir>/<name>/<version>-<run id>``, written atomically and reused while the version
 stays the same, and checks that the files are the ones registered (the version's
 ``bundle.actor_sha256`` tag against ``metadata.json``). The caller then loads the directory
-with the loader it uses for a directory (:func:`serving.bundle.load_bundle`,
-:func:`serving.online_bundle.load_online_bundle`), which verifies the bundle's signature
+with the loader it uses for a directory (:func:`serving.bundles.static.load_bundle`,
+:func:`serving.bundles.online.load_online_bundle`), which verifies the bundle's signature
 against the trusted keys as for any other bundle: the registry is a place to find bundles,
 never a reason to trust one.
 
 :class:`RegistryWatcher` follows an alias: it polls the registry every ``period_s`` and
 installs the version the alias points at whenever that changes. Everything that can go wrong
 (no such model, alias or version, an unreachable server, a missing or changed artifact, a
-signature that fails) is a :class:`RegistryError` or :class:`serving.bundle.BundleError` that
-names the URI and the version: at start the server logs it and starts without that policy,
-at run time the swap is refused and the serving policy stays. A version that was refused is
-not tried again while the alias stays on it (an alias deleted and set again, or moved away
-and back, is tried again); an unreachable server is retried on every poll.
+signature that fails) is a :class:`RegistryError` or
+:class:`serving.bundles.format.BundleError` that names the URI and the version: at start the
+server logs it and starts without that policy, at run time the swap is refused and the serving
+policy stays. A version that was refused is not tried again while the alias stays on it (an
+alias deleted and set again, or moved away and back, is tried again); an unreachable server is
+retried on every poll.
 
 MLflow is imported only when a registry URI is used; its HTTP client is told to give up
 after 2 retries and a 10 s timeout unless ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` and
@@ -41,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .bundle import BundleError
+from .static import BundleError
 
 __all__ = ["REGISTRY_SCHEME", "ModelRegistry", "RegistryError", "RegistryRef",
            "RegistryWatcher", "ResolvedVersion", "is_registry_uri"]

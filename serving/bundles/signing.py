@@ -3,8 +3,8 @@
 A bundle's metadata records the SHA-256 of its actor files, which says the files are the
 ones exported together; it does not say who exported them. Training therefore signs every
 bundle it writes (:func:`sign_bundle`, Ed25519) and the loaders
-(:func:`serving.bundle.load_bundle`, :func:`serving.online_bundle.load_online_bundle`) check
-the signature against the configured public keys (:class:`BundleTrust`) before they read
+(:func:`serving.bundles.static.load_bundle`, :func:`serving.bundles.online.load_online_bundle`)
+check the signature against the configured public keys (:class:`BundleTrust`) before they read
 anything else of the bundle (:func:`verify_bundle`).
 
 ``SIGNATURE.json``, next to the bundle's files::
@@ -40,10 +40,10 @@ bundle content hashes that are refused whatever their signature.
 Key rotation: a :class:`BundleTrust` holds any number of public keys; trust the new and the
 old key while bundles signed by both are in use, then drop the old one. A signing key is a
 PKCS#8 PEM Ed25519 private key (``bundle-signing.key`` of the PKI, :mod:`security.pki`, or
-one of ``python -m serving.signing keygen``); a public key a SubjectPublicKeyInfo PEM file.
+one of ``python -m serving.bundles.signing keygen``); a public key a SubjectPublicKeyInfo PEM file.
 
-``python -m serving.signing sign DIR [--key K]`` signs (re-signs) a bundle,
-``python -m serving.signing verify DIR [--key PUB ...]`` checks one.
+``python -m serving.bundles.signing sign DIR [--key K]`` signs (re-signs) a bundle,
+``python -m serving.bundles.signing verify DIR [--key PUB ...]`` checks one.
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ from typing import Any
 from security.pki import PkiError
 from security.tls import Security
 
-from .bundle_format import (
+from ..logsafe import log_field
+from .format import (
     BUNDLE_CONTENT,
     BUNDLE_FORMAT,
     ONLINE_BUNDLE_CONTENT,
@@ -79,7 +80,6 @@ from .bundle_format import (
     online_bundle_files,
     same_bundle,
 )
-from .logsafe import log_field
 
 __all__ = [
     "ALGORITHM",
@@ -528,7 +528,7 @@ def verified_copy(directory: str | Path, trust: BundleTrust | None = None, *,
     if not path.is_file():
         if not trust.insecure:
             raise _refuse(d, None, f"it is not signed ({SIGNATURE_FILE} is missing; sign it "
-                          f"with `python -m serving.signing sign {d}`)")
+                          f"with `python -m serving.bundles.signing sign {d}`)")
         _log_once(logging.WARNING, d, None, "unsigned bundle accepted (security.insecure "
                   "is set: signatures are not required)")
         for name in required:
@@ -623,7 +623,7 @@ class SerialGuard:
         raise _refuse(vb.source, vb.signed_by,
                       f"its serial {vb.serial} is below {self.highest}, the highest this "
                       f"server has loaded: an older bundle (rollback). Re-sign it (`python -m "
-                      f"serving.signing sign DIR`) or swap with allow_rollback")
+                      f"serving.bundles.signing sign DIR`) or swap with allow_rollback")
 
     def admit(self, current: Any, bundle: Any, what: str, allow_rollback: bool = False
               ) -> bool:
@@ -655,7 +655,7 @@ def _named_keys(trust: BundleTrust) -> list[tuple[str, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m serving.signing",
+    ap = argparse.ArgumentParser(prog="python -m serving.bundles.signing",
                                  description="Sign and verify policy bundles (Ed25519).")
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("sign", help="sign (or re-sign) a bundle directory")

@@ -17,12 +17,12 @@ A directory::
                     (envs.dsmd.forecaster.SendForecaster, NumPy only), named by the knob
                     map's fixed argument ``send_forecaster``
     SIGNATURE.json  the Ed25519 signature over the files above, by the key that exported
-                    the bundle (:mod:`serving.signing`)
+                    the bundle (:mod:`serving.bundles.signing`)
 
-:func:`load_online_bundle` refuses (:class:`serving.bundle.BundleError`, naming what differs)
-a bundle whose files are missing or unreadable, whose format or version this runtime does
+:func:`load_online_bundle` refuses (:class:`serving.bundles.format.BundleError`, naming what
+differs) a bundle whose files are missing or unreadable, whose format or version this runtime does
 not read, whose signature is missing or does not verify against the trusted keys
-(:class:`serving.signing.SignatureError`, checked before the actor is opened), whose actor
+(:class:`serving.bundles.signing.SignatureError`, checked before the actor is opened), whose actor
 does not match its recorded hash, whose optional files are unknown, missing, unsigned or
 changed, or whose features differ from this version's
 :data:`~envs.dsmd.online_control.FEATURES`. A version-1 bundle (no optional files, no
@@ -40,8 +40,7 @@ import numpy as np
 from envs.dsmd.online import OnlineCost
 from envs.dsmd.online_control import FEATURES, OBS_SIZE, KnobMap, KnobPolicy
 
-from .bundle import inference_session
-from .bundle_format import (
+from .format import (
     FILE_ARGS,
     ONLINE_BUNDLE_CONTENT,
     ONLINE_BUNDLE_FILES,
@@ -56,6 +55,7 @@ from .bundle_format import (
     sha256_bytes,
 )
 from .signing import BundleTrust, verified_copy
+from .static import inference_session
 
 __all__ = ["FILE_ARGS", "ONLINE_BUNDLE_CONTENT", "ONLINE_BUNDLE_FILES", "ONLINE_BUNDLE_FORMAT",
            "ONLINE_BUNDLE_OPTIONAL", "ONLINE_BUNDLE_VERSION", "OnlineBundle",
@@ -73,7 +73,7 @@ class OnlineBundle:
     ort_session: Any
     #: the id of the key whose signature was verified (None: unsigned, insecure loader)
     signed_by: str | None = None
-    #: the bytes that were verified and loaded (:func:`serving.signing.verified_copy`); the
+    #: the bytes that were verified and loaded (:func:`serving.bundles.signing.verified_copy`); the
     #: executor's files are read from its private copy
     verified: Any = field(default=None, repr=False)
 
@@ -104,7 +104,7 @@ class OnlineBundle:
 def load_online_bundle(directory: str | Path,
                        trust: BundleTrust | None = None) -> OnlineBundle:
     """Open and check an online policy bundle (module docstring). ``trust``: the public keys
-    its signature must verify against (:func:`serving.signing.verify_bundle`); None: the
+    its signature must verify against (:func:`serving.bundles.signing.verify_bundle`); None: the
     secure default, the PKI's ``bundle-signing.pub``."""
     src = Path(directory)
     what = "online policy bundle"

@@ -1,7 +1,7 @@
-"""The policy bundles' format: what the static (:mod:`serving.bundle`) and the online
-(:mod:`serving.online_bundle`) bundles hold, their errors, the one metadata reader and the one
-hash helper, shared by both loaders and by :mod:`serving.signing` (which the loaders use), so
-no module of the three imports another that imports it back."""
+"""The policy bundles' format: what the static (:mod:`serving.bundles.static`) and the
+online (:mod:`serving.bundles.online`) bundles hold, their errors, the one metadata reader
+and the one hash helper, shared by both loaders and by :mod:`serving.bundles.signing` (which
+the loaders use), so no module of the three imports another that imports it back."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ BUNDLE_VERSION = 4
 READABLE_VERSIONS = (BUNDLE_VERSION,)
 #: the files the loader reads (every one covered by the signature)
 BUNDLE_CONTENT = ("metadata.json", "actor.onnx", "actor_row.onnx")
-#: the signature file of a signed bundle (:mod:`serving.signing`)
+#: the signature file of a signed bundle (:mod:`serving.bundles.signing`)
 SIGNATURE_FILE = "SIGNATURE.json"
 #: every file a bundle holds (what is copied when a bundle is published or fetched; an
 #: unsigned bundle, accepted only by an insecure loader, has no SIGNATURE.json)
@@ -119,7 +119,7 @@ def read_metadata(d: Path, fmt: str, versions: tuple[int, ...], files: tuple[str
     """``d/metadata.json`` of a bundle of format ``fmt`` and one of ``versions`` whose
     ``files`` are all present, else :class:`BundleError` naming the directory or file and
     what is wrong (shared by :func:`load_bundle` and
-    :func:`serving.online_bundle.load_online_bundle`)."""
+    :func:`serving.bundles.online.load_online_bundle`)."""
     meta_path = d / "metadata.json"
     try:
         for name in ("metadata.json", *files):

@@ -17,12 +17,12 @@ A bundle is a directory::
                      decoding, decision order, training facts, library versions, and the
                      SHA-256 of each actor file
     SIGNATURE.json   the Ed25519 signature over the three files above, by the key that
-                     exported the bundle (:mod:`serving.signing`)
+                     exported the bundle (:mod:`serving.bundles.signing`)
 
 :func:`load_bundle` refuses (:class:`BundleError`, naming the file and what differs) a bundle
 whose files are missing or unreadable, whose format or version this runtime does not read
 (:data:`READABLE_VERSIONS`), whose signature is missing or does not verify against the
-trusted keys (:class:`serving.signing.SignatureError`, checked before any actor file is
+trusted keys (:class:`serving.bundles.signing.SignatureError`, checked before any actor file is
 opened), whose actor files do not match their recorded hashes, or whose observation layout
 or scenario signature differs from what the caller expects.
 
@@ -47,7 +47,7 @@ import numpy as np
 
 from envs.dsmd.observation import ObservationLayout
 
-from .bundle_format import (
+from .format import (
     BUNDLE_CONTENT,
     BUNDLE_FILES,
     BUNDLE_FORMAT,
@@ -222,7 +222,7 @@ class PolicyBundle:
     #: the id of the key whose signature was verified (None: an unsigned bundle, accepted
     #: by an insecure loader)
     signed_by: str | None = None
-    #: the bytes that were verified and loaded (:func:`serving.signing.verified_copy`)
+    #: the bytes that were verified and loaded (:func:`serving.bundles.signing.verified_copy`)
     verified: Any = field(default=None, repr=False)
 
     @property
@@ -363,8 +363,9 @@ def load_bundle(directory: str | Path, *, expect_layout: ObservationLayout | Non
     """Load and verify a bundle with ONNX Runtime (CPU).
 
     ``trust``: the public keys its signature must verify against
-    (:func:`serving.signing.verify_bundle`, before any actor file is opened); None: the
-    secure default, the PKI's ``bundle-signing.pub`` (:func:`serving.signing.default_trust`).
+    (:func:`serving.bundles.signing.verify_bundle`, before any actor file is opened); None: the
+    secure default, the PKI's ``bundle-signing.pub``
+    (:func:`serving.bundles.signing.default_trust`).
 
     ``threads``: ONNX Runtime's intra-op threads. The default, 1, runs each call on the
     caller's thread without spinning: these actors are small, and ORT's default (a worker
@@ -420,7 +421,7 @@ def load_bundle(directory: str | Path, *, expect_layout: ObservationLayout | Non
 
 def verified_bytes(bundle: Any) -> dict[str, bytes]:
     """Each of a loaded bundle's ``files`` (a :class:`PolicyBundle` or an
-    :class:`serving.online_bundle.OnlineBundle`) as it was verified and loaded: its
+    :class:`serving.bundles.online.OnlineBundle`) as it was verified and loaded: its
     ``verified`` copy's bytes (read from its ``directory`` only for a bundle built without
     one)."""
     vb = bundle.verified
