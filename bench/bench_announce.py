@@ -1,6 +1,6 @@
 """Time from a policy hot swap to the last of many cached adapters deciding with the new
 version: subscribed announcements (Stemflow Section IV, ``serving/announce.py`` and
-``serving/subscriber.py``) vs polling alone.
+``serving/client/subscriber.py``) vs polling alone.
 
 Set-up: a real Pulsar standalone broker (``delivery.broker``), the policy server
 (``serve.py`` under uvicorn, ``announce.url`` on that broker) and ``ADAPTERS`` cached

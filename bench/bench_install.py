@@ -37,7 +37,7 @@ REPEATS = 5
 #: group -> what a user of it imports first
 GROUPS: dict[str, tuple[str, ...]] = {
     "core": ("envs.dsmd.problems", "envs.dsmd.cost", "agents.baselines", "agents.exact"),
-    "serve": ("serving.app", "serving.adapter", "serving.online_adapter"),
+    "serve": ("serving.app", "serving.client.static", "serving.client.online"),
     "train": ("agents.algorithms", "agents.ddpg.algorithm", "agents.bundle_export",
               "envs.dsmd.env"),
     "delivery": ("delivery.controller", "delivery.agent", "delivery.testbed"),

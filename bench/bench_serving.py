@@ -127,10 +127,10 @@ from envs.dsmd.decoding import decode  # noqa: E402
 from envs.dsmd.instance import UNASSIGNED  # noqa: E402
 from envs.dsmd.problems import ProblemSet, problems_for  # noqa: E402
 from security.tls import Security  # noqa: E402
-from serving.adapter import ControllerAdapter  # noqa: E402
 from serving.app import ServerSettings, create_app  # noqa: E402
 from serving.bundles.signing import BundleTrust  # noqa: E402
 from serving.bundles.static import load_bundle, row_inputs  # noqa: E402
+from serving.client.static import ControllerAdapter  # noqa: E402
 from serving.local import LocalServer  # noqa: E402
 from serving.policy_store import LoadedPolicy, PolicyStore  # noqa: E402
 from serving.scenario import adapter_for, replay_window, session_body  # noqa: E402

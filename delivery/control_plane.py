@@ -2,7 +2,7 @@
 in, Table I messages out on the chosen channels.
 
 :class:`ControlPlane` joins the three pieces a live controller has: the controller adapter
-(:class:`serving.adapter.ControllerAdapter`: the parser's destination-hash batching and rate
+(:class:`serving.client.static.ControllerAdapter`: the parser's destination-hash batching and rate
 estimation, and the learned policy in remote or cached mode), a
 :class:`~delivery.policies.ChannelPolicy` (the adapter's policy or a baseline) and the
 :class:`~delivery.controller.Controller` (metadata store, SubscribeInfo, dispatch, replies).

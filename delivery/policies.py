@@ -3,7 +3,7 @@ evaluates, decided from the controller adapter's parser (its type catalogue and 
 estimated for the interval that just closed, Algorithm 1).
 
 * ``learned`` -- the learned policy through the controller adapter (remote or cached mode,
-  :mod:`serving.adapter`): :class:`AdapterPolicy`.
+  :mod:`serving.client.static`): :class:`AdapterPolicy`.
 * ``rpc``, ``vita``, ``idcs``, ``alcor``, ``greedy`` -- the static baselines of Section VII-B
   (and Alcor AUTO, and greedy with local search, the strongest simulator baseline), built by
   the simulator's own registry (:func:`agents.registry.make_policy_for`) and applied to each
@@ -52,7 +52,7 @@ from envs.dsmd.problems import ProblemSet
 from envs.dsmd.scenarios import ScenarioSpec
 
 if TYPE_CHECKING:
-    from serving.adapter import ControllerAdapter
+    from serving.client.static import ControllerAdapter
     from serving.online_session import OnlineSession
 
 __all__ = [

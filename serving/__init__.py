@@ -1,6 +1,6 @@
 """Serving the DSMD policy (SMART Section V-D, online execution): the FastAPI policy server
 (:mod:`serving.app`, started by ``serve.py``) and the thin controller adapter
-(:mod:`serving.adapter`, remote and Stemflow-style cached modes).
+(:mod:`serving.client.static`, remote and Stemflow-style cached modes).
 
 Both decide with one engine (:mod:`serving.session`): the simulator's cost model
 (:class:`envs.dsmd.cost.CostState`), observation builder and decoder, and the exported
@@ -9,6 +9,6 @@ torch, gymnasium or :mod:`agents` (``tests/test_install_groups.py``).
 
 The online policy (a plan at every interval boundary from the session's own history) is
 served the same way: the endpoints of :mod:`serving.online_api` and the adapter of
-:mod:`serving.online_adapter` share one engine, :mod:`serving.online_session`, which scores
+:mod:`serving.client.online` share one engine, :mod:`serving.online_session`, which scores
 every interval with the simulator itself (``docs/serving-online.md``).
 """

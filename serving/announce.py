@@ -6,7 +6,7 @@ knowledge by subscription instead of waiting for its next poll: after every poli
 server publishes ``{"kind": "policy", "version", "hash", "ts_ns"}`` and after every change of
 a session's channel health ``{"kind": "health", "session_id", "health", "ts_ns"}`` (one JSON
 object per message; :func:`encode` and :func:`decode` are the one definition of the format,
-the subscriber is :mod:`serving.subscriber`).
+the subscriber is :mod:`serving.client.subscriber`).
 
 An announcement is a hint, never the only path: the adapters keep polling every
 ``refresh_s``, so a lost announcement only delays a change to the next poll. Therefore
@@ -243,7 +243,7 @@ class Announcer:
     def policy(self, policy: Any, which: str = "static") -> None:
         """Announce a swapped-in policy of store ``which`` (``"static"``: a
         :class:`serving.policy_store.LoadedPolicy`, ``"online"``: a
-        :class:`serving.online_policy.LoadedOnlinePolicy`; the stores' ``add_listener``
+        :class:`serving.policy_store.LoadedOnlinePolicy`; the stores' ``add_listener``
         hook)."""
         if which not in POLICY_KINDS:
             raise ValueError(f"policy announcement: which must be one of {POLICY_KINDS}, got "

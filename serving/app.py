@@ -125,8 +125,7 @@ from .limits import (
 )
 from .metrics import MetricsMiddleware, ServerMetrics
 from .online_api import add_online_routes
-from .online_policy import OnlinePolicyStore
-from .policy_store import BundleError, BundleWatcher, LoadedPolicy, PolicyStore
+from .policy_store import BundleError, BundleWatcher, LoadedPolicy, OnlinePolicyStore, PolicyStore
 from .schemas import (
     ERROR_RESPONSES,
     OUT_OF_RANGE,

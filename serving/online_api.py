@@ -50,6 +50,7 @@ from envs.dsmd.scenarios import ScenarioSpec
 from envs.dsmd.topology import Topology
 
 from .access import AdminCaller, Caller, ControllerCaller, audit
+from .bundles.static import bundle_zip
 from .limits import (
     KeySlots,
     Lease,
@@ -57,7 +58,6 @@ from .limits import (
     ResourceLimits,
     online_session_bytes,
 )
-from .online_policy import BundleError, LoadedOnlinePolicy, OnlinePolicyStore, bundle_zip
 from .online_schemas import (
     IntervalOut,
     MessagesIn,
@@ -72,6 +72,7 @@ from .online_schemas import (
     PlanOut,
 )
 from .online_session import MessageRejected, OnlineSession, Plan, StateConflict, signature_scenario
+from .policy_store import BundleError, LoadedOnlinePolicy, OnlinePolicyStore
 from .schemas import MAX_JSON_INT, ErrorOut, PolicySwap, error_responses
 
 __all__ = ["OnlineEntry", "add_online_routes", "known_datasets"]

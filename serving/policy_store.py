@@ -1,4 +1,5 @@
-"""The server's current policy, swapped atomically.
+"""The server's current policies, static and online, each swapped atomically by one store
+(:class:`VersionedStore`).
 
 A request reads :meth:`PolicyStore.current` once and uses that one object for all of its
 decisions, so a swap never mixes versions inside a response and never fails a request in
@@ -6,6 +7,12 @@ flight: the old bundle stays alive until the last request holding it finishes. A
 is loaded and verified (:func:`serving.bundles.static.load_bundle`: files, signature against the
 store's trusted keys, content hash, format) and checked against the live sessions before it
 replaces the old one; a bundle that fails either check is refused and the old one stays.
+
+The online policy (a :mod:`serving.bundles.online` bundle, :class:`OnlinePolicyStore`) is
+swapped the same way. An online session takes the policy current at each interval boundary
+(its plan and that interval's placements come from one version), so a swap takes effect at
+every session's next boundary and never inside an interval. Listeners hear of every swap of
+either store (the server announces it, :mod:`serving.announce`).
 
 :class:`BundleWatcher` reloads the bundle when its ``metadata.json`` changes on disk (the
 exporter writes bundles atomically, so a half-written bundle is never seen).
@@ -24,12 +31,15 @@ from typing import Any, Generic, Protocol, TypeVar
 import numpy as np
 
 from envs.dsmd.observation import ObservationLayout
+from envs.dsmd.online_control import KnobPolicy
 
 from .bundles.format import origin_named
+from .bundles.online import OnlineBundle, load_online_bundle
 from .bundles.signing import BundleTrust, SerialGuard, SignatureError
 from .bundles.static import BUNDLE_FILES, BundleError, PolicyBundle, load_bundle
 
-__all__ = ["BundleError", "BundleWatcher", "LoadedPolicy", "PolicyStore", "VersionedStore"]
+__all__ = ["BundleError", "BundleWatcher", "LoadedOnlinePolicy", "LoadedPolicy",
+           "OnlinePolicyStore", "PolicyStore", "VersionedStore"]
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +193,48 @@ class PolicyStore(VersionedStore[PolicyBundle, LoadedPolicy]):
         super().__init__(lambda path: load_bundle(path, batch_threads=self.batch_threads,
                                                   trust=self.trust),
                          LoadedPolicy, "policy")
+
+
+@dataclass(frozen=True, eq=False)
+class LoadedOnlinePolicy:
+    """A verified online bundle with the server's version number."""
+
+    bundle: OnlineBundle
+    version: int
+    loaded_at: float
+    #: where it came from when not a directory named by the caller: the registry version
+    #: (``models:/<name>/<version> (alias ...)``, :mod:`serving.bundles.registry`)
+    origin: str | None = None
+
+    @property
+    def hash(self) -> str:
+        """SHA-256 of the actor (recorded in, and checked against, ``metadata.json``)."""
+        return str(self.bundle.metadata["actor_sha256"])
+
+    @property
+    def path(self) -> Path:
+        return self.bundle.directory
+
+    @property
+    def signed_by(self) -> str | None:
+        """The id of the key that signed it (None: unsigned, accepted as insecure)."""
+        return self.bundle.signed_by
+
+    def decider(self) -> KnobPolicy:
+        """A fresh decider over this bundle's actor, knob map and cost."""
+        return self.bundle.decider(f"online-v{self.version}")
+
+
+class OnlinePolicyStore(VersionedStore[OnlineBundle, LoadedOnlinePolicy]):
+    """The server's current online policy (module docstring; the one store of
+    :class:`VersionedStore`, listeners included). ``trust``: the public
+    keys a bundle's signature must verify against (None:
+    :func:`serving.bundles.signing.default_trust`, the PKI's key)."""
+
+    def __init__(self, trust: BundleTrust | None = None) -> None:
+        self.trust = trust
+        super().__init__(lambda path: load_online_bundle(path, self.trust),
+                         LoadedOnlinePolicy, "online policy")
 
 
 class BundleWatcher:

@@ -15,7 +15,7 @@ from envs.dsmd.problems import ProblemSet
 from .schemas import ControllerIn, NodeIn, RateIn, RateUpdate, SessionCreate, TypeIn, request_body
 
 if TYPE_CHECKING:
-    from .adapter import ControllerAdapter
+    from .client.static import ControllerAdapter
 
 __all__ = ["adapter_for", "rates_body", "replay_window", "session_body"]
 
@@ -65,13 +65,13 @@ def rates_body(inst: DSMDInstance, replace: bool = True) -> dict:
 
 def adapter_for(problems: ProblemSet, base_url: str | None, mode: str = "remote",
                 **kw: Any) -> ControllerAdapter:
-    """A :class:`~serving.adapter.ControllerAdapter` for the scenario's controller: its
+    """A :class:`~serving.client.static.ControllerAdapter` for the scenario's controller: its
     topology and capacities, and its known types in the scenario's catalogue order (so the
     adapter's type ids are the simulator's catalogue indices). ``kw`` goes to the adapter
     (e.g. ``api_key``, ``refresh_s``, ``announce_url`` / ``announce_topic`` for the
-    server's announcements, :mod:`serving.subscriber`, ``security`` for the server's TLS
+    server's announcements, :mod:`serving.client.subscriber`, ``security`` for the server's TLS
     and ``bundle_trust`` for the keys a cached bundle must be signed by)."""
-    from .adapter import ControllerAdapter
+    from .client.static import ControllerAdapter
 
     topo, spec = problems.dataset.topology, problems.spec
     src = problems.parsed.catalog

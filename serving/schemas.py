@@ -3,7 +3,7 @@ for what comes in and what goes out, every field documented so the OpenAPI docum
 complete).
 
 They are the one definition of the wire format: the server parses every request body with
-them, and the clients (:mod:`serving.adapter`, :mod:`serving.online_adapter`,
+them, and the clients (:mod:`serving.client.static`, :mod:`serving.client.online`,
 :mod:`serving.scenario`) build every body from them with :func:`request_body`."""
 
 from __future__ import annotations

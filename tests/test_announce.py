@@ -20,7 +20,6 @@ import pytest
 from envs.netutil import free_ports
 from security.pulsar import client_args, grant_default_roles
 from security.tls import Security
-from serving.adapter import AdapterError, ControllerAdapter
 from serving.announce import (
     AnnounceError,
     HealthAnnouncement,
@@ -32,6 +31,8 @@ from serving.announce import (
 )
 from serving.app import ServerSettings
 from serving.bundles.static import load_bundle
+from serving.client.static import ControllerAdapter
+from serving.client.transport import AdapterError
 from serving.local import LocalServer
 from serving.policy_store import PolicyStore
 from serving.scenario import adapter_for, replay_window
@@ -154,7 +155,7 @@ def test_online_swaps_reach_the_listeners_and_the_announcer(tmp_path):
     the latest announcement of each store, so neither hides the other."""
     pytest.importorskip("pulsar")
     from serving.announce import Announcer
-    from serving.online_policy import OnlinePolicyStore
+    from serving.policy_store import OnlinePolicyStore
 
     from .conftest import export_tiny_online_bundle
 
@@ -192,7 +193,7 @@ def export_online_bundle_seeded(directory, seed: int = 1):
 
 
 def test_a_static_adapter_ignores_an_online_swap():
-    from serving.adapter import ControllerAdapter
+    from serving.client.static import ControllerAdapter
 
     asked = []
     me = SimpleNamespace(mode="cached", _cached=(None, 0),
@@ -389,7 +390,7 @@ def test_a_cached_online_adapter_refreshes_on_announcement(announcing, tmp_path)
     swapped in on the server within seconds of the PUT, and decides with it from the next
     boundary."""
     from envs.dsmd.dataset import build_dataset, load_dataset_spec
-    from serving.online_adapter import OnlineAdapter
+    from serving.client.online import OnlineAdapter
 
     srv, url, topic = announcing
     ds = build_dataset(load_dataset_spec("tiny_online"), tmp_path / "datasets")

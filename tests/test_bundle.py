@@ -385,7 +385,7 @@ def test_a_downloaded_bundle_is_written_file_by_file_whole(tmp_path):
     import io
     import zipfile
 
-    from serving.bundles.static import unzip_files
+    from serving.client.transport import unzip_files
 
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w") as z:

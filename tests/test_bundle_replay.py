@@ -140,7 +140,7 @@ def test_revoked_keys_and_bundles_are_refused(pair, signer):
 
 
 def test_the_online_store_refuses_rollback_too(tmp_path, signer):
-    from serving.online_policy import OnlinePolicyStore
+    from serving.policy_store import OnlinePolicyStore
 
     from .conftest import export_tiny_online_bundle
 

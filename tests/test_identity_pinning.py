@@ -21,7 +21,7 @@ from cryptography import x509
 from security import pki as pki_mod
 from security.pki import Pki, identity_host
 from security.tls import Security, client_ssl_context
-from serving.adapter import tls_verify
+from serving.client.transport import tls_verify
 
 
 def _names(cert_path) -> list[str]:

@@ -42,9 +42,9 @@ _SERVE = textwrap.dedent("""
 
     import envs
     import serving
-    import serving.adapter
+    import serving.client.static
     import serving.app
-    import serving.online_adapter
+    import serving.client.online
     import serving.scenario
     from fastapi.testclient import TestClient
 

@@ -21,9 +21,9 @@ import pytest
 from security.pki import Pki
 from security.tls import Security
 from serving.access import key_id
-from serving.adapter import ControllerAdapter
+from serving.client.online import online_session_body
+from serving.client.static import ControllerAdapter
 from serving.local import LocalServer
-from serving.online_adapter import online_session_body
 from serving.scenario import adapter_for, rates_body, replay_window, session_body
 
 # distinctive keys: any occurrence of one in a log is a leak

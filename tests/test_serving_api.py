@@ -340,7 +340,7 @@ def test_serving_imports_neither_rllib_nor_torch():
     import subprocess
     import sys
 
-    code = ("import sys, serving.app, serving.adapter, serving.local, serve; "
+    code = ("import sys, serving.app, serving.client.static, serving.local, serve; "
             "bad = [m for m in ('ray', 'torch') if m in sys.modules]; "
             "assert not bad, bad")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from agents.learned import ActorPolicy
-from serving.adapter import ControllerAdapter
 from serving.bundles.static import load_bundle
+from serving.client.static import ControllerAdapter
 from serving.local import LocalServer
 from serving.scenario import adapter_for, replay_window, session_body
 

@@ -27,9 +27,9 @@ from envs.dsmd.scenarios import load_scenario
 from security.tls import Security
 from serving import logsafe
 from serving.app import ServerSettings, create_app
+from serving.client.online import online_session_body
 from serving.limits import ResourceLimits, online_session_bytes, static_session_bytes
 from serving.local import LocalServer
-from serving.online_adapter import online_session_body
 from serving.online_schemas import MessageIn
 from serving.online_session import OnlineSession, fallback_decider
 from serving.scenario import session_body

@@ -25,8 +25,8 @@ from envs.dsmd.online import OnlineCost, OnlineSimulator, OnlineTrace
 from envs.dsmd.online_control import FEATURES, OBS_SIZE, KnobMap
 from envs.netutil import free_ports
 from serving.app import ServerSettings, create_app
+from serving.client.online import OnlineAdapter, online_session_body
 from serving.local import LocalServer
-from serving.online_adapter import OnlineAdapter, online_session_body
 from serving.online_schemas import MessageIn
 from serving.online_session import OnlineSession, fallback_decider
 
@@ -303,7 +303,7 @@ def test_remote_adapter_falls_back_then_restores_the_server_session(server, onli
                        name=t.id) as ad:
         for w in range(t.trace.num_windows):
             if w == k:  # the server answers again
-                ad._client.base_url = httpx.URL(server.url)
+                ad._client._http.base_url = httpx.URL(server.url)
                 time.sleep(0.06)  # the breaker half-opens
             p = ad.plan()
             assert p.source == ("fallback" if w < k else "policy"), w

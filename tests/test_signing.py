@@ -277,8 +277,14 @@ def test_online_bundles_are_signed_and_verified(tmp_path, other_key):
     """The online exporter signs with the configured key; the online store refuses a bundle
     signed by an untrusted key or changed after signing, keeping the one it has; the zip the
     server sends and the adapter's cache copy carry the signature."""
-    from serving.bundles.online import load_online_bundle
-    from serving.online_policy import OnlinePolicyStore, bundle_zip, unzip_bundle
+    from serving.bundles.online import (
+        ONLINE_BUNDLE_FILES,
+        ONLINE_BUNDLE_OPTIONAL,
+        load_online_bundle,
+    )
+    from serving.bundles.static import bundle_zip
+    from serving.client.transport import unzip_files
+    from serving.policy_store import OnlinePolicyStore
 
     from .conftest import export_tiny_online_bundle
 
@@ -291,7 +297,8 @@ def test_online_bundles_are_signed_and_verified(tmp_path, other_key):
     store = OnlinePolicyStore(trust=trust)
     v1 = store.load(d)
     assert v1.signed_by == kid
-    copy = unzip_bundle(bundle_zip(v1.bundle), tmp_path / "cache")
+    copy = unzip_files(bundle_zip(v1.bundle), tmp_path / "cache",
+                       (*ONLINE_BUNDLE_FILES, *ONLINE_BUNDLE_OPTIONAL))
     assert (copy / SIGNATURE_FILE).is_file()
     assert load_online_bundle(copy, trust).signed_by == kid
     _flip(copy / "actor.onnx")

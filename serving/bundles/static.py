@@ -37,7 +37,7 @@ import os
 import queue
 import threading
 import zipfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -438,20 +438,6 @@ def bundle_zip(bundle: Any) -> bytes:
         for name, data in verified_bytes(bundle).items():
             z.writestr(name, data)
     return buf.getvalue()
-
-
-def unzip_files(raw: bytes, directory: str | Path, names: Iterable[str]) -> Path:
-    """Write the files ``names`` of a downloaded bundle zip (:func:`bundle_zip`) into
-    ``directory`` (an adapter's cache), each one whole: written beside it, then renamed, so
-    adapters sharing a cache directory never load a half-written file."""
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    with zipfile.ZipFile(io.BytesIO(raw)) as z:
-        for name in set(z.namelist()) & set(names):
-            tmp = d / f".{name}.{os.getpid()}.{threading.get_ident()}"
-            tmp.write_bytes(z.read(name))
-            os.replace(tmp, d / name)
-    return d
 
 
 @contextmanager

@@ -20,7 +20,7 @@ session (:class:`serving.session.Session`, the same engine as the server's). Two
             only delays the refresh, never a decision.
 
 With ``announce_url`` the adapter also subscribes to the server's announcements (Stemflow
-Section IV, subscribed global knowledge; :mod:`serving.subscriber`): a new policy version
+Section IV, subscribed global knowledge; :mod:`serving.client.subscriber`): a new policy version
 starts the same background refresh at once instead of at the next poll, and a change of the
 channel health of this adapter's session (``session_id``) is applied to the local copy.
 Polling stays as the fallback: while the broker is away, versions arrive every ``refresh_s``
@@ -55,8 +55,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import ssl
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -72,13 +70,12 @@ from envs.dsmd.message import Message, messages_to_trace
 from envs.dsmd.parser import BatchKey, IntervalEstimate, MessageParser, TypeCatalog
 from envs.dsmd.topology import Topology
 from envs.dsmd.traces import write_trace
-from security.tls import Security, client_ssl_context
+from security.tls import Security
 
-from .announce import DEFAULT_TOPIC, HealthAnnouncement, PolicyAnnouncement
-from .bundles.format import HEX_DIGEST
-from .bundles.signing import BundleTrust, SignatureError
-from .bundles.static import BUNDLE_FILES, BundleError, PolicyBundle, load_bundle, unzip_files
-from .schemas import (
+from ..announce import DEFAULT_TOPIC, HealthAnnouncement, PolicyAnnouncement
+from ..bundles.signing import BundleTrust
+from ..bundles.static import BUNDLE_FILES, PolicyBundle, load_bundle
+from ..schemas import (
     ChannelHealth,
     ControllerIn,
     DecideBatchRequest,
@@ -88,135 +85,24 @@ from .schemas import (
     TypeIn,
     request_body,
 )
-from .session import Decision, Session, SessionError, SessionSpec
+from ..session import Decision, Session, SessionError, SessionSpec
+from .transport import (
+    MODES,
+    AdapterError,
+    BackgroundRefresh,
+    BundleSource,
+    CircuitBreaker,
+    ServerClient,
+    ServerUnavailable,
+    fetch_bundle,
+)
 
 if TYPE_CHECKING:
-    import httpx
-
     from .subscriber import AnnouncementSubscriber
 
-__all__ = ["MODES", "AdapterDecision", "AdapterError", "CircuitBreaker", "ControllerAdapter",
-           "ServerUnavailable", "http_client", "tls_verify"]
+__all__ = ["AdapterDecision", "ControllerAdapter"]
 
 log = logging.getLogger(__name__)
-MODES = ("remote", "cached")
-
-
-class AdapterError(RuntimeError):
-    """A request the server refused as wrong (4xx): a bug in the caller, not an outage."""
-
-
-class ServerUnavailable(Exception):
-    """The policy server could not answer (no client, an open circuit, timeouts, refused
-    connections, 5xx): an outage, which the adapters ride out with their fallback (shared
-    by the static and the online adapter)."""
-
-
-def tls_verify(security: Security, url: str, component: str = "controller adapter"
-               ) -> ssl.SSLContext | bool:
-    """How a client of the policy server at ``url`` checks it (httpx's ``verify``): secure,
-    an ``https://`` URL and a context trusting only the PKI's CA, pinned to the
-    ``policy-server`` identity (its certificate must name ``policy-server.id.smart-dsmd``);
-    a plain ``http://`` URL is then refused (ValueError naming it). Insecure: no check
-    (warned, once per client)."""
-    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
-    if scheme not in ("http", "https"):
-        raise ValueError(f"base_url {url!r}: expected an http(s):// URL")
-    if security.warn_if_insecure(component):
-        return False
-    if scheme != "https":
-        raise ValueError(f"base_url {url!r}: the policy server is reached over TLS when "
-                         "security is on (use https://, or security.insecure=true to debug "
-                         "over plain HTTP)")
-    # only the policy-server identity may answer, whatever host the URL names (pinned)
-    return client_ssl_context(security, expect="policy-server")
-
-
-def http_client(base_url: str, api_key: str | None, timeout_s: float, security: Security,
-                component: str = "controller adapter") -> httpx.Client:
-    """The keep-alive client of an adapter (:func:`tls_verify`, the key header)."""
-    import httpx
-
-    return httpx.Client(base_url=base_url, timeout=timeout_s,
-                        verify=tls_verify(security, base_url, component),
-                        headers={"X-API-Key": api_key} if api_key else {})
-
-
-def send(client: httpx.Client | None, breaker: CircuitBreaker, retries: int, method: str,
-         path: str, body: Any) -> httpx.Response:
-    """One request with ``retries`` retries through the circuit ``breaker``: the first
-    answer below 500 (the breaker counts it a success), else ``ServerUnavailable`` (no client,
-    open circuit, timeouts, refused connections, 5xx)."""
-    import httpx
-
-    if client is None:
-        raise ServerUnavailable("no server configured")
-    if not breaker.allow():
-        raise ServerUnavailable("circuit open")
-    err = "?"
-    for _ in range(1 + retries):
-        try:
-            r = client.request(method, path, json=body)
-        except httpx.HTTPError as e:  # timeouts, refused connections, broken streams
-            err = f"{type(e).__name__}"
-            breaker.failure()
-            if not breaker.allow():
-                break
-            continue
-        if r.status_code >= 500:
-            err = f"HTTP {r.status_code}"
-            breaker.failure()
-            if not breaker.allow():
-                break
-            continue
-        breaker.success()
-        return r
-    raise ServerUnavailable(err)
-
-
-def get_bytes(client: httpx.Client | None, path: str, timeout_s: float) -> bytes:
-    """``GET path`` on the adapter's HTTP client: the body, ``AdapterError`` on a non-200
-    answer, ``ServerUnavailable`` when there is no client or the server cannot be reached."""
-    import httpx
-
-    if client is None:
-        raise ServerUnavailable("no server configured")
-    try:
-        r = client.get(path, timeout=max(timeout_s, 5.0))
-    except httpx.HTTPError as e:
-        raise ServerUnavailable(type(e).__name__) from None
-    if r.status_code != 200:
-        raise AdapterError(f"GET {path}: HTTP {r.status_code}")
-    return r.content
-
-
-class CircuitBreaker:
-    """closed -> (``failures`` consecutive failures) -> open -> (``reset_s``) -> half-open ->
-    one trial: success closes it, failure opens it again."""
-
-    def __init__(self, failures: int = 3, reset_s: float = 2.0) -> None:
-        if failures < 1 or reset_s <= 0:
-            raise ValueError("circuit breaker needs failures >= 1 and reset_s > 0")
-        self.threshold, self.reset_s = failures, reset_s
-        self.failures = 0
-        self.opened_at: float | None = None
-
-    @property
-    def state(self) -> str:
-        if self.opened_at is None:
-            return "closed"
-        return "half_open" if time.monotonic() - self.opened_at >= self.reset_s else "open"
-
-    def allow(self) -> bool:
-        return self.state != "open"
-
-    def success(self) -> None:
-        self.failures, self.opened_at = 0, None
-
-    def failure(self) -> None:
-        self.failures += 1
-        if self.failures >= self.threshold or self.opened_at is not None:
-            self.opened_at = time.monotonic()
 
 
 @dataclass(frozen=True)
@@ -243,8 +129,6 @@ class ControllerAdapter:
                  bundle_trust: BundleTrust | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if retries < 0 or timeout_s <= 0:
-            raise ValueError("retries must be >= 0 and timeout_s > 0")
         self.mode, self.base_url, self.fallback = mode, base_url, fallback
         self.timeout_s, self.retries, self.refresh_s = timeout_s, retries, refresh_s
         # a known catalogue (e.g. the controller's types before a restart) keeps type ids
@@ -260,10 +144,9 @@ class ControllerAdapter:
         # cached mode: (loaded bundle, its version), swapped whole
         self._cached: tuple[PolicyBundle | None, int] = (None, 0)
         self.policy_version = 0  # remote mode: the version of the last server answer
-        self._last_refresh = -float("inf")
-        self._refresher: threading.Thread | None = None
-        self._refresh_lock = threading.Lock()
-        self._refresh_again = False  # a refresh was asked for while one was running
+        self._refresher = BackgroundRefresh(self.refresh, "policy-refresh")
+        self._source = BundleSource("policy", "/v1/policy", "/v1/policy/bundle", BUNDLE_FILES,
+                                    "bundles", self._load)
         self._health_dirty = False  # remote mode: the server has not seen the local health
         self.subscriber: AnnouncementSubscriber | None = None
         self.cache_dir = Path(cache_dir) if cache_dir else None
@@ -273,9 +156,8 @@ class ControllerAdapter:
         # cached mode: the keys a downloaded bundle must be signed by
         self.bundle_trust = (bundle_trust if bundle_trust is not None or mode != "cached"
                              else BundleTrust.from_security(self.security))
-        self._client: httpx.Client | None = None
-        if base_url is not None:
-            self._client = http_client(base_url, api_key, timeout_s, self.security)
+        self._client = ServerClient(base_url, api_key, timeout_s=timeout_s, retries=retries,
+                                    breaker=self.breaker, security=self.security)
         kernels.warm_up()  # the local session's compiled loops, before the first decision
         if session_id is not None:
             self.attach(session_id)
@@ -341,8 +223,8 @@ class ControllerAdapter:
         t0 = time.perf_counter()
         self._register_new_types()
         if self.mode == "cached":
-            if time.monotonic() - self._last_refresh >= self.refresh_s:
-                self._refresh_in_background()
+            if self._refresher.due(self.refresh_s):
+                self._refresher.start()
             policy, version = self._cached  # one read: decisions and version agree
             ds = self.local.decide(types, policy, fallback=self.fallback, replan=replan,
                                    parallel=parallel)
@@ -407,7 +289,7 @@ class ControllerAdapter:
         return sid
 
     def _request(self, method: str, path: str, body: Any, expect_json: bool = True) -> Any:
-        r = send(self._client, self.breaker, self.retries, method, path, body)
+        r = self._client.send(method, path, body)
         if r.status_code == 404 and "/sessions/" in path and method != "DELETE":
             self._synced = False  # the server lost the session (restart): re-create it
             sid = self._ensure_session()
@@ -418,38 +300,11 @@ class ControllerAdapter:
         return r.json() if expect_json else None
 
     # ------------------------------------------------------------------ cached mode
-    def _refresh_in_background(self, again: bool = False) -> None:
-        """Start a refresh on a daemon thread unless one is running: a slow or hung server
-        never delays a decision (the new policy is installed by one reference assignment).
-        ``again``: if one is running, run another after it (it may have read the server's
-        version before the change that asks for this one)."""
-        with self._refresh_lock:
-            if self._refresher is not None:
-                self._refresh_again = self._refresh_again or again
-                return
-            self._last_refresh = time.monotonic()
-            self._refresh_again = False
-            self._refresher = threading.Thread(target=self._refresh_loop,
-                                               name="policy-refresh", daemon=True)
-            self._refresher.start()
-
-    def _refresh_loop(self) -> None:
-        while True:
-            try:
-                self.refresh()
-            except Exception:  # a daemon thread's failure must not stop later refreshes
-                log.exception("policy refresh failed")
-            with self._refresh_lock:
-                if not self._refresh_again:
-                    self._refresher = None
-                    return
-                self._refresh_again = False
-
     def request_refresh(self) -> None:
         """Cached mode: refresh now, on the background thread of the periodic refresh (what
         a policy announcement does); a no-op in remote mode (the server decides)."""
         if self.mode == "cached":
-            self._refresh_in_background(again=True)
+            self._refresher.start(again=True)
 
     def _on_policy_announced(self, a: PolicyAnnouncement) -> bool:
         """The subscriber's callback: refresh unless the announced bundle is the one here
@@ -472,42 +327,26 @@ class ControllerAdapter:
     def refresh(self, force: bool = False) -> bool:
         """Cached mode: fetch the bundle if the server publishes another version. Returns
         whether a new policy was installed; a failure keeps the current one."""
-        self._last_refresh = time.monotonic()
+        self._refresher.last = time.monotonic()
         if self.session_id is not None:
             self._poll_health()
-        try:
-            info = self._request("GET", "/v1/policy", None)
-            current = self._cached[0]
-            if not info["loaded"] or (not force and current is not None
-                                      and info["hash"] == current.content_hash):
-                return False
-            raw = self._get_bytes("/v1/policy/bundle")
-        except (ServerUnavailable, AdapterError) as e:
-            log.warning("policy refresh failed (%s); keeping version %d", e,
-                        self._cached[1])
+        current = self._cached[0]
+        got = fetch_bundle(self._client, self._source, None if current is None
+                           else current.content_hash, self._cached[1], self.cache_dir, force)
+        if got is None:
             return False
-        root = self.cache_dir or Path.home() / ".cache" / "smart-dsmd" / "bundles"
-        if not isinstance(info.get("hash"), str) or not HEX_DIGEST.fullmatch(info["hash"]):
-            log.warning("policy refresh: the server's bundle hash %r is not a hex digest; "
-                        "keeping version %d", info.get("hash"), self._cached[1])
-            return False
-        d = unzip_files(raw, root / info["hash"][:16], BUNDLE_FILES)
-        try:
-            bundle = load_bundle(d, trust=self.bundle_trust)
-        except SignatureError:  # logged once by the verification, with the key id
-            return False
-        except BundleError as e:
-            log.error("downloaded bundle refused: %s", e)
-            return False
-        self._cached = (bundle, int(info["version"]))
+        self._cached = got
         return True
+
+    def _load(self, directory: Path) -> PolicyBundle:
+        return load_bundle(directory, trust=self.bundle_trust)
 
     def _poll_health(self) -> None:
         """Cached mode, a server session attached: take its channel health (the polling
         fallback of the health announcements); failures are logged and change nothing."""
         sid = self.session_id
         try:
-            r = send(self._client, self.breaker, 0, "GET", f"/v1/sessions/{sid}/health", None)
+            r = self._client.send("GET", f"/v1/sessions/{sid}/health", None, retries=0)
             if r.status_code != 200:
                 raise AdapterError(f"HTTP {r.status_code}")
             raw = r.json()["channel_health"]
@@ -547,11 +386,11 @@ class ControllerAdapter:
         """PATCH the local health onto the server's session, one attempt; ``AdapterError``
         if the server refuses it (4xx other than an unknown session)."""
         sid, health = self.session_id, self.local.health
-        if sid is None or health is None or self._client is None:
+        if sid is None or health is None or not self._client.configured:
             return  # the session is created with it (_ensure_session)
         body = request_body(SessionUpdate(channel_health=ChannelHealth(**health)))
         try:
-            r = send(self._client, self.breaker, 0, "PATCH", f"/v1/sessions/{sid}", body)
+            r = self._client.send("PATCH", f"/v1/sessions/{sid}", body, retries=0)
         except ServerUnavailable as e:
             log.warning("channel health not sent to the server (%s); sent again at the next "
                         "call", e)
@@ -570,9 +409,6 @@ class ControllerAdapter:
     def policy(self) -> PolicyBundle | None:
         """Cached mode: the bundle deciding now (None: none yet, heuristic decisions)."""
         return self._cached[0]
-
-    def _get_bytes(self, path: str) -> bytes:
-        return get_bytes(self._client, path, self.timeout_s)
 
     # ------------------------------------------------------------------ logs
     def _write_log(self, ds: list[AdapterDecision], seconds: float) -> None:
@@ -600,8 +436,7 @@ class ControllerAdapter:
     def close(self) -> None:
         if self.subscriber is not None:
             self.subscriber.close()
-        if self._client is not None:
-            self._client.close()
+        self._client.close()
         if self._log is not None:
             self._log.close()
 

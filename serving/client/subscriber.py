@@ -30,7 +30,7 @@ from typing import Any
 from security.pulsar import client_args
 from security.tls import Security
 
-from .announce import (
+from ..announce import (
     DEFAULT_TOPIC,
     HealthAnnouncement,
     MalformedAnnouncement,

@@ -5,7 +5,7 @@ The controller calls :meth:`OnlineAdapter.plan` at the boundary, :meth:`OnlineAd
 for every message (it returns the message's channel, placing a type the plan does not cover
 on its first message) and :meth:`OnlineAdapter.close_interval` at the end. The adapter
 keeps a local :class:`serving.online_session.OnlineSession`, the server's engine, fed with
-the same messages. Two modes, as :class:`serving.adapter.ControllerAdapter`'s:
+the same messages. Two modes, as :class:`serving.client.static.ControllerAdapter`'s:
 
 ``cached``  fetches the online bundle (``GET /v1/online/policy/bundle``) and decides
             locally with ONNX Runtime and the same engine; every ``refresh_s`` it checks,
@@ -25,14 +25,14 @@ the same messages. Two modes, as :class:`serving.adapter.ControllerAdapter`'s:
             To restore, remote mode keeps every message and decision of the session.
 
 With ``announce_url`` (cached mode) the adapter also follows the server's announcements
-(:mod:`serving.subscriber`, as :class:`serving.adapter.ControllerAdapter` does): an online
-policy swap (``{"kind": "policy", "policy": "online"}``) whose hash differs from the bundle
-here starts the refresh at once instead of at the next due boundary; polling every
-``refresh_s`` stays as the fallback. Static swaps and channel health are not its business
+(:mod:`serving.client.subscriber`, as :class:`serving.client.static.ControllerAdapter`
+does): an online policy swap (``{"kind": "policy", "policy": "online"}``) whose hash differs
+from the bundle here starts the refresh at once instead of at the next due boundary; polling
+every ``refresh_s`` stays as the fallback. Static swaps and channel health are not its business
 (counted ``ignored``).
 
 ``security`` (secure by default) is the server's TLS check, as for
-:class:`serving.adapter.ControllerAdapter`: an ``https://`` URL verified against the PKI's
+:class:`serving.client.static.ControllerAdapter`: an ``https://`` URL verified against the PKI's
 CA; ``Security(insecure=True)`` for a plain ``http://`` URL (debugging; warned). In cached
 mode a fetched bundle is used only if its signature verifies against ``bundle_trust``
 (:class:`serving.bundles.signing.BundleTrust`; default: the PKI's bundle-signing key): one the
@@ -52,7 +52,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -67,29 +66,33 @@ from envs.dsmd.topology import Topology
 from envs.dsmd.traces import Dataset, write_dataset
 from security.tls import Security
 
-from .adapter import (
-    MODES,
-    AdapterError,
-    CircuitBreaker,
-    ServerUnavailable,
-    get_bytes,
-    http_client,
-    send,
+from ..announce import DEFAULT_TOPIC, PolicyAnnouncement
+from ..bundles.online import (
+    ONLINE_BUNDLE_FILES,
+    ONLINE_BUNDLE_OPTIONAL,
+    OnlineBundle,
+    load_online_bundle,
 )
-from .announce import DEFAULT_TOPIC, PolicyAnnouncement
-from .bundles.format import HEX_DIGEST, BundleError
-from .bundles.online import OnlineBundle, load_online_bundle
-from .bundles.signing import BundleTrust, SignatureError
-from .online_policy import unzip_bundle
-from .online_schemas import (
+from ..bundles.signing import BundleTrust
+from ..online_schemas import (
     OnlineSessionCreate,
     PlanIn,
     PlannedIn,
     ScenarioIn,
     messages_body,
 )
-from .online_session import Closed, OnlineSession, Plan, fallback_decider
-from .schemas import NodeIn, request_body
+from ..online_session import Closed, OnlineSession, Plan, fallback_decider
+from ..schemas import NodeIn, request_body
+from .transport import (
+    MODES,
+    AdapterError,
+    BackgroundRefresh,
+    BundleSource,
+    CircuitBreaker,
+    ServerClient,
+    ServerUnavailable,
+    fetch_bundle,
+)
 
 if TYPE_CHECKING:
     from .subscriber import AnnouncementSubscriber
@@ -134,8 +137,8 @@ class OnlineAdapter:
                  announce_topic: str = DEFAULT_TOPIC) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if retries < 0 or timeout_s <= 0 or chunk < 1:
-            raise ValueError("retries must be >= 0, timeout_s > 0 and chunk >= 1")
+        if chunk < 1:
+            raise ValueError(f"chunk must be >= 1, got {chunk}")
         self.mode, self.topology, self.scenario = mode, topology, scenario
         self.batch_key, self.name, self.chunk = batch_key, name, chunk
         self.timeout_s, self.retries, self.refresh_s = timeout_s, retries, refresh_s
@@ -145,15 +148,16 @@ class OnlineAdapter:
         # cached mode: the keys a fetched bundle must be signed by
         self.bundle_trust = (bundle_trust if bundle_trust is not None or mode != "cached"
                              else BundleTrust.from_security(self.security))
-        self._client = None
-        if base_url is not None:
-            self._client = http_client(base_url, api_key, timeout_s, self.security,
-                                       "online adapter")
+        self._client = ServerClient(base_url, api_key, timeout_s=timeout_s, retries=retries,
+                                    breaker=self.breaker, security=self.security,
+                                    component="online adapter")
         self._bundle: tuple[OnlineBundle | None, int] = (None, 0)  # cached: (bundle, version)
         self._deciding = 0  # cached: the version the engine decides with (0: fallback)
-        self._last_refresh = -float("inf")
-        self._refresher: threading.Thread | None = None
-        self._refresh_lock = threading.Lock()
+        self._refresher = BackgroundRefresh(self.refresh, "online-refresh")
+        self._source = BundleSource(
+            "online policy", "/v1/online/policy", "/v1/online/policy/bundle",
+            (*ONLINE_BUNDLE_FILES, *ONLINE_BUNDLE_OPTIONAL), "online-bundles",
+            lambda d: load_online_bundle(d, self.bundle_trust))
         self.subscriber: AnnouncementSubscriber | None = None
         if mode == "cached":
             self.refresh(force=True)
@@ -346,7 +350,7 @@ class OnlineAdapter:
         """One request with retries and the circuit breaker: ``ServerUnavailable`` (timeouts,
         5xx, open breaker), ``_Lost`` (404: the server lost the session),
         :class:`AdapterError` (another 4xx: the request is wrong)."""
-        r = send(self._client, self.breaker, self.retries, method, path, body)
+        r = self._client.send(method, path, body)
         if r.status_code == 404 and "/sessions/" in path:
             raise _Lost(f"{method} {path}: the server does not know the session")
         if r.status_code >= 400:
@@ -357,25 +361,12 @@ class OnlineAdapter:
     def _install(self) -> None:
         """At a boundary: decide with the newest fetched bundle (a refresh is started when
         one is due)."""
-        if time.monotonic() - self._last_refresh >= self.refresh_s:
-            self._refresh_in_background()
+        if self._refresher.due(self.refresh_s):
+            self._refresher.start()
         bundle, version = self._bundle  # one read: bundle and version agree
         if bundle is not None and version != self._deciding:
             self.engine.set_decider(bundle.decider(f"online-v{version}"), "policy")
             self._deciding = self.policy_version = version
-
-    def _refresh_in_background(self) -> bool:
-        """Start :meth:`refresh` on a daemon thread unless one is running (a slow server
-        never delays a boundary); whether one was started."""
-        with self._refresh_lock:
-            t = self._refresher
-            if t is not None and t.is_alive():
-                return False
-            self._last_refresh = time.monotonic()
-            self._refresher = threading.Thread(target=self.refresh, name="online-refresh",
-                                               daemon=True)
-            self._refresher.start()
-            return True
 
     def _on_policy_announced(self, a: PolicyAnnouncement) -> bool:
         """The subscriber's callback: refresh now for an online swap whose bundle is not the
@@ -384,43 +375,22 @@ class OnlineAdapter:
         if self.mode != "cached" or a.policy != "online" or (
                 current is not None and current.metadata.get("actor_sha256") == a.hash):
             return False
-        self._refresh_in_background()
+        self._refresher.start(again=True)
         return True
 
     def refresh(self, force: bool = False) -> bool:
         """Cached mode: fetch the online bundle if the server publishes another version.
         Returns whether one was fetched (it decides from the next boundary); a failure
         keeps the current one."""
-        self._last_refresh = time.monotonic()
-        try:
-            info = self._request("GET", "/v1/online/policy", None)
-            cur = self._bundle[0]
-            if not info["loaded"] or (not force and cur is not None
-                                      and cur.metadata.get("actor_sha256") == info["hash"]):
-                return False
-            raw = self._get_bytes("/v1/online/policy/bundle")
-        except (ServerUnavailable, _Lost, AdapterError) as e:
-            log.warning("online policy refresh failed (%s); keeping version %d", e,
-                        self._bundle[1])
+        self._refresher.last = time.monotonic()
+        cur = self._bundle[0]
+        got = fetch_bundle(self._client, self._source, None if cur is None
+                           else str(cur.metadata.get("actor_sha256")), self._bundle[1],
+                           self.cache_dir, force)
+        if got is None:
             return False
-        root = self.cache_dir or Path.home() / ".cache" / "smart-dsmd" / "online-bundles"
-        if not isinstance(info.get("hash"), str) or not HEX_DIGEST.fullmatch(info["hash"]):
-            log.warning("online policy refresh: the server's bundle hash %r is not a hex "
-                        "digest; keeping version %d", info.get("hash"), self._bundle[1])
-            return False
-        try:
-            bundle = load_online_bundle(unzip_bundle(raw, root / info["hash"][:16]),
-                                        self.bundle_trust)
-        except SignatureError:  # logged once by the verification, with the key id
-            return False
-        except BundleError as e:
-            log.error("downloaded online bundle refused: %s", e)
-            return False
-        self._bundle = (bundle, int(info["version"]))
+        self._bundle = got
         return True
-
-    def _get_bytes(self, path: str) -> bytes:
-        return get_bytes(self._client, path, self.timeout_s)
 
     # ------------------------------------------------------------------ logs
     def flush_trace(self, directory: str | Path, overwrite: bool = False) -> int:
@@ -442,8 +412,7 @@ class OnlineAdapter:
     def close(self) -> None:
         if self.subscriber is not None:
             self.subscriber.close()
-        if self._client is not None:
-            self._client.close()
+        self._client.close()
 
     def __enter__(self) -> OnlineAdapter:
         return self
