@@ -8,7 +8,7 @@ policy bundle run by ONNX Runtime (:mod:`serving.bundles.static`). Nothing here 
 torch, gymnasium or :mod:`agents` (``tests/test_install_groups.py``).
 
 The online policy (a plan at every interval boundary from the session's own history) is
-served the same way: the endpoints of :mod:`serving.online_api` and the adapter of
+served the same way: the endpoints of :mod:`serving.api.online` and the adapter of
 :mod:`serving.client.online` share one engine, :mod:`serving.online_session`, which scores
 every interval with the simulator itself (``docs/serving-online.md``).
 """

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Protocol
 
 from fastapi import Depends, FastAPI, Request, Security
+from fastapi.routing import iter_route_contexts
 from fastapi.security import APIKeyHeader
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -176,15 +177,16 @@ def audit(who: str, action: str, target: object, outcome: str, detail: object = 
 
 
 class Gate(Protocol):
-    """What an app keeps in ``app.state.access`` (``serving.app.create_app``): the caller of
-    a request, or the HTTPException refusing it."""
+    """What an app keeps in ``app.state.access`` (its
+    :class:`serving.api.server.PolicyServer`): the caller of a request, or the HTTPException
+    refusing it."""
 
     def controller(self, request: Request, key: str | None, body_bytes: int = 0
                    ) -> Caller: ...
 
     def admin(self, request: Request, key: str | None, body_bytes: int = 0) -> Caller: ...
 
-    def metrics(self, request: Request, key: str | None) -> Caller: ...
+    def metrics_reader(self, request: Request, key: str | None) -> Caller: ...
 
 
 api_key_header = APIKeyHeader(name=API_KEY_HEADER, auto_error=False,
@@ -220,7 +222,7 @@ async def require_metrics(request: Request,
         if scheme.lower() == "bearer" and cred.strip():
             key = cred.strip()
     gate: Gate = request.app.state.access
-    return gate.metrics(request, key)
+    return gate.metrics_reader(request, key)
 
 
 #: an endpoint parameter: the caller, any valid key
@@ -363,8 +365,8 @@ def allowed_methods(app: FastAPI, path: str) -> list[str] | None:
     """Every method some route of ``app`` takes on ``path`` (and OPTIONS), or None if no
     route matches the path."""
     methods: set[str] = set()
-    for r in app.router.routes:
-        rx, ms = getattr(r, "path_regex", None), getattr(r, "methods", None)
+    for r in iter_route_contexts(app.router.routes):  # included routers' routes too
+        rx, ms = getattr(r, "path_regex", None), r.methods
         if rx is not None and ms and rx.match(path):
             methods |= set(ms)
     return sorted(methods | {"OPTIONS"}) if methods else None

@@ -1,5 +1,5 @@
 """Request and response bodies of the online endpoints (``/v1/online``, see
-:mod:`serving.online_api`): a message is Table I (:class:`envs.dsmd.message.Message`)."""
+:mod:`serving.api.online`): a message is Table I (:class:`envs.dsmd.message.Message`)."""
 
 from __future__ import annotations
 
