@@ -2,7 +2,7 @@
 version: subscribed announcements (Stemflow Section IV, ``serving/announce.py`` and
 ``serving/client/subscriber.py``) vs polling alone.
 
-Set-up: a real Pulsar standalone broker (``delivery.broker``), the policy server
+Set-up: a real Pulsar standalone broker (``harness.broker``), the policy server
 (``serve.py`` under uvicorn, ``announce.url`` on that broker) and ``ADAPTERS`` cached
 adapters of the tiny scenario (one per thread, as independent controllers), each deciding
 its interval (``decide(replan=True)``) every ``PERIOD_S``. Two bundles with different
@@ -180,9 +180,9 @@ def main() -> None:
     n, runs = (QUICK["adapters"], QUICK["runs"]) if args.quick else (ADAPTERS, RUNS)
     t_start = time.perf_counter()
 
-    from delivery.broker import PulsarStandalone
     from envs.dsmd.problems import build_problems
     from envs.dsmd.scenarios import load_scenario
+    from harness.broker import PulsarStandalone
     from serving.local import LocalServer
 
     ps = build_problems(load_scenario("tiny"), cache_dir=None)

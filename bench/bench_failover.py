@@ -210,7 +210,7 @@ def drain(ctl: Any, record_dir: Path, ledger: Ledger, res: dict[str, Any],
 
 
 def one_run(mode: str, run: int, work: Path) -> dict[str, Any]:
-    from delivery.broker import PulsarStandalone
+    from harness.broker import PulsarStandalone
 
     tmp = work / f"{mode}-{run}"
     tmp.mkdir(parents=True)

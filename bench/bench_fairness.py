@@ -80,7 +80,7 @@ def _pooled(delays: dict[int, list[float]], vpcs: list[int]) -> dict[str, float]
 
 def bench_map(repeats: int) -> None:
     """The grid of the module docstring, ``repeats`` runs per cell."""
-    from delivery.broker import PulsarStandalone
+    from harness.broker import PulsarStandalone
     from tests.test_fairness import BIG, SMALL, arm_configs, burst_scenario
 
     t_start = time.perf_counter()
@@ -160,7 +160,7 @@ def main() -> None:
         return
     if args.quick:
         REPEATS, BURST, SUBMITS = 1, 1000, 10_000
-    from delivery.broker import PulsarStandalone
+    from harness.broker import PulsarStandalone
     from tests.test_fairness import ARMS, BIG, G_BPS, SMALL, burst_scenario, percentiles
 
     t_start = time.perf_counter()

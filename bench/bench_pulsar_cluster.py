@@ -1,7 +1,7 @@
 """A Pulsar cluster's broker killed under load: how long the moved topics go without delivery,
 the delays of their messages, and whether anything was lost, applied twice or out of order.
 
-Scenario (each run): a real secure cluster of its own (``delivery.pulsar_cluster``: one
+Scenario (each run): a real secure cluster of its own (``harness.pulsar_cluster``: one
 ZooKeeper, two bookies with two copies of each message, two brokers, each a JVM), the real
 controller (``delivery.controller``, its channel failover off so that only the cluster
 carries the MQ types) and 8 message agents in process (``delivery.agent_host``). Type 0 goes
@@ -85,7 +85,7 @@ def _gap(rows_by_node: dict[int, list], types: set[int], since_ns: int) -> float
 
 
 def one_run(mode: str, run: int, work: Path) -> dict[str, Any]:
-    from delivery.pulsar_cluster import PulsarCluster
+    from harness.pulsar_cluster import PulsarCluster
 
     tmp = work / f"{mode}-{run}"
     tmp.mkdir(parents=True)

@@ -21,9 +21,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import finish, log, md_table
 
-from delivery.broker import PulsarStandalone
 from delivery.testbed import RunSpec, run_once
 from envs.dsmd.problems import problems_for
+from harness.broker import PulsarStandalone
 from security.tls import Security
 
 METRICS = ("delay_p50_ms", "delay_p95_ms", "delay_max_ms", "controller_cpu_util")

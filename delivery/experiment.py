@@ -66,7 +66,7 @@ def _broker(cfg: DictConfig, sec: Security) -> Iterator[tuple[str, str | None]]:
         admin = cfg.broker.get("admin_url")
         yield str(cfg.broker.url), None if not admin else str(admin)
         return
-    from .broker import PulsarStandalone
+    from harness.broker import PulsarStandalone
 
     where = {"host": BROKER_ADDRESS, "netns": f"{tag}-brk"} if tag else {}
     with PulsarStandalone(heap=str(cfg.broker.heap), security=sec, **where) as b:
@@ -119,7 +119,7 @@ def _run_in_network(cfg: DictConfig) -> dict[str, Any]:
         sec.pki.refresh_addresses(["controller", "broker", "policy-server",
                                    *(f"agent-{n}" for n in spec.nodes)])
     if not cfg.broker.url:  # the namespaces have no route out: fetch the broker's jars here
-        from .broker import fetch_pulsar
+        from harness.broker import fetch_pulsar
         fetch_pulsar()
     with EmulatedNetwork(spec) as net:
         inner = OmegaConf.to_container(cfg, resolve=True)

@@ -57,8 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from envs.netutil import BROKER_ADDRESS, CONTROLLER_ADDRESS, node_address, principal_addresses
-
-from .broker import _pid_alive as _alive
+from harness.broker import _pid_alive as _alive
 
 __all__ = [
     "BROKER_ADDRESS",

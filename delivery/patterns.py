@@ -2,7 +2,7 @@
 Locality Awareness of Remote Procedure Calls") on our two channels, on the emulated network
 of :mod:`delivery.netem`, with the real components: the ``MessageAgent`` gRPC service and
 stubs of ``delivery/protos`` over mutual TLS, and a real Pulsar broker
-(:class:`delivery.broker.PulsarStandalone`, authenticated and authorised) in the broker's
+(:class:`harness.broker.PulsarStandalone`, authenticated and authorised) in the broker's
 namespace.
 
 **Patterns (Section II; the flavours of II-C).** A *workload* is ``pattern/channel/flavour``:
@@ -824,7 +824,7 @@ def run_parts(tag: str, parts: Mapping[str, Any], selected: Sequence[str], repea
             done.add((r["part"], r["agents"], r["delay_ms"], r["loss"], r["rep"]))
     broker_ctx: Any = contextlib.nullcontext(None)
     if cfg.uses_mq:
-        from .broker import PulsarStandalone
+        from harness.broker import PulsarStandalone
 
         conf = {k: v for name in selected for k, v in (parts[name].get("broker_conf")
                                                          or {}).items()}

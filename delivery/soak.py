@@ -90,8 +90,8 @@ def run_soak(cfg: DictConfig) -> dict[str, Any]:
     ``python -m delivery.soak``), remove the network (also on failure), log the result to
     MLflow and return it."""
     from agents.tracking import tracked_run
+    from harness.broker import fetch_pulsar
 
-    from .broker import fetch_pulsar
     from .netem import EmulatedNetwork, NetworkSpec
 
     out = Path(str(cfg.out_dir))
@@ -324,7 +324,7 @@ class Soak:
     and a mount namespace of its own)."""
 
     def __init__(self, cfg: DictConfig) -> None:
-        from .broker import PulsarStandalone
+        from harness.broker import PulsarStandalone
 
         self.cfg = cfg
         self.out = Path(str(cfg.out_dir))

@@ -769,9 +769,8 @@ def run_spec(spec: Mapping[str, Any], say: Callable[[str], None] = print) -> dic
     """Measure every point of ``spec`` on one broker (started here: in the emulated network's
     broker namespace when ``spec['network']`` names one). Returns the samples."""
     from envs.netutil import BROKER_ADDRESS
+    from harness.broker import PulsarStandalone
     from security.tls import Security
-
-    from .broker import PulsarStandalone
 
     sec = Security.from_mapping(spec.get("security"))
     tag = spec.get("network")

@@ -4,7 +4,7 @@ Every client authenticates with mutual TLS (:func:`client_args`): the broker tak
 certificate's common name as the client's *role* (``controller``, ``agent-<n>``,
 ``policy-server``, ``admin``, ``broker``), and its authorisation provider decides what a
 role may do on a topic. :func:`grant_default_roles` installs the project's grant model on
-a broker (the one :mod:`delivery.broker` starts, or a deployment's own; see ``main`` for the
+a broker (the one :mod:`harness.broker` starts, or a deployment's own; see ``main`` for the
 command line), through the admin REST API over HTTPS with the ``admin`` identity:
 
 * ``controller``: an admin role of the tenant (``public``), so it alone of the project's

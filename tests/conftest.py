@@ -153,7 +153,7 @@ def no_broker(reason: str) -> None:
 def start_or_skip(broker):
     """Start ``broker`` (a ``PulsarStandalone``) and return it; where Java or Maven is
     missing, close it and skip (or fail, see :func:`no_broker`)."""
-    from delivery.broker import JavaNotFoundError, MavenNotFoundError
+    from harness.broker import JavaNotFoundError, MavenNotFoundError
 
     try:
         broker.start()
@@ -165,7 +165,7 @@ def start_or_skip(broker):
 
 @pytest.fixture(scope="session")
 def pulsar_broker():
-    """One real Pulsar standalone broker (``delivery.broker``) for the whole test session.
+    """One real Pulsar standalone broker (``harness.broker``) for the whole test session.
 
     Tests share it: each uses its own topic prefix (a uuid) and its own metadata store and
     record directory under ``tmp_path``. Secure (the default): TLS only, mutual-TLS
@@ -174,7 +174,7 @@ def pulsar_broker():
     ``pulsar.Client(broker.service_url, **broker.client_args(principal))``. Skipped where
     there is no Java or Maven."""
     pytest.importorskip("pulsar")
-    from delivery.broker import PulsarStandalone
+    from harness.broker import PulsarStandalone
 
     broker = start_or_skip(PulsarStandalone(progress=None))
     try:

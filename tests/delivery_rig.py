@@ -19,7 +19,6 @@ from typing import Any
 
 from delivery.agent import AgentConfig, read_record
 from delivery.agent_host import AgentHost, host_spec
-from delivery.broker import PulsarStandalone
 from delivery.checker import Resource, audit, lost
 from delivery.controller import RPC, Controller, ControllerConfig, topic_name
 from delivery.processes import AgentHostProcess
@@ -27,6 +26,7 @@ from delivery.rpc import open_channel
 from delivery.store import MetadataStore
 from envs.dsmd.message import Message
 from envs.netutil import free_ports
+from harness.broker import PulsarStandalone
 from security.pulsar import admin_call, subscription_name
 from security.tls import Security
 
@@ -132,7 +132,7 @@ def admin_subscriptions(broker: PulsarStandalone, topic: str) -> set[str]:
 
 class Rig:
     """A controller and in-process agents (one AgentHost) on a broker (a standalone one, or a
-    :class:`delivery.pulsar_cluster.PulsarCluster`: the rig uses its service and admin URLs
+    :class:`harness.pulsar_cluster.PulsarCluster`: the rig uses its service and admin URLs
     and its security), with a fresh store, record directory and topic prefix; ``security``
     (default: secure) for all of them. ``slow_links`` (node -> bit/s): the controller
     reaches those nodes through one :class:`tests.slow_link.SlowLink` of that rate each."""

@@ -2,7 +2,7 @@
 and channel-health changes on a topic of a real Pulsar broker, and cached adapters act on
 them at once; with the broker away the server still starts and answers, and polling carries
 the change. Real components throughout: ``serve.py`` under uvicorn (``LocalServer``, HTTPS),
-the secure broker of ``delivery.broker`` (TLS, mutual-TLS authentication and the grants of
+the secure broker of ``harness.broker`` (TLS, mutual-TLS authentication and the grants of
 :mod:`security.pulsar`: the server produces as ``policy-server`` on the topics granted to it,
 the adapters read as ``controller``) and the adapters' HTTP and Pulsar clients."""
 

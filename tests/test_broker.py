@@ -1,4 +1,4 @@
-"""The real Pulsar standalone broker of :mod:`delivery.broker`, driven by the official client.
+"""The real Pulsar standalone broker of :mod:`harness.broker`, driven by the official client.
 
 No mocks: one real broker (JVM) is shared by the module and started on first use; the tests
 that run a JVM of their own stop it first, so at most one broker runs at a time. The first
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from delivery import broker as broker_mod
-from delivery.broker import (
+from harness import broker as broker_mod
+from harness.broker import (
     BrokerStartError,
     JavaNotFoundError,
     MavenNotFoundError,
@@ -237,7 +237,7 @@ def test_restart_keeps_unacknowledged_messages(broker: PulsarStandalone) -> None
 
 def _cli_start(pid_file: Path, data: Path, *flags: str
                ) -> tuple[subprocess.Popen[str], str, int]:
-    cmd = [sys.executable, "-m", "delivery.broker", "start", "--pid-file", str(pid_file),
+    cmd = [sys.executable, "-m", "harness.broker", "start", "--pid-file", str(pid_file),
            "--data", str(data), *flags]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=os.environ | {"PYTHONUNBUFFERED": "1"})
@@ -252,7 +252,7 @@ def _cli_start(pid_file: Path, data: Path, *flags: str
 
 
 def _cli_stop(proc: subprocess.Popen[str], pid_file: Path, pid: int) -> None:
-    stop = subprocess.run([sys.executable, "-m", "delivery.broker", "stop", "--pid-file",
+    stop = subprocess.run([sys.executable, "-m", "harness.broker", "stop", "--pid-file",
                            str(pid_file)], cwd=ROOT, capture_output=True, text=True,
                           timeout=120, check=False)
     assert stop.returncode == 0, stop.stdout + stop.stderr

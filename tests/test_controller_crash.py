@@ -27,7 +27,6 @@ import pytest
 
 from delivery.agent import AgentConfig
 from delivery.agent_host import AgentHost
-from delivery.broker import PulsarStandalone
 from delivery.checker import read_rows
 from delivery.controller import RPC
 from delivery.controller_host import controller_spec, load_spec
@@ -36,6 +35,7 @@ from delivery.processes import ControllerProcess
 from delivery.rpc import pb
 from delivery.store import MetadataStore
 from envs.netutil import free_ports
+from harness.broker import PulsarStandalone
 from security.tls import Security
 
 from .delivery_rig import ROOT, assert_delivered, wait_until

@@ -23,12 +23,12 @@ import pulsar
 import pytest
 
 from delivery.agent import AgentConfig, read_record
-from delivery.broker import PulsarStandalone
 from delivery.controller import RPC
 from delivery.rpc import pb, pb_grpc
 from delivery.store import MetadataStore
 from delivery.wire import envelope
 from envs.dsmd.message import Message
+from harness.broker import PulsarStandalone
 from security.pulsar import client_args, subscription_name
 
 from .delivery_rig import (

@@ -17,10 +17,10 @@ import time
 import pytest
 
 from delivery.agent import read_record
-from delivery.broker import PulsarStandalone
 from delivery.controller import RPC, ConfigError, Controller, ControllerConfig, id_ranges
 from delivery.store import MetadataStore
 from envs.netutil import free_ports
+from harness.broker import PulsarStandalone
 from security.pulsar import subscription_name
 
 from .delivery_rig import assert_arrived, assert_delivered, rig, wait_until

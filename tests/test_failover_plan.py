@@ -741,7 +741,7 @@ def test_health_broker_sigkill_and_restart(tmp_path):
     ``detection_bound_s`` + 1 s; restarted (same ports and data), it is declared up again;
     killed again, ``close`` returns within 2.5 s while the broker is away."""
     pytest.importorskip("pulsar")
-    from delivery.broker import PulsarStandalone
+    from harness.broker import PulsarStandalone
     from tests.conftest import start_or_skip
 
     cfg = FailoverConfig()  # the defaults: what the controller runs with

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from delivery.broker import PulsarStandalone
 from delivery.controller import RPC, ConfigError, ControllerConfig, ControllerStats, InflightLimiter
+from harness.broker import PulsarStandalone
 
 from .delivery_rig import Rig, assert_arrived, assert_delivered, rig, wait_until
 

@@ -1,4 +1,4 @@
-"""Delivery through a real Pulsar cluster (``delivery.pulsar_cluster``: one ZooKeeper, two
+"""Delivery through a real Pulsar cluster (``harness.pulsar_cluster``: one ZooKeeper, two
 bookies, two brokers, TLS and authorisation as the standalone broker), and a broker killed
 under load: the topics it owned move to the other broker and delivery goes on, exactly once
 and in order per resource. Delivery is judged from the agents' programming records against
@@ -16,9 +16,9 @@ import time
 import pytest
 
 from delivery.agent import read_record
-from delivery.broker import BrokerError, BrokerStartError
 from delivery.controller import RPC
-from delivery.pulsar_cluster import PulsarCluster
+from harness.broker import BrokerError, BrokerStartError
+from harness.pulsar_cluster import PulsarCluster
 from security.pulsar import admin_call
 from security.tls import Security
 

@@ -410,7 +410,7 @@ def test_insecure_rig_delivers_and_warns(tmp_path, caplog):
     """``insecure`` end to end, on an insecure broker of its own: plain gRPC and Pulsar
     deliver as before, and each component warns once when it starts."""
     pytest.importorskip("pulsar")
-    from delivery.broker import PulsarStandalone
+    from harness.broker import PulsarStandalone
     from tests.conftest import start_or_skip
 
     caplog.set_level(logging.WARNING)

@@ -1,5 +1,5 @@
 """Pulsar with TLS, authentication and authorisation (:mod:`security.pulsar`), against the
-real broker of :mod:`delivery.broker` (the session's ``pulsar_broker``, secure by default).
+real broker of :mod:`harness.broker` (the session's ``pulsar_broker``, secure by default).
 
 Every refusal is checked three ways: the client's error, nothing delivered, and the
 broker's own log naming the role (or, for a refused handshake, the peer address) and the
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from delivery import broker as broker_mod
-from delivery.broker import PulsarStandalone
+from harness import broker as broker_mod
+from harness.broker import PulsarStandalone
 from security import pulsar as sp
 from security.pki import Pki
 from security.tls import Security

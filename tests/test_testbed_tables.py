@@ -213,8 +213,8 @@ def test_network_spec_scales_capacities_and_checks_the_allowance() -> None:
 def test_broker_jars_fetched_before_the_network_is_built(tmp_path: Path, monkeypatch) -> None:
     """Nothing inside the emulated network reaches Maven Central, so a testbed that starts
     its own broker fetches the jars first; one given ``broker.url`` fetches nothing."""
-    import delivery.broker
     import delivery.netem
+    import harness.broker
     from delivery.experiment import _run_in_network
 
     calls: list[str] = []
@@ -227,7 +227,7 @@ def test_broker_jars_fetched_before_the_network_is_built(tmp_path: Path, monkeyp
             calls.append("network")
             raise Stop
 
-    monkeypatch.setattr(delivery.broker, "fetch_pulsar", lambda *a, **k: calls.append("fetch"))
+    monkeypatch.setattr(harness.broker, "fetch_pulsar", lambda *a, **k: calls.append("fetch"))
     monkeypatch.setattr(delivery.netem, "EmulatedNetwork", NoNetwork)
     over = ["security.insecure=true", f"out_dir={tmp_path}"]
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):

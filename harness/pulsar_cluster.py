@@ -1,9 +1,9 @@
 """A small real Apache Pulsar cluster on one machine: one ZooKeeper server (the metadata and
 configuration store), ``bookies`` BookKeeper bookies and ``brokers`` brokers, each its own
-JVM from the same jars as the standalone broker (:func:`delivery.broker.fetch_pulsar`), on
+JVM from the same jars as the standalone broker (:func:`harness.broker.fetch_pulsar`), on
 free loopback ports, with the standalone's security: TLS-only ports, mutual-TLS
 authentication, authorisation and the project's grant model
-(:func:`delivery.broker.broker_security_conf`, :func:`security.pulsar.grant_default_roles`).
+(:func:`harness.broker.broker_security_conf`, :func:`security.pulsar.grant_default_roles`).
 
 What it is for: the delivery path against a cluster rather than one standalone broker, and
 a broker's failure under load. Each topic belongs to one broker at a time (its namespace
@@ -81,7 +81,7 @@ BOOKIE_READY_LINE = "Started component bookie-server"
 
 
 def _conf_text(settings: dict[str, Any]) -> str:
-    return "# written by delivery.pulsar_cluster\n" + "".join(
+    return "# written by harness.pulsar_cluster\n" + "".join(
         f"{k}={str(v).lower() if isinstance(v, bool) else v}\n" for k, v in settings.items())
 
 
@@ -176,7 +176,7 @@ class PulsarCluster:
         long a dead broker keeps its topics before another broker may take them. ZooKeeper
         accepts 4,000 to 40,000 ms here (2 and 20 ticks of 2 s); Pulsar's default is 30,000.
     :param heap: each broker's and bookie's JVM ``-Xmx`` (ZooKeeper gets 128m).
-    :param security: as :class:`delivery.broker.PulsarStandalone` (TLS and authorisation by
+    :param security: as :class:`harness.broker.PulsarStandalone` (TLS and authorisation by
         default; ``Security(insecure=True)`` for a plain-text, open cluster).
     :param nodes: nodes whose subscriptions are bound to their agent's role at start.
     :param cluster_name: the Pulsar cluster's name.
@@ -285,7 +285,7 @@ class PulsarCluster:
     def admin(self, method: str, path: str, body: Any = None, *, principal: str = "admin",
               timeout: float = 10.0) -> Any:
         """One admin REST call on :attr:`admin_url` (see
-        :meth:`delivery.broker.PulsarStandalone.admin`)."""
+        :meth:`harness.broker.PulsarStandalone.admin`)."""
         return pulsar_security.admin_call(self.admin_url, method, path, body,
                                           security=self.security, principal=principal,
                                           timeout=timeout)
@@ -490,7 +490,7 @@ class PulsarCluster:
             time.sleep(0.2)
 
     def grant(self, nodes: Iterable[int] | None = None) -> None:
-        """Install the grant model (as :meth:`delivery.broker.PulsarStandalone.grant`); the
+        """Install the grant model (as :meth:`harness.broker.PulsarStandalone.grant`); the
         cluster's brokers share it through the configuration store."""
         try:
             pulsar_security.grant_default_roles(

@@ -30,10 +30,10 @@ Used by the MQ channel's tests, the loopback testbed and the delivery demo::
 
 Command line (a helper script)::
 
-    python -m delivery.broker fetch
-    python -m delivery.broker start [--port P --web-port W --data DIR --pid-file F]
+    python -m harness.broker fetch
+    python -m harness.broker start [--port P --web-port W --data DIR --pid-file F]
                                     [--pki-dir D | --insecure] [--nodes 0-99]
-    python -m delivery.broker stop --pid-file F
+    python -m harness.broker stop --pid-file F
 """
 
 from __future__ import annotations
@@ -505,7 +505,7 @@ def broker_security_conf(security: Security, port: int | None, web_port: int | N
     broker's own internal clients (admin calls of the starter, system topics, lookups and
     admin calls it forwards to another broker of a cluster) presenting the PKI's ``broker``
     identity. Shared by :class:`PulsarStandalone` and
-    :class:`delivery.pulsar_cluster.PulsarCluster`."""
+    :class:`harness.pulsar_cluster.PulsarCluster`."""
     ident = security.identity("broker")
     ca, cert, key = str(ident.ca), str(ident.cert), str(ident.key)
     return {
@@ -856,7 +856,7 @@ class PulsarStandalone:
         lines = [f"{k}={str(v).lower() if isinstance(v, bool) else v}"
                  for k, v in settings.items()]
         path = conf / "standalone.conf"
-        path.write_text("# written by delivery.broker\n" + "\n".join(lines) + "\n")
+        path.write_text("# written by harness.broker\n" + "\n".join(lines) + "\n")
         return path
 
     def _security_conf(self) -> dict[str, str | int | bool]:
@@ -1057,8 +1057,8 @@ def _cmd_stop(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m delivery.broker {fetch,start,stop}``."""
-    ap = argparse.ArgumentParser(prog="python -m delivery.broker", description=__doc__.split(
+    """``python -m harness.broker {fetch,start,stop}``."""
+    ap = argparse.ArgumentParser(prog="python -m harness.broker", description=__doc__.split(
         "\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     f = sub.add_parser("fetch", help="download the broker's jars into the cache")
