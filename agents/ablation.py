@@ -27,9 +27,9 @@ import pandas as pd
 from omegaconf import DictConfig
 
 from envs.dsmd.errors import DSMDError
+from envs.stats import ci95
 
 from .config import output_dir
-from .online_eval import ci95
 from .tracking import tracked_run
 
 __all__ = ["METRICS", "ablation_runs", "ablation_table", "run_ablation_table"]

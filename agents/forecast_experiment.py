@@ -35,6 +35,7 @@ from omegaconf import DictConfig
 
 from envs.dsmd.demand import RATE_ALPHAS, TSB_ALPHAS, DemandPanel, trace_panel
 from envs.dsmd.online_env import load_online_traces
+from envs.stats import ci95
 from reporting.reproduction import machine_summary
 
 from .forecaster import (
@@ -46,7 +47,6 @@ from .forecaster import (
     rate_target,
     residual_quantiles,
 )
-from .online_eval import ci95
 from .plots import pinball_plot, reliability_plot
 
 __all__ = ["run_forecast"]

@@ -29,6 +29,7 @@ from envs.dsmd.errors import DSMDError
 from envs.dsmd.online import OnlineCost, OnlineSimulator, OnlineTrace
 from envs.dsmd.online_greedy import FILE_ARGS
 from envs.progress import Progress
+from envs.stats import ci95
 
 from .online import HindsightGreedy, OnlineGreedy, make_static
 
@@ -353,15 +354,6 @@ def oracle_specs(horizons: Sequence[Any], headrooms: Sequence[float] = (0.0,)
 
 
 # ---------------------------------------------------------------------- summary
-def ci95(x: np.ndarray) -> float:
-    x = np.asarray(x, np.float64)
-    if x.size < 2:
-        return float("nan")
-    from scipy.stats import t
-
-    return float(t.ppf(0.975, x.size - 1) * x.std(ddof=1) / math.sqrt(x.size))
-
-
 def summarize_online(df: pd.DataFrame, oracle: str = "oracle",
                      reference: str | None = None) -> pd.DataFrame:
     """Per policy: means over test traces with 95% intervals, violated intervals per

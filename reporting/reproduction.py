@@ -47,7 +47,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from envs.stats import ci95
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 __all__ = [
     "ReportError",
@@ -521,20 +526,63 @@ def _project_section(item: Mapping[str, Any], src: Source | None, exp: Mapping[s
     if src is None:
         return [*lines, "**No results yet.** Run", "", "```bash", exp["command"], "```", "",
                 "then `make report`.", ""]
-    df = src.runs[0].table(item["file"])
+    key = item.get("across_runs")
+    df = (src.runs[0].table(item["file"]) if key is None
+          else across_runs([r.table(item["file"]) for r in src.runs], str(key)))
     cols = list(item.get("columns") or df.columns)
+    if key is not None:
+        cols = [c for c in cols if c != "runs"] + ["runs"]
     missing = [c for c in cols if c not in df.columns]
     if missing:
         raise ReportError(f"{src.runs[0].path / item['file']}: no column {missing}")
     lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for _, r in df[cols].iterrows():
-        cells = [f"{v:,.{int(item.get('digits', 3))}f}" if isinstance(v, float) else str(v)
-                 for v in r]
+    digits = int(item.get("digits", 3))
+    for _, r in df.iterrows():
+        cells = [_cell(r, c, digits) for c in cols]
         lines.append("| " + " | ".join(cells) + " |")
+    if key is not None:
+        lines += ["", f"Mean over the {len(src.runs)} runs ({', '.join(r.label for r in src.runs)})"
+                  f" ± the 95% interval across them, where they differ.", ""]
     lines += ["", "Command:", "", "```bash", src.command, "```", "",
               f"Result: `{_rel(src.root, root)}`; written {src.date}; machine: {src.machine}.",
               ""]
     return lines
+
+
+def across_runs(tables: Sequence[pd.DataFrame], key: str) -> pd.DataFrame:
+    """One row per value of ``key`` (in first appearance): each numeric column's mean over
+    the runs that have the row, its 95% interval across them in ``<column>±``, and ``runs``,
+    how many; other columns from the first run."""
+    import pandas as pd
+
+    whole = pd.concat(tables, ignore_index=True)
+    order = list(dict.fromkeys(whole[key]))
+    rows = []
+    for k in order:
+        g = whole[whole[key] == k]
+        row: dict[str, Any] = {key: k, "runs": len(g)}
+        for c in whole.columns:
+            if c == key:
+                continue
+            v = pd.to_numeric(g[c], errors="coerce")
+            if v.notna().all() and pd.api.types.is_numeric_dtype(whole[c]):
+                row[c] = float(v.mean())
+                row[f"{c}±"] = ci95(v.to_numpy()) if v.nunique() > 1 else 0.0
+            else:
+                row[c] = g[c].iloc[0]
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _cell(r: pd.Series, c: str, digits: int) -> str:
+    v = r[c]
+    if not isinstance(v, float):
+        return str(v)
+    if math.isnan(v):
+        return "n/a"
+    half = r.get(f"{c}±")
+    text = f"{v:,.{digits}f}"
+    return text + (f" ± {half:,.{digits}f}" if isinstance(half, float) and half > 0 else "")
 
 
 def resolve_source(name: str, exp: Mapping[str, Any], rep: Mapping[str, Any]) -> Source | None:

@@ -293,3 +293,20 @@ def test_smoke_from_the_real_entry_points(tmp_path: Path):
     for fig in ("sincon-fig5", "sincon-fig6", "trees-fig8", "trees-fig9", "trees-fig11"):
         section = page.split(f'<a id="{fig}"></a>')[1].split("<a id=")[0]
         assert "ours (mean ± std)" in section and "n/a" not in section.split("Command:")[0]
+
+
+def test_a_table_across_runs_gives_the_mean_and_the_interval_over_them():
+    """``across_runs``: per key, each numeric column's mean over the runs and its 95%
+    interval (0 where the runs agree), the other columns from the first run."""
+    from reporting.reproduction import _cell, across_runs
+
+    runs = [pd.DataFrame({"policy": ["greedy", "ddpg"], "mbps": [10.0, x], "status": ["ok"] * 2})
+            for x in (20.0, 22.0, 24.0)]
+    df = across_runs(runs, "policy").set_index("policy")
+    assert list(df.index) == ["greedy", "ddpg"] and df.loc["ddpg", "runs"] == 3
+    assert df.loc["greedy", "mbps"] == 10.0 and df.loc["greedy", "mbps±"] == 0.0
+    assert df.loc["ddpg", "mbps"] == 22.0
+    assert abs(df.loc["ddpg", "mbps±"] - 4.303 * 2 / 3 ** 0.5) < 1e-3  # t(0.975, 2) s / sqrt(n)
+    assert df.loc["ddpg", "status"] == "ok"
+    assert _cell(df.reset_index().iloc[1], "mbps", 1) == "22.0 ± 5.0"
+    assert _cell(df.reset_index().iloc[0], "mbps", 1) == "10.0"

@@ -97,7 +97,7 @@ def bounds_table(env_kwargs: Mapping[str, Any], runs: Sequence[tuple[int, Sequen
 def bounds_summary(df: pd.DataFrame) -> pd.DataFrame:
     """Per run seed the mean returns, room and delays of :func:`bounds_table`'s episodes,
     then a ``mean`` row over the runs with the room's 95% interval across them."""
-    from ..online_eval import ci95
+    from envs.stats import ci95
 
     cols = [c for c in df.columns if c.startswith(("return_", "setup_mean", "burst_mean"))
             or c.endswith("_vs_none_pct")]

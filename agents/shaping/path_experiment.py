@@ -198,7 +198,7 @@ def _headline(runs: pd.DataFrame, tenants: int) -> dict[str, Any]:
 def paired_ratio_ci(a: pd.Series, b: pd.Series) -> dict[str, float]:
     """The geometric mean of ``a / b`` over the seeds both have, with its 95% interval (a
     t interval on the log ratios)."""
-    from ..online_eval import ci95
+    from envs.stats import ci95
 
     lr = np.log((a / b.reindex(a.index)).dropna().to_numpy(dtype=np.float64))
     m, h = (float(lr.mean()), ci95(lr)) if lr.size else (float("nan"), float("nan"))
@@ -258,7 +258,7 @@ def learned_table(run_dirs: list[str], baseline_dirs: list[str] | None = None) -
     episodes, e.g. ``hindsight``), the learned policy's paired difference against ``none``
     (percent of ``none``'s return magnitude, 95% interval over the episodes) and the
     training step whose weights validation selected; then a ``mean`` row over the runs."""
-    from ..online_eval import ci95
+    from envs.stats import ci95
 
     extra = []
     for d in baseline_dirs or []:

@@ -1,0 +1,221 @@
+"""The policy server's ``decide`` against a bare FastAPI endpoint on the same core: how much
+of a request the project's server adds (authentication, rate limits, ownership, limits,
+metrics, the decision itself) over FastAPI and uvicorn alone.
+
+Both servers run in a subprocess pinned to core 0 (``taskset``); the load generator runs in
+this process pinned to core 1. Closed loop: ``conns`` keep-alive connections each send
+``POST /v1/sessions/{id}/decide {"type": t}`` back to back (``t`` cycling over test window
+0's active types at ``godaddy``), for ``seconds`` after 1 s of warm-up; the figure is
+completed requests per second, every answer checked (200, and for the project's server a
+decision taken by the policy).
+
+- **ours**: ``serve.py`` with the committed default bundle (``checkpoints/default``), API
+  keys, rate limits and every other default on, as deployed (``serving.local.LocalServer``),
+  one session created first.
+- **bare**: FastAPI and uvicorn with the same protocol (httptools) and event loop, one
+  route at the same path taking the same body (a pydantic model of ``type`` and
+  ``explain``) and answering a JSON object of the same fields (a fixed decision): no
+  middleware, no dependency, no decision.
+
+Each is measured over HTTP and over HTTPS (TLS 1.3 with the PKI's ``policy-server``
+identity for both; the client checks it against the PKI's CA), with 1 and with 8
+connections; ``repeats`` alternating runs of each, median (min-max). The ratio is ours /
+bare of the medians (target: at least 0.9x everywhere).
+
+Usage: ``python bench/bench_serving_overhead.py [--quick]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import ssl
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _common import ROOT, finish, fmt_stats, log, md_table, stats
+
+sys.path.insert(0, str(ROOT / "bench"))
+
+import bench_serving as bs
+import httpx
+
+from envs.netutil import free_ports
+from security.tls import Security, client_ssl_context
+from serving.local import LocalServer
+
+BARE = r'''
+import sys
+import uvicorn
+from fastapi import FastAPI
+from pydantic import BaseModel
+
+class DecideRequest(BaseModel):
+    type: int
+    explain: bool = False
+
+app = FastAPI()
+
+@app.post("/v1/sessions/{session_id}/decide")
+async def decide(session_id: str, body: DecideRequest) -> dict:
+    return {"type": body.type, "channel": 3, "source": "policy", "reason": None,
+            "policy_version": 1, "policy_hash": "0" * 64, "session_version": 7}
+
+port, cert, key = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+tls = {"ssl_certfile": cert, "ssl_keyfile": key} if cert != "-" else {}
+uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", http="httptools",
+            access_log=False, **tls)
+'''
+
+
+class BareServer:
+    """The bare FastAPI endpoint (module docstring) in a subprocess pinned to ``core``."""
+
+    def __init__(self, core: int, tls: tuple[str, str] | None) -> None:
+        self.port = free_ports(1)[0]
+        cert, key = tls or ("-", "-")
+        self.proc = subprocess.Popen(
+            ["taskset", "-c", str(core), sys.executable, "-c", BARE, str(self.port), cert,
+             key], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                with socket_to(self.port):
+                    return
+            except OSError:
+                time.sleep(0.1)
+        self.stop()
+        raise RuntimeError("the bare server did not start")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def socket_to(port: int) -> Any:
+    import socket
+
+    return socket.create_connection(("127.0.0.1", port), timeout=0.5)
+
+
+async def closed_loop(port: int, reqs: list[bytes], tls: ssl.SSLContext | None, conns: int,
+                      seconds: float, check: bool) -> dict[str, float]:
+    """``conns`` connections sending back to back: completed requests/s after 1 s."""
+    streams = [await asyncio.open_connection("127.0.0.1", port, ssl=tls,
+                                             server_hostname="127.0.0.1" if tls else None)
+               for _ in range(conns)]
+    done = bad = 0
+    start = time.perf_counter() + 1.0
+    end = start + seconds
+
+    async def worker(k: int) -> None:
+        nonlocal done, bad
+        reader, writer = streams[k]
+        i = k
+        while True:
+            now = time.perf_counter()
+            if now >= end:
+                writer.close()
+                return
+            status, body = await bs.roundtrip(reader, writer, reqs[i % len(reqs)])
+            i += conns
+            if now >= start:
+                done += 1
+                if status != 200 or (check and not bs.policy_decided(body)):
+                    bad += 1
+
+    await asyncio.gather(*(worker(k) for k in range(conns)))
+    return {"req_s": done / seconds, "errors": bad}
+
+
+def requests_for(port: int, sid: str, types: list[int]) -> list[bytes]:
+    return [bs.request_bytes(port, f"/v1/sessions/{sid}/decide", {"type": t}) for t in types]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="2 s per run, 2 repeats")
+    ap.add_argument("--seconds", type=float, default=None)
+    ap.add_argument("--repeats", type=int, default=None)
+    args = ap.parse_args()
+    seconds = args.seconds or (2.0 if args.quick else 5.0)
+    repeats = args.repeats or (2 if args.quick else 3)
+    server_core, client_core = bs.SERVER_CORE, bs.CLIENT_CORE  # bench_serving pinned core 0
+    if server_core == client_core:
+        raise SystemExit("needs 2 cores: the server on one, the load generator on the other")
+    os.sched_setaffinity(0, {client_core})
+    t0 = time.perf_counter()
+    ps = bs.problems_for(bs.SCENARIO)
+    body_w = bs.session_body(ps, next(iter(ps.windows["test"])))
+    secure = Security()
+    ident = secure.identity("policy-server")
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for scheme in ("http", "https"):
+            sec = bs.PLAIN if scheme == "http" else secure
+            ctx = None if scheme == "http" else client_ssl_context(secure,
+                                                                   expect="policy-server")
+            ours = LocalServer(bs.BUNDLE, Path(tmp), api_key=bs.KEY, admin_key=bs.ADMIN,
+                               cpu=str(server_core), security=sec)
+            ours.start(timeout_s=90)
+            try:
+                with httpx.Client(base_url=ours.url, verify=ours.verify, timeout=30,
+                                  headers={"X-API-Key": bs.KEY}) as c:
+                    sid = c.post("/v1/sessions", json=body_w).json()["session_id"]
+                    r = c.post(f"/v1/sessions/{sid}/decide/batch", json={"replan": True})
+                    types = sorted(d["type"] for d in r.json()["decisions"])
+                ours_reqs = requests_for(ours.port, sid, types)
+                bare = BareServer(server_core, None if scheme == "http"
+                                  else (str(ident.cert), str(ident.key)))
+                try:
+                    bare_reqs = requests_for(bare.port, sid, types)
+                    for conns in (1, 8):
+                        runs: dict[str, list[float]] = {"ours": [], "bare": []}
+                        errors = 0
+                        for _ in range(repeats):
+                            for name, port, reqs, check in (
+                                    ("bare", bare.port, bare_reqs, False),
+                                    ("ours", ours.port, ours_reqs, True)):
+                                res = asyncio.run(closed_loop(port, reqs, ctx, conns, seconds,
+                                                              check))
+                                runs[name].append(res["req_s"])
+                                errors += int(res["errors"])
+                        key = f"{scheme}, {conns} connection{'s' if conns > 1 else ''}"
+                        results[key] = {"ours": stats(runs["ours"]),
+                                        "bare": stats(runs["bare"]), "errors": errors}
+                        log(f"[{key}] ours {fmt_stats(results[key]['ours'])} req/s, bare "
+                            f"{fmt_stats(results[key]['bare'])} req/s, errors {errors}")
+                finally:
+                    bare.stop()
+            finally:
+                ours.stop()
+    rows = []
+    for key, r in results.items():
+        ratio = r["ours"]["median"] / r["bare"]["median"]
+        r["ratio"] = ratio
+        rows.append([key, fmt_stats(r["ours"]), fmt_stats(r["bare"]), f"{ratio:.2f}x",
+                     str(r["errors"])])
+    table = md_table(["transport, load", "ours (req/s)", "bare FastAPI (req/s)",
+                      "ours / bare", "errors"], rows)
+    notes = [f"server pinned to core {server_core}, load generator to core {client_core}; "
+             f"closed loop, {seconds:g} s per run after 1 s of warm-up, {repeats} alternating "
+             "runs of each server, median (min-max)",
+             "ours: serve.py with the committed default bundle, API keys and every default "
+             "on; bare: one FastAPI route taking the same body and answering the same fields",
+             "target: ours / bare at least 0.9x in every row"]
+    finish("bench_serving_overhead", {"results": results,
+                                      "settings": {"seconds": seconds, "repeats": repeats,
+                                                   "quick": args.quick}},
+           table, notes, time.perf_counter() - t0)
+
+
+if __name__ == "__main__":
+    main()
