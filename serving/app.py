@@ -80,6 +80,10 @@ __all__ = ["DEFAULT_AUTH_FAILURES", "DEFAULT_RATE_LIMIT", "ServerSettings", "add
            "create_app"]
 
 
+#: the endpoints of the decision path, matched before the others (``create_app``)
+HOT_ROUTES = frozenset({"decide", "decide_batch", "get_plan", "post_messages"})
+
+
 def add_routes(app: FastAPI, router: APIRouter) -> None:
     """Every route of ``router`` added to ``app``'s own router, as ``include_router`` did
     before FastAPI 0.165 (no prefix, the route's own settings; ``app.dependency_overrides``
@@ -156,6 +160,10 @@ def create_app(settings: ServerSettings | None = None, *,
             ("MessagesIn", "messages"): cfg.max_batch})
 
     app.openapi = openapi  # type: ignore[method-assign]
+    app.openapi()  # the document lists the routes in the order they were declared
+    hot = [r for r in app.router.routes if isinstance(r, APIRoute) and r.name in HOT_ROUTES]
+    # matched first: a request is matched against the routes in order, one regex each
+    app.router.routes[:] = hot + [r for r in app.router.routes if r not in hot]
     app.add_middleware(AllowMiddleware, api=app)
     app.add_middleware(BodyLimit, limit=cfg.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=server.metrics)
