@@ -22,11 +22,12 @@ quiet()  # known third-party log noise off, before Ray and torch load (envs/quie
 
 
 def settings_from(cfg: DictConfig):
+    import dataclasses
+
     from omegaconf import OmegaConf
 
     from security.tls import Security
     from serving.access import RateLimit, read_key_file
-    from serving.announce import DEFAULT_TOPIC
     from serving.app import DEFAULT_AUTH_FAILURES, DEFAULT_RATE_LIMIT, ServerSettings
     from serving.bundles.signing import BundleTrust
     from serving.limits import ResourceLimits
@@ -45,13 +46,16 @@ def settings_from(cfg: DictConfig):
             got += read_key_file(str(path), f"{name}_file")
         return list(dict.fromkeys(got))
 
+    # a setting the config file leaves out takes ServerSettings' default (written there once)
+    default = {f.name: f.default for f in dataclasses.fields(ServerSettings)
+               if f.default is not dataclasses.MISSING}
     ann = cfg.get("announce") or {}
     unknown = sorted(set(ann) - {"url", "topic", "send_timeout_s"})
     if unknown:
         raise ValueError(f"announce.{unknown[0]}: unknown setting (announce takes url, topic "
                          "and send_timeout_s)")
     try:
-        send_timeout_s = float(ann.get("send_timeout_s", 2.0))
+        send_timeout_s = float(ann.get("send_timeout_s", default["announce_send_timeout_s"]))
     except (TypeError, ValueError):
         raise ValueError(f"announce.send_timeout_s must be a number of seconds, got "
                          f"{ann.get('send_timeout_s')!r}") from None
@@ -84,11 +88,12 @@ def settings_from(cfg: DictConfig):
                           api_keys=all_keys("api_keys"),
                           admin_keys=all_keys("admin_keys"),
                           metrics_keys=all_keys("metrics_keys"),
-                          min_key_chars=int(cfg.get("min_key_chars", 32)),
+                          min_key_chars=int(cfg.get("min_key_chars", default["min_key_chars"])),
                           auth=bool(cfg.auth),
                           fallback=cfg.fallback, max_body_bytes=int(cfg.max_body_bytes),
                           max_batch=int(cfg.max_batch), max_sessions=int(cfg.max_sessions),
-                          max_sessions_per_key=int(cfg.get("max_sessions_per_key", 100)),
+                          max_sessions_per_key=int(cfg.get("max_sessions_per_key",
+                                                           default["max_sessions_per_key"])),
                           max_types=int(cfg.max_types), watch=bool(cfg.watch),
                           watch_period_s=float(cfg.watch_period_s),
                           require_policy=bool(cfg.require_policy),
@@ -96,7 +101,7 @@ def settings_from(cfg: DictConfig):
                           batch_threads=None if cfg.get("batch_threads") is None
                           else int(cfg.batch_threads),
                           announce_url=ann.get("url"),
-                          announce_topic=ann.get("topic", DEFAULT_TOPIC),
+                          announce_topic=ann.get("topic", default["announce_topic"]),
                           announce_send_timeout_s=send_timeout_s,
                           registry_uri=registry.get("tracking_uri") or None,
                           registry_cache_dir=registry.get("cache_dir") or None)

@@ -502,3 +502,26 @@ def test_rate_limit_settings(tiny_problems):
         assert c.get("/v1/policy", headers={"X-API-Key": K2}).status_code == 200
         assert 'smart_access_refused_total{reason="rate_limit"} 3.0' in c.get(
             "/v1/metrics", headers=HA).text
+
+
+def test_settings_left_out_of_the_config_take_the_settings_defaults():
+    """``serve.settings_from``: a config file without ``min_key_chars``,
+    ``max_sessions_per_key`` or the announcement's topic and timeout gets
+    ``ServerSettings``' own defaults (written once, there), not copies of them."""
+    import dataclasses
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    from serve import settings_from
+
+    with initialize_config_dir(str(Path(__file__).resolve().parents[1] / "configs"),
+                               version_base="1.3"):
+        cfg = compose("serve", overrides=["auth=false", "~min_key_chars",
+                                          "~max_sessions_per_key", "~announce.topic",
+                                          "~announce.send_timeout_s"])
+    got = settings_from(cfg)
+    want = {f.name: f.default for f in dataclasses.fields(ServerSettings)}
+    for name in ("min_key_chars", "max_sessions_per_key", "announce_topic",
+                 "announce_send_timeout_s"):
+        assert getattr(got, name) == want[name], name
