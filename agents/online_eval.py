@@ -36,7 +36,6 @@ from .online import HindsightGreedy, OnlineGreedy, make_static
 __all__ = [
     "DeciderSpec",
     "as_horizon",
-    "ci95",
     "compose_oracle",
     "evaluate_online",
     "exact_bound",

@@ -54,7 +54,6 @@ history) has its own endpoints under ``/v1/online`` (:mod:`serving.api.online`).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -120,12 +119,8 @@ def create_app(settings: ServerSettings | None = None, *,
     cfg = settings or ServerSettings(auth=False)
     server = PolicyServer(cfg, store)
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async for _ in server.run(app):
-            yield
-
-    app = FastAPI(title="SMART DSMD policy server", version="1.0.0", lifespan=lifespan,
+    app = FastAPI(title="SMART DSMD policy server", version="1.0.0",
+                  lifespan=asynccontextmanager(server.run),
                   description=__doc__)
     # every body is RFC 8259 JSON: NaN, Infinity, 1e400 and lone surrogates are refused
     # before validation (serving.strictjson)
