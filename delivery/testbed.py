@@ -165,6 +165,7 @@ def run_once(spec: RunSpec, pulsar_url: str, workdir: Path,
         ctl.collect()
         out["controller"] = ctl.stats.as_dict()
         out["pending_after"] = sum(ctl.pending().values())
+        out["unconfirmed_after"] = ctl.unconfirmed()
         out["links"] = _link_delta(spec.network, links0, _link_counters(spec.network), nodes)
         if queues is not None:
             out["links"].update(queues.stop())
@@ -296,16 +297,27 @@ def _snapshot(ctl: Controller, window: int, cpu0: float, wall0: float) -> dict[s
             "rpc_messages": s.rpc_messages, "mq_messages": s.mq_messages}
 
 
+DRAIN_QUIET_S = 2.0    # the records unchanged this long, everything confirmed: drained
+DRAIN_COLLECT_S = 1.0  # the drain collects the agents' packed replies this often
+
+
 def _drain(rec_dir: Path, timeout_s: float, ctl: Controller) -> float:
-    """Wait until the records stop growing for 2 s and nothing waits for reprogramming."""
+    """Wait until every accepted delivery is confirmed by its node's packed reply
+    (:meth:`Controller.unconfirmed`; replies are collected here as well as on the
+    controller's period), nothing waits for reprogramming, and the records have not grown for
+    ``DRAIN_QUIET_S``. Records that merely stop growing are not enough: a message queued
+    behind redundant MQ traffic on a slow node link can arrive seconds after the last line."""
     t0 = time.monotonic()
-    last, stable_since = -1, time.monotonic()
+    last, stable_since, collected = -1, time.monotonic(), time.monotonic()
     while time.monotonic() - t0 < timeout_s:
         size = sum(f.stat().st_size for f in rec_dir.glob("*.record"))
-        if size != last or ctl.pending():
+        if size != last or ctl.pending() or ctl.unconfirmed():
             last, stable_since = size, time.monotonic()
-        elif time.monotonic() - stable_since >= 2.0:
+        elif time.monotonic() - stable_since >= DRAIN_QUIET_S:
             break
+        if time.monotonic() - collected >= DRAIN_COLLECT_S:
+            ctl.collect()
+            collected = time.monotonic()
         time.sleep(0.2)
     return time.monotonic() - t0
 
@@ -428,6 +440,7 @@ def _measure(spec: RunSpec, out: dict[str, Any], rec_dir: Path, nodes: Sequence[
         "out_of_order": c["outcomes"].get("OUT_OF_ORDER", 0),
         "malformed": c["outcomes"].get("MALFORMED", 0),
         "reprogrammed": c["reprogrammed"], "pending_after": out["pending_after"],
+        "unconfirmed_after": out["unconfirmed_after"],
         "decide_ms_mean": 1e3 * float(np.mean(out["decide_s"])),
         "decisions_by": json.dumps(out["sources"]) if out["sources"] else "",
         "network": spec.network or "loopback",

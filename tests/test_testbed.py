@@ -145,6 +145,7 @@ def test_testbed_small(tmp_path: Path, pulsar_broker, tiny_bundles) -> None:
         else:
             ps, wins = problems_for("tiny"), [0, 1]
         # every (node, message) pair was applied, or dropped as older than an applied one
+        assert r.unconfirmed_after == 0, r.to_dict()
         assert r.applied + r.out_of_order == _expected_node_messages(ps, wins), r.to_dict()
         assert r.pending_after == 0 and r.malformed == 0
         assert r.delay_p95_ms > 0 and r.delay_max_ms >= r.delay_p95_ms
@@ -202,6 +203,7 @@ def test_testbed_small_in_the_emulated_network(tmp_path: Path, tiny_bundles) -> 
                                        "duration_s": 20.0})
         else:
             ps = problems_for("tiny")
+        assert r.unconfirmed_after == 0, r.to_dict()  # every delivery confirmed by its node
         assert r.applied + r.out_of_order == _expected_node_messages(ps, [0, 1]), r.to_dict()
         assert r.pending_after == 0 and r.malformed == 0
         assert r.network.startswith(netem.PREFIX)

@@ -241,3 +241,34 @@ def test_broker_jars_fetched_before_the_network_is_built(tmp_path: Path, monkeyp
     with pytest.raises(Stop):
         _run_in_network(given)
     assert calls == ["network"]
+
+
+class _Unconfirmed:
+    """A controller whose nodes confirm their last delivery only once it collects twice."""
+
+    def __init__(self) -> None:
+        self.collects = 0
+
+    def pending(self) -> dict[int, int]:
+        return {}
+
+    def unconfirmed(self) -> int:
+        return 0 if self.collects >= 2 else 1
+
+    def collect(self) -> int:
+        self.collects += 1
+        return 1
+
+
+def test_drain_waits_for_every_delivery_to_be_confirmed(tmp_path: Path, monkeypatch) -> None:
+    """Records that stopped growing are not drained while a node has not confirmed a
+    delivery (a message queued behind redundant MQ traffic on its link): the drain collects
+    replies until the controller holds no unconfirmed delivery."""
+    from delivery import testbed
+
+    monkeypatch.setattr(testbed, "DRAIN_QUIET_S", 0.3)
+    monkeypatch.setattr(testbed, "DRAIN_COLLECT_S", 0.2)
+    (tmp_path / "node-0.record").write_bytes(b"x")
+    ctl = _Unconfirmed()
+    testbed._drain(tmp_path, 10.0, ctl)  # type: ignore[arg-type]
+    assert ctl.unconfirmed() == 0 and ctl.collects >= 2

@@ -411,6 +411,15 @@ class FailoverMixin:
         with self._lock:
             return {n: len(ms) for n, ms in self._pending.items() if ms}
 
+    def unconfirmed(self) -> int:
+        """(node, message) deliveries no packed reply has confirmed yet (applied, a duplicate
+        or superseded): the outbox's destination rows, or, without the outbox, the MQ
+        messages awaiting confirmation."""
+        if self.cfg.outbox:
+            return self.store.outbox_size()[1]
+        with self._lock:
+            return sum(len(w) for w in self._mq_unconfirmed.values())
+
     def pending_subscribe_infos(self) -> dict[int, int]:
         """node -> SubscribeInfos queued until it answers."""
         with self._lock:
