@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import ssl
 import subprocess
@@ -55,7 +56,18 @@ from serving.local import LocalServer
 LIMIT_LIFTED = ["rate_limit.requests_per_s=1000000", "rate_limit.burst=1000000"]
 
 BARE = r'''
+import json
 import sys
+
+port, cert, key, session_file = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+if session_file != "-":  # bare + decision: the project's Session and bundle, nothing else
+    sys.path.insert(0, "bench")
+    import bench_serving as bs  # first: it pins numpy's threads before numpy is imported
+
+    policy = bs.LoadedPolicy(bs.load_bundle(bs.BUNDLE, trust=bs.TRUST), 1, 0.0)
+    with open(session_file) as f:
+        session = bs.fresh_session(json.load(f), policy)
+
 import uvicorn
 from fastapi import FastAPI
 from pydantic import BaseModel
@@ -66,12 +78,19 @@ class DecideRequest(BaseModel):
 
 app = FastAPI()
 
-@app.post("/v1/sessions/{session_id}/decide")
-async def decide(session_id: str, body: DecideRequest) -> dict:
-    return {"type": body.type, "channel": 3, "source": "policy", "reason": None,
-            "policy_version": 1, "policy_hash": "0" * 64, "session_version": 7}
+if session_file == "-":  # bare: a fixed decision
+    @app.post("/v1/sessions/{session_id}/decide")
+    async def decide(session_id: str, body: DecideRequest) -> dict:
+        return {"type": body.type, "channel": 3, "source": "policy", "reason": None,
+                "policy_version": 1, "policy_hash": "0" * 64, "session_version": 7}
+else:
+    @app.post("/v1/sessions/{session_id}/decide")
+    async def decide(session_id: str, body: DecideRequest) -> dict:
+        (d,) = session.decide([body.type], policy, fallback="greedy", explain=body.explain)
+        return {"type": d.type_id, "channel": d.channel, "source": d.source,
+                "reason": d.reason, "policy_version": policy.version,
+                "policy_hash": policy.hash, "session_version": session.version}
 
-port, cert, key = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 tls = {"ssl_certfile": cert, "ssl_keyfile": key} if cert != "-" else {}
 uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", http="httptools",
             access_log=False, **tls)
@@ -79,15 +98,18 @@ uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", http="httptoo
 
 
 class BareServer:
-    """The bare FastAPI endpoint (module docstring) in a subprocess pinned to ``core``."""
+    """The bare FastAPI endpoint (module docstring) in a subprocess pinned to ``core``; with
+    ``session_file`` (a ``Session.from_snapshot`` document), bare + decision."""
 
-    def __init__(self, core: int, tls: tuple[str, str] | None) -> None:
+    def __init__(self, core: int, tls: tuple[str, str] | None,
+                 session_file: Path | None = None) -> None:
         self.port = free_ports(1)[0]
         cert, key = tls or ("-", "-")
         self.proc = subprocess.Popen(
             ["taskset", "-c", str(core), sys.executable, "-c", BARE, str(self.port), cert,
-             key], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 60
+             key, str(session_file or "-")], cwd=ROOT, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             try:
                 with socket_to(self.port):
@@ -178,45 +200,59 @@ def main() -> None:
                     r = c.post(f"/v1/sessions/{sid}/decide/batch", json={"replan": True})
                     types = sorted(d["type"] for d in r.json()["decisions"])
                 ours_reqs = requests_for(ours.port, sid, types)
-                bare = BareServer(server_core, None if scheme == "http"
-                                  else (str(ident.cert), str(ident.key)))
+                snap_file = Path(tmp) / "session.json"
+                snap_file.write_text(json.dumps(bs.snapshot_of(body_w)))
+                tls = None if scheme == "http" else (str(ident.cert), str(ident.key))
+                bare, decided = BareServer(server_core, tls), None
                 try:
-                    bare_reqs = requests_for(bare.port, sid, types)
+                    decided = BareServer(server_core, tls, snap_file)
+                    servers = (("bare", bare.port, requests_for(bare.port, sid, types), False),
+                               ("bare + decision", decided.port,
+                                requests_for(decided.port, sid, types), True),
+                               ("ours", ours.port, ours_reqs, True))
                     for conns in (1, 8):
-                        runs: dict[str, list[float]] = {"ours": [], "bare": []}
+                        runs: dict[str, list[float]] = {name: [] for name, *_ in servers}
                         errors = 0
                         for _ in range(repeats):
-                            for name, port, reqs, check in (
-                                    ("bare", bare.port, bare_reqs, False),
-                                    ("ours", ours.port, ours_reqs, True)):
+                            for name, port, reqs, check in servers:
                                 res = asyncio.run(closed_loop(port, reqs, ctx, conns, seconds,
                                                               check))
                                 runs[name].append(res["req_s"])
                                 errors += int(res["errors"])
                         key = f"{scheme}, {conns} connection{'s' if conns > 1 else ''}"
-                        results[key] = {"ours": stats(runs["ours"]),
-                                        "bare": stats(runs["bare"]), "errors": errors}
-                        log(f"[{key}] ours {fmt_stats(results[key]['ours'])} req/s, bare "
-                            f"{fmt_stats(results[key]['bare'])} req/s, errors {errors}")
+                        results[key] = {name: stats(v) for name, v in runs.items()}
+                        results[key]["errors"] = errors
+                        log(f"[{key}] " + ", ".join(f"{name} {fmt_stats(results[key][name])}"
+                                                    for name in runs) + f" req/s, errors "
+                            f"{errors}")
                 finally:
                     bare.stop()
+                    if decided is not None:
+                        decided.stop()
             finally:
                 ours.stop()
     rows = []
     for key, r in results.items():
-        ratio = r["ours"]["median"] / r["bare"]["median"]
-        r["ratio"] = ratio
-        rows.append([key, fmt_stats(r["ours"]), fmt_stats(r["bare"]), f"{ratio:.2f}x",
-                     str(r["errors"])])
+        ours, bare, ceiling = (r[k]["median"] for k in ("ours", "bare", "bare + decision"))
+        r["ratio"], r["ceiling"], r["ratio_to_ceiling"] = ours / bare, ceiling / bare, \
+            ours / ceiling
+        rows.append([key, fmt_stats(r["ours"]), fmt_stats(r["bare"]),
+                     fmt_stats(r["bare + decision"]), f"**{r['ratio']:.2f}x**",
+                     f"{r['ceiling']:.2f}x", f"{r['ratio_to_ceiling']:.2f}x", str(r["errors"])])
     table = md_table(["transport, load", "ours (req/s)", "bare FastAPI (req/s)",
-                      "ours / bare", "errors"], rows)
+                      "bare + decision (req/s)", "ours / bare", "bare + decision / bare",
+                      "ours / (bare + decision)", "errors"], rows)
     notes = [f"server pinned to core {server_core}, load generator to core {client_core}; "
              f"closed loop, {seconds:g} s per run after 1 s of warm-up, {repeats} alternating "
              "runs of each server, median (min-max)",
              "ours: serve.py with the committed default bundle, API keys and every default "
              "on but the key's rate limit raised to 10^6 requests/s (the limiter still runs); "
-             "bare: one FastAPI route taking the same body and answering the same fields",
-             "target: ours / bare at least 0.9x in every row"]
+             "bare: one FastAPI route taking the same body and answering the same fields "
+             "with a fixed decision; bare + decision: the same route deciding with the "
+             "project's Session.decide and the same bundle (no key, limit, metric or "
+             "ownership check): what any server that decides must spend",
+             "target: ours / bare at least 0.9x in every row; 'bare + decision / bare' is "
+             "that ratio's ceiling for a server with no overhead of its own"]
     finish("bench_serving_overhead", {"results": results,
                                       "settings": {"seconds": seconds, "repeats": repeats,
                                                    "quick": args.quick}},

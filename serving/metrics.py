@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -40,9 +41,29 @@ class ServerMetrics:
                                "unused, by family (session, online)", ["family"], registry=r)
         self.session_bytes = Gauge("smart_session_bytes", "Estimated bytes held by all "
                                    "sessions (serving.limits)", registry=r)
+        # each label set's child, looked up once (``labels`` checks and locks on every call)
+        self._requests: dict[tuple[str, str, str], Any] = {}
+        self._latency: dict[tuple[str, str], Any] = {}
+        self._decisions: dict[tuple[int, str], Any] = {}
+
+    def request(self, route: str, method: str, status: int, seconds: float) -> None:
+        """One HTTP request answered (``MetricsMiddleware``)."""
+        key = (route, method, str(status))
+        c = self._requests.get(key)
+        if c is None:
+            c = self._requests[key] = self.requests.labels(*key)
+        c.inc()
+        h = self._latency.get(key[:2])
+        if h is None:
+            h = self._latency[key[:2]] = self.latency.labels(route, method)
+        h.observe(seconds)
 
     def decision(self, channel: int, source: str, reason: str | None) -> None:
-        self.decisions.labels("rpc" if channel == 0 else f"topic_{channel}", source).inc()
+        c = self._decisions.get((channel, source))
+        if c is None:
+            c = self._decisions[channel, source] = self.decisions.labels(
+                "rpc" if channel == 0 else f"topic_{channel}", source)
+        c.inc()
         if source == "fallback":
             self.fallbacks.labels(_reason_label(reason)).inc()
 
@@ -79,7 +100,5 @@ class MetricsMiddleware:
             await self.app(scope, receive, _send)
         finally:
             route = scope.get("route")
-            path = getattr(route, "path", None) or "unmatched"
-            m = self.metrics
-            m.requests.labels(path, scope["method"], str(status["code"])).inc()
-            m.latency.labels(path, scope["method"]).observe(time.perf_counter() - t0)
+            self.metrics.request(getattr(route, "path", None) or "unmatched", scope["method"],
+                                 status["code"], time.perf_counter() - t0)

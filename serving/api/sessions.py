@@ -9,11 +9,13 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from fastapi import APIRouter, HTTPException, Response
+from fastapi import APIRouter, HTTPException, Request, Response
+from fastapi.routing import APIRoute
+from pydantic import ValidationError
 
 from envs.dsmd.errors import DSMDError
 
-from ..access import ControllerCaller
+from ..access import API_KEY_HEADER, Caller, ControllerCaller
 from ..limits import Lease, static_session_bytes
 from ..policy_store import LoadedPolicy
 from ..schemas import (
@@ -33,7 +35,8 @@ from ..schemas import (
     error_responses,
 )
 from ..session import Decision, Session, SessionError, SessionSpec
-from ..strictjson import StrictJSONRoute
+from ..strictjson import strict_loads
+from .direct import DirectRoute, direct, render
 from .errors import check_channels, too_many
 from .server import PolicyServer, ServerDep
 
@@ -42,7 +45,7 @@ __all__ = ["THREADED_BATCH", "router"]
 #: a batch deciding more types than this runs on a worker thread whatever its session's size
 THREADED_BATCH = 256
 
-router = APIRouter(route_class=StrictJSONRoute)
+router = APIRouter(route_class=DirectRoute)
 
 
 def _check_size(server: PolicyServer, num_nodes: int, num_topics: int, num_types: int,
@@ -245,10 +248,8 @@ async def update_rates(session_id: str, body: RateUpdate, caller: ControllerCall
 
 
 # ---------------------------------------------------------------------- decisions
-@router.post("/v1/sessions/{session_id}/decide", response_model=DecisionSingleOut,
-             tags=["decisions"], responses=error_responses(400, 401, 404, 409, 413, 422))
-async def decide(session_id: str, body: DecideRequest, caller: ControllerCaller,
-                 server: ServerDep) -> dict[str, Any]:
+async def _decide(server: PolicyServer, session_id: str, body: DecideRequest,
+                  caller: Caller) -> dict[str, Any]:
     s, lease = server.session(session_id, caller, "decide")
     p = server.store.current()  # one version for the whole request
     fallback = server.cfg.fallback
@@ -257,6 +258,28 @@ async def decide(session_id: str, body: DecideRequest, caller: ControllerCaller,
         (d,) = s.decide([body.type], p, fallback=fallback, explain=body.explain)
         return _decision_out(server, d) | _versions(p, s)
     return await server.run_on(lease, one)
+
+
+async def _decide_direct(request: Request, raw: bytes, route: APIRoute) -> Response | None:
+    """``decide``'s direct form (:mod:`serving.api.direct`): a body the model refuses goes
+    the declared way, before the key is checked."""
+    try:
+        body = DecideRequest.model_validate(strict_loads(raw))
+    except (ValueError, ValidationError):  # JSONDecodeError is a ValueError
+        return None
+    server: PolicyServer = request.app.state.server
+    key = request.headers.get(API_KEY_HEADER) or None  # an empty header: no key, as declared
+    caller = server.controller(request, key, len(raw))
+    return render(route, await _decide(server, request.path_params["session_id"], body,
+                                       caller))
+
+
+@router.post("/v1/sessions/{session_id}/decide", response_model=DecisionSingleOut,
+             tags=["decisions"], responses=error_responses(400, 401, 404, 409, 413, 422))
+@direct(_decide_direct)
+async def decide(session_id: str, body: DecideRequest, caller: ControllerCaller,
+                 server: ServerDep) -> dict[str, Any]:
+    return await _decide(server, session_id, body, caller)
 
 
 @router.post("/v1/sessions/{session_id}/decide/batch", response_model=DecisionBatchOut,
