@@ -21,90 +21,58 @@ from envs.quiet import quiet
 quiet()  # known third-party log noise off, before Ray and torch load (envs/quiet.py)
 
 
-def settings_from(cfg: DictConfig):
-    import dataclasses
+#: settings of ``configs/serve.yaml`` that are ServerSettings fields of the same name
+PLAIN_SETTINGS = ("bundle", "online_bundle", "min_key_chars", "auth", "fallback",
+                  "max_body_bytes", "max_batch", "max_sessions", "max_sessions_per_key",
+                  "max_types", "watch", "watch_period_s", "require_policy", "freeze_gc",
+                  "batch_threads", "rate_limit", "auth_failures", "limits")
+#: the config's blocks whose keys are ServerSettings fields of another name
+BLOCKS = {"announce": {"url": "announce_url", "topic": "announce_topic",
+                       "send_timeout_s": "announce_send_timeout_s"},
+          "tls": {"certfile": "tls_certfile", "keyfile": "tls_keyfile"},
+          "registry": {"tracking_uri": "registry_uri", "cache_dir": "registry_cache_dir"}}
 
+
+def settings_from(cfg: DictConfig):
+    """The server's :class:`~serving.api.settings.ServerSettings` from the Hydra config: each
+    setting the config gives; one it leaves out is read from the environment
+    (``SMART_<NAME>``) or takes the class's default (written there, once)."""
     from omegaconf import OmegaConf
 
     from security.tls import Security
-    from serving.access import RateLimit, read_key_file
-    from serving.app import DEFAULT_AUTH_FAILURES, DEFAULT_RATE_LIMIT, ServerSettings
+    from serving.access import read_key_file
+    from serving.app import ServerSettings
     from serving.bundles.signing import BundleTrust
-    from serving.limits import ResourceLimits
 
-    def keys(v) -> list[str]:
-        if v is None:
-            return []
-        items = v.split(",") if isinstance(v, str) else list(v)
-        return [str(k).strip() for k in items if str(k).strip()]
+    def block(name: str):
+        v = cfg.get(name)
+        return OmegaConf.to_container(v, resolve=True) if isinstance(v, DictConfig) else v
 
     def all_keys(name: str) -> list[str]:
-        """``<name>`` and the keys of ``<name>_file``, in that order, each once."""
-        got = keys(cfg.get(name))
+        """``<name>`` (a list, or a comma-separated string) and the keys of
+        ``<name>_file``, in that order, each once."""
+        v = cfg.get(name)
+        got = [] if v is None else [str(k).strip() for k in (
+            v.split(",") if isinstance(v, str) else list(v)) if str(k).strip()]
         path = cfg.get(f"{name}_file")
         if path:
             got += read_key_file(str(path), f"{name}_file")
         return list(dict.fromkeys(got))
 
-    # a setting the config file leaves out takes ServerSettings' default (written there once)
-    default = {f.name: f.default for f in dataclasses.fields(ServerSettings)
-               if f.default is not dataclasses.MISSING}
-    ann = cfg.get("announce") or {}
-    unknown = sorted(set(ann) - {"url", "topic", "send_timeout_s"})
-    if unknown:
-        raise ValueError(f"announce.{unknown[0]}: unknown setting (announce takes url, topic "
-                         "and send_timeout_s)")
-    try:
-        send_timeout_s = float(ann.get("send_timeout_s", default["announce_send_timeout_s"]))
-    except (TypeError, ValueError):
-        raise ValueError(f"announce.send_timeout_s must be a number of seconds, got "
-                         f"{ann.get('send_timeout_s')!r}") from None
-    def block(name: str):
-        v = cfg.get(name)
-        return OmegaConf.to_container(v, resolve=True) if isinstance(v, DictConfig) else v
-
-    tls = block("tls") or {}
-    if not isinstance(tls, dict) or set(tls) - {"certfile", "keyfile"}:
-        raise ValueError(f"tls: expected {{certfile, keyfile}} (paths or null), got {tls!r}")
-    rate = block("rate_limit") if "rate_limit" in cfg else {
-        "requests_per_s": DEFAULT_RATE_LIMIT.requests_per_s, "burst": DEFAULT_RATE_LIMIT.burst}
-    failures = block("auth_failures") if "auth_failures" in cfg else {
-        "requests_per_s": DEFAULT_AUTH_FAILURES.requests_per_s,
-        "burst": DEFAULT_AUTH_FAILURES.burst}
-    registry = block("registry") or {}
-    if not isinstance(registry, dict) or set(registry) - {"tracking_uri", "cache_dir"}:
-        raise ValueError(f"registry: expected {{tracking_uri, cache_dir}} (null or a string "
-                         f"each), got {registry!r}")
+    values = {k: block(k) for k in PLAIN_SETTINGS if k in cfg}
+    for name, fields in BLOCKS.items():
+        b = block(name)
+        if b is None:
+            continue
+        if not isinstance(b, dict) or set(b) - set(fields):
+            raise ValueError(f"{name}: expected a mapping of {sorted(fields)}, got {b!r}")
+        values |= {fields[k]: (v if v != "" else None) for k, v in b.items()}
     security = Security.from_mapping(block("security"))
     # ``main`` warns once for the whole server, bundle verification included
     trust = BundleTrust.from_mapping(block("bundle_trust"), security, warn=False)
-    return ServerSettings(security=security, bundle_trust=trust,
-                          tls_certfile=tls.get("certfile") or None,
-                          tls_keyfile=tls.get("keyfile") or None,
-                          rate_limit=RateLimit.from_mapping(rate),
-                          auth_failures=RateLimit.from_mapping(failures),
-                          limits=ResourceLimits.from_mapping(block("limits")),
-                          bundle=cfg.bundle, online_bundle=cfg.get("online_bundle"),
-                          api_keys=all_keys("api_keys"),
-                          admin_keys=all_keys("admin_keys"),
-                          metrics_keys=all_keys("metrics_keys"),
-                          min_key_chars=int(cfg.get("min_key_chars", default["min_key_chars"])),
-                          auth=bool(cfg.auth),
-                          fallback=cfg.fallback, max_body_bytes=int(cfg.max_body_bytes),
-                          max_batch=int(cfg.max_batch), max_sessions=int(cfg.max_sessions),
-                          max_sessions_per_key=int(cfg.get("max_sessions_per_key",
-                                                           default["max_sessions_per_key"])),
-                          max_types=int(cfg.max_types), watch=bool(cfg.watch),
-                          watch_period_s=float(cfg.watch_period_s),
-                          require_policy=bool(cfg.require_policy),
-                          freeze_gc=bool(cfg.freeze_gc),
-                          batch_threads=None if cfg.get("batch_threads") is None
-                          else int(cfg.batch_threads),
-                          announce_url=ann.get("url"),
-                          announce_topic=ann.get("topic", default["announce_topic"]),
-                          announce_send_timeout_s=send_timeout_s,
-                          registry_uri=registry.get("tracking_uri") or None,
-                          registry_cache_dir=registry.get("cache_dir") or None)
+    return ServerSettings(**values, security=security, bundle_trust=trust,
+                          **{k: all_keys(k) for k in ("api_keys", "admin_keys",
+                                                      "metrics_keys")})
 
 
 def transport_limits(cfg: DictConfig):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
@@ -508,7 +510,6 @@ def test_settings_left_out_of_the_config_take_the_settings_defaults():
     """``serve.settings_from``: a config file without ``min_key_chars``,
     ``max_sessions_per_key`` or the announcement's topic and timeout gets
     ``ServerSettings``' own defaults (written once, there), not copies of them."""
-    import dataclasses
     from pathlib import Path
 
     from hydra import compose, initialize_config_dir
@@ -521,7 +522,30 @@ def test_settings_left_out_of_the_config_take_the_settings_defaults():
                                           "~max_sessions_per_key", "~announce.topic",
                                           "~announce.send_timeout_s"])
     got = settings_from(cfg)
-    want = {f.name: f.default for f in dataclasses.fields(ServerSettings)}
+    want = ServerSettings.defaults()
     for name in ("min_key_chars", "max_sessions_per_key", "announce_topic",
                  "announce_send_timeout_s"):
         assert getattr(got, name) == want[name], name
+
+
+def test_serve_yaml_restates_only_the_settings_defaults(monkeypatch):
+    """``configs/serve.yaml`` lists every setting so that each can be set on the command line;
+    where it gives a value it is ``ServerSettings``' default, except the settings it sets on
+    purpose for ``serve.py`` (the default bundle, watching it, its trust, the keys)."""
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    from serve import settings_from
+
+    for k in list(os.environ):
+        if k.startswith("SMART_"):
+            monkeypatch.delenv(k)
+    with initialize_config_dir(str(Path(__file__).resolve().parents[1] / "configs"),
+                               version_base="1.3"):
+        s = settings_from(compose("serve", overrides=["auth=false"]))
+    want = ServerSettings.defaults()
+    got = {k: getattr(s, k) for k in want}
+    on_purpose = {"bundle", "watch", "bundle_trust", "auth", "registry_uri"}
+    differ = sorted(k for k in want if k not in on_purpose and got[k] != want[k])
+    assert not differ, {k: (got[k], want[k]) for k in differ}
