@@ -66,13 +66,26 @@ def settings_from(cfg: DictConfig):
             continue
         if not isinstance(b, dict) or set(b) - set(fields):
             raise ValueError(f"{name}: expected a mapping of {sorted(fields)}, got {b!r}")
-        values |= {fields[k]: (v if v != "" else None) for k, v in b.items()}
+        for k, given in b.items():
+            v = None if given == "" and name != "announce" else given  # "": no path or URI
+            if v is None and name == "announce" and k != "url":  # null: the default
+                continue
+            values[fields[k]] = v
     security = Security.from_mapping(block("security"))
     # ``main`` warns once for the whole server, bundle verification included
     trust = BundleTrust.from_mapping(block("bundle_trust"), security, warn=False)
-    return ServerSettings(**values, security=security, bundle_trust=trust,
-                          **{k: all_keys(k) for k in ("api_keys", "admin_keys",
-                                                      "metrics_keys")})
+    try:
+        return ServerSettings(**values, security=security, bundle_trust=trust,
+                              **{k: all_keys(k) for k in ("api_keys", "admin_keys",
+                                                          "metrics_keys")})
+    except ValueError as e:  # name a block's setting by its path in the config file
+        problem = e
+    msg = str(problem)
+    for name, fields in BLOCKS.items():
+        for k, field in fields.items():
+            if msg.startswith(f"{field}: "):
+                raise ValueError(f"{name}.{k}: {msg[len(field) + 2:]}") from None
+    raise problem
 
 
 def transport_limits(cfg: DictConfig):

@@ -316,7 +316,10 @@ def _drain(rec_dir: Path, timeout_s: float, ctl: Controller) -> float:
         elif time.monotonic() - stable_since >= DRAIN_QUIET_S:
             break
         if time.monotonic() - collected >= DRAIN_COLLECT_S:
-            ctl.collect()
+            try:
+                ctl.collect()
+            except Exception as e:  # as the controller's own collect loop: logged, retried
+                log.warning("drain: collecting the agents' replies failed: %s", e)
             collected = time.monotonic()
         time.sleep(0.2)
     return time.monotonic() - t0

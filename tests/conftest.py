@@ -21,10 +21,16 @@ from envs.dsmd.scenarios import load_scenario
 def pytest_configure(config) -> None:
     """One development PKI (:mod:`security.pki`) for the whole run, outside the user's own:
     set here in the controlling process, so every xdist worker and every subprocess a test
-    starts inherits it (``$SMART_PKI_DIR``)."""
+    starts inherits it (``$SMART_PKI_DIR``); and no server setting from the shell."""
     import os
     import tempfile
 
+    from serving.api.settings import ServerSettings
+
+    # the server's settings read SMART_<NAME> when not given: a shell's own (an exported
+    # SMART_API_KEYS, SMART_AUTH) must not change what the tests construct
+    for name in ServerSettings.model_fields:
+        os.environ.pop(f"SMART_{name.upper()}", None)
     if os.environ.get("PYTEST_XDIST_WORKER") or os.environ.get("SMART_PKI_DIR"):
         return
     os.environ["SMART_PKI_DIR"] = tempfile.mkdtemp(prefix="smart-test-pki-")

@@ -549,3 +549,41 @@ def test_serve_yaml_restates_only_the_settings_defaults(monkeypatch):
     on_purpose = {"bundle", "watch", "bundle_trust", "auth", "registry_uri"}
     differ = sorted(k for k in want if k not in on_purpose and got[k] != want[k])
     assert not differ, {k: (got[k], want[k]) for k in differ}
+
+
+def test_settings_from_the_environment_and_their_errors(monkeypatch, tmp_path):
+    """``ServerSettings`` reads what it is not given from ``SMART_<NAME>`` (``null`` as
+    null: no rate limit), takes a ``Path`` for a path setting, and refuses a wrong setting
+    with a ValueError naming it, in ``serve.py`` by its path in the config file, and never
+    carrying the input (keys are settings) in its context."""
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    from serve import settings_from
+
+    monkeypatch.setenv("SMART_RATE_LIMIT", "null")
+    monkeypatch.setenv("SMART_MAX_BATCH", "7")
+    monkeypatch.setenv("SMART_API_KEYS", f" {KEY} , {K2},")
+    s = ServerSettings(bundle=tmp_path)
+    assert s.rate_limit is None and s.max_batch == 7 and s.api_keys == [KEY, K2]
+    assert s.bundle == str(tmp_path) and KEY not in repr(s)
+    monkeypatch.delenv("SMART_API_KEYS")
+    with pytest.raises(ValueError, match=r"^max_batch: Input should be a valid integer") as e:
+        ServerSettings(api_keys=[KEY], max_batch="many")
+    assert e.value.__context__ is None and e.value.__cause__ is None
+    with pytest.raises(ValueError, match=r"admin_keys\[0\]") as e:
+        ServerSettings(api_keys=[KEY], admin_keys=["weak-key"])
+    assert "weak-key" not in str(e.value) and e.value.__context__ is None
+    with initialize_config_dir(str(Path(__file__).resolve().parents[1] / "configs"),
+                               version_base="1.3"):
+        def settings(*over):
+            return settings_from(compose("serve", overrides=["auth=false", *over]))
+
+        with pytest.raises(ValueError, match=r"^announce\.send_timeout_s: Input should be"):
+            settings("announce.send_timeout_s=soon")
+        with pytest.raises(ValueError, match=r"announce\.url"):
+            settings("announce.url=''")  # an empty URL is a mistake, not "no announcements"
+        assert settings("announce.topic=null").announce_topic == \
+            ServerSettings.defaults()["announce_topic"]
+        assert settings("tls.certfile=''", "tls.keyfile=''").tls_certfile is None

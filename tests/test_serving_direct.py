@@ -128,3 +128,64 @@ def test_direct_decide_gives_way_to_dependency_overrides(tiny_bundles, tiny_prob
         t = int(inst.catalog_index[0])
         r = c.post(f"/v1/sessions/{sid}/decide", json={"type": t if status == 200 else -1})
         assert r.status_code == status, r.text
+
+
+class _Refusing:
+    """An embedder's key gate (``app.state.access``) that refuses every controller."""
+
+    def controller(self, request, key, body_bytes=0):
+        from fastapi import HTTPException
+
+        raise HTTPException(403, "refused by the embedder's gate")
+
+
+def test_direct_decide_checks_keys_with_the_apps_gate(tiny_bundles, tiny_problems) -> None:
+    """The direct form asks the app's gate (``app.state.access``), as ``require_controller``
+    does: an embedder's own gate holds on the decision path too."""
+    ps = tiny_problems
+    answers = []
+    for declared in (False, True):
+        app = _app(tiny_bundles["a"], declared)
+        with TestClient(app) as c:
+            sid = c.post("/v1/sessions", json=session_body(ps), headers=H).json()["session_id"]
+            app.state.access = _Refusing()
+            r = c.post(f"/v1/sessions/{sid}/decide", json={"type": 1}, headers=H)
+            answers.append((r.status_code, r.content))
+    assert answers[0] == answers[1] and answers[0][0] == 403, answers
+
+
+def test_direct_decide_answers_a_client_that_left_as_declared(tiny_bundles,
+                                                              tiny_problems) -> None:
+    """A client that leaves while sending its body: 400, as the declared endpoint answers
+    (not a 500 from the direct form's body read)."""
+    import asyncio
+
+    async def call(app, sid: str) -> list[dict]:
+        path = f"/v1/sessions/{sid}/decide"
+        msgs = [{"type": "http.request", "body": b'{"ty', "more_body": True},
+                {"type": "http.disconnect"}]
+        out: list[dict] = []
+
+        async def receive() -> dict:
+            return msgs.pop(0) if msgs else {"type": "http.disconnect"}
+
+        async def send(m: dict) -> None:
+            out.append(m)
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(),
+                 "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1),
+                 "server": ("127.0.0.1", 80),
+                 "headers": [(b"x-api-key", KEY.encode()),
+                             (b"content-type", b"application/json")]}
+        await app(scope, receive, send)
+        return out
+
+    got = []
+    for declared in (False, True):
+        app = _app(tiny_bundles["a"], declared)
+        with TestClient(app) as c:
+            sid = c.post("/v1/sessions", json=session_body(tiny_problems),
+                         headers=H).json()["session_id"]
+            out = asyncio.run(call(app, sid))
+        got.append((out[0]["status"], b"".join(m.get("body", b"") for m in out[1:])))
+    assert got[0] == got[1] and got[0][0] == 400, got

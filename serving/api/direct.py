@@ -7,13 +7,15 @@ model) took about twice the decision itself (``bench/bench_serving_overhead.py``
 endpoint may carry a *direct form* (:func:`direct`): a coroutine taking the request, its
 body bytes and the route, that returns the response or ``None``. A :class:`DirectRoute`
 tries the direct form first and falls back to the endpoint as declared when it returns
-``None`` (the body is not JSON the model accepts, an unusual content type) or when the app
-has ``dependency_overrides`` (an embedder's auth layer, tests), with the body replayed. The
-direct form must therefore return ``None`` only *before* any side effect (a key checked, a
-token charged): the declared endpoint then runs from the start and answers as it always
-did, errors included. Its answers are the route's own: the same key gate
-(:meth:`~serving.api.server.PolicyServer.controller`), the same exceptions and handlers,
-and the response rendered through the route's ``response_model`` as FastAPI renders it.
+``None`` (the body is not JSON the model accepts, an unusual content type), when reading
+the body fails (the client left), when the route has ``dependencies`` of its own, or when
+the app has ``dependency_overrides`` (an embedder's auth layer, tests), with the body
+replayed. The direct form must therefore return ``None`` only *before* any side effect (a
+key checked, a token charged): the declared endpoint then runs from the start and answers
+as it always did, errors included. Its answers are the route's own: the same key gate
+(``app.state.access``, :class:`~serving.access.Gate`, as ``require_controller`` uses), the
+same exceptions and handlers, and the response rendered through the route's
+``response_model`` as FastAPI renders it.
 """
 
 from __future__ import annotations
@@ -83,6 +85,10 @@ def _replay(body: bytes) -> Callable[[], Awaitable[Message]]:
     return receive
 
 
+async def _disconnected() -> Message:
+    return {"type": "http.disconnect"}
+
+
 class DirectRoute(StrictJSONRoute):
     """A route whose endpoint may have a direct form (module docstring); without one, a
     :class:`~serving.strictjson.StrictJSONRoute`."""
@@ -90,14 +96,17 @@ class DirectRoute(StrictJSONRoute):
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         declared = super().get_route_handler()
         form: DirectForm | None = getattr(self.endpoint, "direct", None)
-        if form is None:
+        if form is None or self.dependencies:  # route-level dependencies: the declared way
             return declared
         route = self
 
         async def handler(request: Request) -> Response:
             if request.app.dependency_overrides or not _plain_json(request):
                 return await declared(request)
-            body = await request.body()
+            try:
+                body = await request.body()
+            except Exception:  # the client left mid-body: answered as declared (400)
+                return await declared(Request(request.scope, _disconnected))
             answer = await form(request, body, route)
             if answer is not None:
                 return answer

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from envs.dsmd.errors import DSMDError
 
-from ..access import API_KEY_HEADER, Caller, ControllerCaller
+from ..access import API_KEY_HEADER, Caller, ControllerCaller, Gate
 from ..limits import Lease, static_session_bytes
 from ..policy_store import LoadedPolicy
 from ..schemas import (
@@ -269,7 +269,8 @@ async def _decide_direct(request: Request, raw: bytes, route: APIRoute) -> Respo
         return None
     server: PolicyServer = request.app.state.server
     key = request.headers.get(API_KEY_HEADER) or None  # an empty header: no key, as declared
-    caller = server.controller(request, key, len(raw))
+    gate: Gate = request.app.state.access  # require_controller's gate (an embedder's own)
+    caller = gate.controller(request, key, len(raw))
     return render(route, await _decide(server, request.path_params["session_id"], body,
                                        caller))
 

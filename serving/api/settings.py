@@ -9,6 +9,7 @@ pass is read from the environment as ``SMART_<NAME>`` (``SMART_AUTH=false``,
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Any
 
 from pydantic import BeforeValidator, Field, InstanceOf, ValidationError, model_validator
@@ -50,6 +51,15 @@ def _key_list(v: Any) -> Any:
     return v
 
 
+def _path_str(v: Any) -> Any:
+    """A path setting given as a path object (``pathlib.Path``): its text."""
+    return os.fspath(v) if isinstance(v, os.PathLike) else v
+
+
+#: a path or URI setting (a string; a ``pathlib.Path`` is taken as its text)
+PathText = Annotated[str | None, BeforeValidator(_path_str)]
+
+
 def _bundle_trust(v: Any) -> Any:
     if v is not None and not isinstance(v, BundleTrust):
         raise ValueError("bundle_trust: expected a serving.bundles.signing.BundleTrust "
@@ -71,13 +81,15 @@ Keys = Annotated[list[str], NoDecode, BeforeValidator(_key_list), Field(repr=Fal
 class ServerSettings(BaseSettings):
     """Everything the server is configured with (``configs/serve.yaml``; module docstring)."""
 
+    # env_parse_none_str: SMART_RATE_LIMIT=null is "no limit", as ``rate_limit: null`` is
     model_config = SettingsConfigDict(env_prefix="SMART_", extra="forbid",
-                                      hide_input_in_errors=True, validate_default=True)
+                                      hide_input_in_errors=True, validate_default=True,
+                                      env_parse_none_str="null")
 
-    bundle: str | None = None  # policy bundle directory loaded at start (None: heuristic)
+    bundle: PathText = None  # policy bundle directory loaded at start (None: heuristic)
     #: online policy bundle (serving.bundles.online) loaded at start; None: none until a
     #: PUT /v1/online/policy (serving/api/online.py)
-    online_bundle: str | None = None
+    online_bundle: PathText = None
     api_keys: Keys = []  # controllers' keys
     admin_keys: Keys = []  # may swap the policy
     #: may read ``/v1/metrics`` and nothing else (a Prometheus scraper's keys)
@@ -112,8 +124,8 @@ class ServerSettings(BaseSettings):
     security: Annotated[InstanceOf[TransportSecurity],
                         BeforeValidator(TransportSecurity.from_mapping)] = Field(
         default_factory=TransportSecurity)
-    tls_certfile: str | None = None  # ``tls.certfile`` (PEM); with tls_keyfile
-    tls_keyfile: str | None = None  # ``tls.keyfile`` (PEM, unencrypted)
+    tls_certfile: PathText = None  # ``tls.certfile`` (PEM); with tls_keyfile
+    tls_keyfile: PathText = None  # ``tls.keyfile`` (PEM, unencrypted)
     #: per-key token bucket (``rate_limit: {requests_per_s, burst}``); None: no limit
     rate_limit: Annotated[InstanceOf[RateLimit] | None,
                           BeforeValidator(RateLimit.from_mapping)] = DEFAULT_RATE_LIMIT
@@ -137,13 +149,16 @@ class ServerSettings(BaseSettings):
     #: ``MLFLOW_TRACKING_URI`` or MLflow's default), and where their files are cached
     #: (``registry.cache_dir``; None: ``~/.cache/smart-dsmd/registry``)
     registry_uri: str | None = None
-    registry_cache_dir: str | None = None
+    registry_cache_dir: PathText = None
 
     def __init__(self, **values: Any) -> None:
+        problem = None
         try:
             super().__init__(**values)
         except ValidationError as e:  # the first problem, as the ValueError that names it
-            raise _first_error(e) from None
+            problem = _first_error(e)
+        if problem is not None:  # raised outside the except: no context holding the input
+            raise problem
 
     @model_validator(mode="after")
     def _check(self) -> ServerSettings:
