@@ -21,11 +21,8 @@ from envs.quiet import quiet
 quiet()  # known third-party log noise off, before Ray and torch load (envs/quiet.py)
 
 
-#: settings of ``configs/serve.yaml`` that are ServerSettings fields of the same name
-PLAIN_SETTINGS = ("bundle", "online_bundle", "min_key_chars", "auth", "fallback",
-                  "max_body_bytes", "max_batch", "max_sessions", "max_sessions_per_key",
-                  "max_types", "watch", "watch_period_s", "require_policy", "freeze_gc",
-                  "batch_threads", "rate_limit", "auth_failures", "limits")
+#: ServerSettings fields that ``settings_from`` makes itself rather than pass as given
+MADE_HERE = ("security", "bundle_trust", "api_keys", "admin_keys", "metrics_keys")
 #: the config's blocks whose keys are ServerSettings fields of another name
 BLOCKS = {"announce": {"url": "announce_url", "topic": "announce_topic",
                        "send_timeout_s": "announce_send_timeout_s"},
@@ -41,25 +38,25 @@ def settings_from(cfg: DictConfig):
 
     from security.tls import Security
     from serving.access import read_key_file
-    from serving.app import ServerSettings
+    from serving.api.settings import ServerSettings, key_list
     from serving.bundles.signing import BundleTrust
 
     def block(name: str):
         v = cfg.get(name)
-        return OmegaConf.to_container(v, resolve=True) if isinstance(v, DictConfig) else v
+        return OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
 
     def all_keys(name: str) -> list[str]:
         """``<name>`` (a list, or a comma-separated string) and the keys of
         ``<name>_file``, in that order, each once."""
-        v = cfg.get(name)
-        got = [] if v is None else [str(k).strip() for k in (
-            v.split(",") if isinstance(v, str) else list(v)) if str(k).strip()]
+        got = list(key_list(block(name)))
         path = cfg.get(f"{name}_file")
         if path:
             got += read_key_file(str(path), f"{name}_file")
         return list(dict.fromkeys(got))
 
-    values = {k: block(k) for k in PLAIN_SETTINGS if k in cfg}
+    # the config's settings named as ServerSettings fields, passed as given
+    values = {k: block(k) for k in ServerSettings.model_fields
+              if k in cfg and k not in MADE_HERE}
     for name, fields in BLOCKS.items():
         b = block(name)
         if b is None:

@@ -29,7 +29,7 @@ from ..bundles.signing import BundleTrust
 from ..limits import ResourceLimits
 from ..session import FALLBACKS
 
-__all__ = ["DEFAULT_AUTH_FAILURES", "DEFAULT_RATE_LIMIT", "ServerSettings"]
+__all__ = ["DEFAULT_AUTH_FAILURES", "DEFAULT_RATE_LIMIT", "ServerSettings", "key_list"]
 
 #: per key: far above what a controller, ``make run`` or the testbed sends, far below what
 #: one process serves (a flooding key is refused long before it slows the others)
@@ -39,7 +39,7 @@ DEFAULT_RATE_LIMIT = RateLimit(requests_per_s=2000.0, burst=4000)
 DEFAULT_AUTH_FAILURES = RateLimit(requests_per_s=5.0, burst=20)
 
 
-def _key_list(v: Any) -> Any:
+def key_list(v: Any) -> Any:
     """A key list: a comma-separated string (the environment's form) or a list, each key
     stripped, empty ones dropped."""
     if v is None:
@@ -75,7 +75,7 @@ def _min_key_chars(v: Any) -> Any:
 
 
 #: a list of keys (never shown: not in the repr, not in an error)
-Keys = Annotated[list[str], NoDecode, BeforeValidator(_key_list), Field(repr=False)]
+Keys = Annotated[list[str], NoDecode, BeforeValidator(key_list), Field(repr=False)]
 
 
 class ServerSettings(BaseSettings):
