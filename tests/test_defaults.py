@@ -32,7 +32,12 @@ NOT_CONSTRUCTOR = {
                      "observation"},
     "trees": {"id", "suite", "baselines", "eval_episodes", "val_episodes", "observation"},
     "trees_time": {"id", "suite", "baselines", "eval_episodes", "val_episodes", "observation"},
+    "trees_time_knob": {"id", "suite", "baselines", "eval_episodes", "val_episodes",
+                        "observation"},
 }
+# a config that is another's variant: the constructor it configures and the arguments it
+# sets away from their defaults on purpose (every other key must still equal its default)
+VARIANTS = {"trees_time_knob": ("trees_time", {"action": "knob"})}
 # where a config key is passed to the constructor under another name or path
 RENAMED = {
     "online": {"control.max_headroom": "max_headroom", "control.max_horizon": "max_horizon",
@@ -99,6 +104,8 @@ def _constructor(name: str):
         from envs.trees.env import MulticastTreeEnv
 
         return MulticastTreeEnv
+    if name in VARIANTS:
+        return _constructor(VARIANTS[name][0])
     if name == "trees_time":
         from envs.trees.env_time import MulticastOverTimeEnv
 
@@ -153,7 +160,7 @@ def test_env_config_equals_constructor_defaults(name, source):
             unknown.append(key)
             continue
         else:
-            default = defaults[arg]
+            default = VARIANTS.get(name, ("", {}))[1].get(arg, defaults[arg])
         if isinstance(value, dict) and (default is None or isinstance(default, dict)):
             want = _nested_defaults(name, arg)
             differ += [f"{key}.{k}: config {v!r}, default {want.get(k, '<none>')!r}"

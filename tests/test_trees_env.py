@@ -225,3 +225,18 @@ def test_experiment_tiny(tmp_path: Path) -> None:
     arts = {a.path for a in client.list_artifacts(run.info.run_id, "plots")}
     assert "plots/fig9_ratio_cdf.png" in arts and "plots/fig8_point_to_point.png" in arts
     assert math.isfinite(run.data.metrics["algorithm1/mean_ratio"])
+
+
+def test_experiment_refuses_unknown_figures_and_unread_learned_runs(tmp_path: Path) -> None:
+    """A figure name that is not one of ``FIGURES`` and ``overtime.learned`` without a
+    figure that reads it are refused by name before anything runs."""
+    def cfg(*overrides: str):
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            return compose(config_name="trees", overrides=[
+                f"out_dir={tmp_path / 'out'}", *overrides,
+                f"logger.tracking_uri=sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}"])
+    with pytest.raises(ValueError, match=r"figures: unknown \['fig12'\]; known: fig8"):
+        run_trees(cfg("figures=[fig8,fig12]"))
+    with pytest.raises(ValueError, match=r"overtime.learned is read by figures=.overtime."):
+        run_trees(cfg("figures=[fig8]", f"overtime.learned=[{tmp_path}]"))
+    assert not (tmp_path / "out" / "fig8.csv").exists()

@@ -195,3 +195,70 @@ def test_learned_runs_are_paired_with_the_tuned_baseline_per_seed(tmp_path) -> N
                                                       / np.sqrt(2))
     with pytest.raises(FileNotFoundError, match=r"run9 has no per_episode\.csv"):
         learned_table([tmp_path / "run9"])
+
+
+def test_the_knob_coding_expresses_the_tuned_and_lookahead_baselines_exactly() -> None:
+    """``action=knob``: a 2-value action (order blend, load knob); its ends are Algorithm 1's
+    order and the lookahead's, so the baselines it expresses return exactly what they
+    return in the node coding; the others and a bad coding are refused by name."""
+    knob = SMALL | {"action": "knob"}
+    env = gym.make("smart/MulticastOverTime-v0", **knob)
+    assert env.action_space.shape == (2,)
+    check_env(gym.make("smart/MulticastOverTime-v0", **knob).unwrapped)
+    seeds = episode_seeds(0, "test", 2)
+    names = ["algorithm1", "algorithm1_tuned", "lookahead"]
+    a = run_episodes(baseline_policies(names, SMALL), "smart/MulticastOverTime-v0", SMALL,
+                     seeds)
+    b = run_episodes(baseline_policies(names, knob), "smart/MulticastOverTime-v0", knob, seeds)
+    assert a["return"].tolist() == b["return"].tolist()
+    assert a.value.nunique() > 1
+    # the ends of the blend: ascending current weights, ascending expected weights
+    u = env.unwrapped
+    u.reset(seed=5)
+    for _ in range(6):
+        u.step(np.array([0.3, 0.0], np.float32))
+    avail = u.shared.state.available(u.group[1])
+    stay = expected_weights(u.timeline, u.cluster_spec, u.shared.now, u.shared.group_load,
+                            u.timeline_spec.mean_duration)
+    now = u.shared.state.weights()
+    assert not np.array_equal(np.argsort(now[avail], kind="stable"),
+                              np.argsort(stay[avail], kind="stable"))
+    order, lam = u.decode(np.array([-1.0, 0.0], np.float32))
+    assert order.tolist() == avail[np.argsort(now[avail], kind="stable")].tolist()
+    assert lam == pytest.approx(u.cluster_spec.lam)
+    order, lam = u.decode(np.array([1.0, 1.0], np.float32))
+    assert order.tolist() == avail[np.argsort(stay[avail], kind="stable")].tolist()
+    assert lam == pytest.approx(4.0 * u.cluster_spec.lam)
+    with pytest.raises(ValueError, match="random10 baseline needs action=nodes"):
+        run_episodes(baseline_policies(["random10"], knob), "smart/MulticastOverTime-v0",
+                     knob, seeds[:1])
+    with pytest.raises(MulticastError, match=r"action has shape \(17,\)"):
+        u.decode(np.zeros(17, np.float32))
+    with pytest.raises(MulticastError, match="action must be one of"):
+        gym.make("smart/MulticastOverTime-v0", action="order")
+
+
+def test_knob_rules_are_tuned_on_tuning_episodes_and_paired_on_test() -> None:
+    """``trees.py figures=[overtime_rules]``: one row per rule feature, the threshold the
+    feature's median under ``algorithm1_tuned``, two different knobs of the grid, and the
+    held-out difference paired with ``algorithm1_tuned``; a rule whose two knobs are the
+    tuned one is ``algorithm1_tuned`` itself."""
+    from agents.trees.overtime import RULE_FEATURES, KnobRule, rule_table
+    small = SMALL | {"groups_per_episode": 8}
+    t = rule_table(2, small, knobs=(0.0, 0.3), tuning_episodes=2,
+                   say=lambda _: None).set_index("rule")
+    assert list(t.index) == [f"knob_by_{f}" for f in RULE_FEATURES]
+    assert t.visible.tolist() == [True, True, False]
+    assert set(t.knob_low) | set(t.knob_high) <= {0.0, 0.3, t.tuned_knob.iloc[0]}
+    assert (t.tuning_vs_algorithm1_tuned_pct >= -1e-9).all()  # the tuned knob is a rule
+    assert (t.episodes == 2).all() and np.isfinite(t.vs_algorithm1_tuned_pct).all()
+    assert (2 * t.loc["knob_by_active", "threshold"]).is_integer()  # a median of counts
+    seeds = episode_seeds(0, "test", 2)
+    tuned = baseline_policies(["algorithm1_tuned"], small)
+    ref = run_episodes(tuned, "smart/MulticastOverTime-v0", small, seeds)
+    k = tuned[0].knob
+    same = run_episodes([KnobRule("active", 3.0, k, k)], "smart/MulticastOverTime-v0", small,
+                        seeds)
+    assert same["return"].tolist() == ref["return"].tolist()
+    with pytest.raises(ValueError, match="unknown rule feature 'hour'"):
+        KnobRule("hour", 0.0, 0.0, 0.1)

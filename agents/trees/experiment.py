@@ -14,6 +14,8 @@
 * Fig. 11: the same two CDFs for Algorithm 1 under several ``lambda``.
 * ``overtime`` (not a figure of the paper): ``smart/MulticastOverTime-v0``'s baselines, its
   isolation bound and a one-step rollout on held-out episodes (:mod:`agents.trees.overtime`).
+* ``overtime_rules`` (not a figure of the paper): two-level load-knob rules on the same
+  episodes, whether the knob has room a policy could see (:func:`agents.trees.overtime.rule_table`).
 
 Each run writes CSV tables (``fig8.csv``, ``groups.csv``, ``workloads.csv``,
 ``summary.csv``), PNG plots and an MLflow run (metrics ``<scheme>/<metric>``).
@@ -26,7 +28,7 @@ import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import matplotlib
 
@@ -51,6 +53,12 @@ from ..plots import _save
 from .baselines import SCHEMES, small_group_trees
 
 __all__ = ["cluster_tables", "fig8_table", "run_sequence", "run_trees", "summarize"]
+
+
+#: what ``figures`` may list (the module docstring)
+FIGURES = ("fig8", "fig9", "fig10", "fig11", "overtime", "overtime_rules")
+#: the tables of ``headline.json`` and of the closing printout
+HEADLINE = ("summary", "fig11_summary", "overtime_summary", "overtime_learned", "overtime_rules")
 
 
 def _say(msg: str) -> None:
@@ -189,6 +197,15 @@ def run_trees(cfg: DictConfig) -> dict[str, Any]:
     groups = GroupSpec(**_tuples(cfg.groups))
     seeds = [int(s) for s in cfg.seeds]
     figures = set(cfg.figures)
+    unknown = sorted(figures - set(FIGURES))
+    if unknown:
+        raise ValueError(f"figures: unknown {unknown}; known: {', '.join(FIGURES)}")
+    ot = cfg.overtime
+    env_over = (cast("dict[str, Any]", OmegaConf.to_container(ot.env)) if ot.get("env")
+                else None)
+    if ot.get("learned") and not figures & {"overtime", "overtime_rules"}:
+        raise ValueError("overtime.learned is read by figures=[overtime] or "
+                         "figures=[overtime_rules]; neither is listed")
     t0 = time.perf_counter()
     tables: dict[str, pd.DataFrame] = {}
     plots: list[Path] = []
@@ -243,18 +260,23 @@ def run_trees(cfg: DictConfig) -> dict[str, Any]:
             for _, row in summ11.iterrows():
                 mlog.metrics({f"lambda{row.lam:g}/{c}": float(row[c]) for c in summ11.columns
                               if c != "lam"})
+        if ot.get("learned"):
+            from .overtime import learned_table
+
+            tables["overtime_learned"] = learned_table([str(d) for d in ot.learned])
+        if "overtime_rules" in figures:
+            from .overtime import rule_table
+
+            tables["overtime_rules"] = rule_table(int(ot.episodes), env_over, say=_say)
+            for _, row in tables["overtime_rules"].iterrows():
+                mlog.metrics({f"overtime_rules/{row.rule}/vs_algorithm1_tuned_pct":
+                              float(row.vs_algorithm1_tuned_pct)})
         if "overtime" in figures:
             from .overtime import overtime_tables
 
-            ot = cfg.overtime
-            over = overtime_tables(int(ot.episodes), int(ot.rollout_episodes),
-                                   OmegaConf.to_container(ot.env) if ot.get("env") else None,
+            over = overtime_tables(int(ot.episodes), int(ot.rollout_episodes), env_over,
                                    say=_say)
             tables.update(over)
-            if ot.get("learned"):
-                from .overtime import learned_table
-
-                tables["overtime_learned"] = learned_table([str(d) for d in ot.learned])
             plots.append(_overtime_plot(over["overtime"], out / "overtime.png"))
             for _, row in over["overtime_summary"].iterrows():
                 mlog.metrics({f"overtime/{row.policy}/{c}": float(row[c])
@@ -264,12 +286,12 @@ def run_trees(cfg: DictConfig) -> dict[str, Any]:
         for p in plots:
             mlog.artifact(p, "plots")
         head = {name: tables[name].round(4).to_dict(orient="records")
-                for name in ("summary", "fig11_summary", "overtime_summary", "overtime_learned")
+                for name in HEADLINE
                 if name in tables}
         (out / "headline.json").write_text(json.dumps(head, indent=2))
         mlog.text(json.dumps(head, indent=2), "headline.json")
     _say(f"trees done in {time.perf_counter() - t0:.1f} s; results in {out}")
-    for name in ("summary", "fig11_summary", "overtime_summary", "overtime_learned"):
+    for name in HEADLINE:
         if name in tables:
             _say(tables[name].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     return {"tables": tables, "plots": plots, "out_dir": out}

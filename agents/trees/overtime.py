@@ -21,13 +21,25 @@ per training seed), ``overtime_learned.csv``: per run, the learned policy's and 
 baselines' mean value on that run's own test episodes (``per_episode.csv``) and the learned
 policy's paired difference against ``algorithm1_tuned``; a last row ``mean`` averages the
 runs, with the 95% interval over them.
+
+**Knob rules** (``python trees.py figures=[overtime_rules]``): whether the knob has room that
+depends on what a controller sees. Each rule is Algorithm 1's order with one of two load
+knobs, switched on one feature of the arriving group's moment: the mean background over
+``Omega`` or the number of active groups (both visible to a policy, both in the
+observation), or the group's own holding time (not visible: a clairvoyant rule that bounds
+what knowing it would give). The threshold is the feature's median under
+``algorithm1_tuned`` on the tuning episodes; the two knobs are the best pair on those
+episodes of :data:`RULE_KNOBS` and the tuned knob (equal pairs included, so a rule is never
+worse than the tuned knob there). ``overtime_rules.csv``: per rule, the tuning episodes'
+gain and the held-out episodes' paired difference against ``algorithm1_tuned`` with its 95%
+interval.
 """
 
 from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +52,18 @@ import envs  # noqa: F401  (registers smart/*)
 
 from ..config import CONFIG_DIR
 from ..episodes import episode_seeds, run_episodes
-from .suite import TUNED, _with_knob, baseline_policies, tune_knob
+from .suite import (
+    TUNED,
+    TUNING_EPISODES,
+    TUNING_GRID,
+    _with_knob,
+    baseline_policies,
+    tune_knob,
+    tuning_seeds,
+)
 
-__all__ = ["ROLLOUT_KNOBS", "learned_table", "overtime_env", "overtime_tables",
-           "rollout_episode"]
+__all__ = ["ROLLOUT_KNOBS", "RULE_FEATURES", "RULE_KNOBS", "KnobRule", "learned_table",
+           "overtime_env", "overtime_tables", "rollout_episode", "rule_table"]
 
 ENV_ID = "smart/MulticastOverTime-v0"
 #: the load knobs the rollout tries for each group, with each of the two orders
@@ -137,7 +157,7 @@ def learned_table(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
         df = pd.read_csv(f)
         if "learned" not in set(df.policy) or "algorithm1_tuned" not in set(df.policy):
             raise ValueError(f"overtime.learned: {f} lacks the learned policy or "
-                             "algorithm1_tuned (train with configs/env/trees_time.yaml)")
+                             "algorithm1_tuned (train with env=trees_time or env=trees_time_knob)")
         v = df.pivot_table(index="seed", columns="policy", values="value")
         diff = v["learned"] / v["algorithm1_tuned"] - 1.0
         rows.append({"run": Path(d).name, "episodes": len(v),
@@ -152,3 +172,106 @@ def learned_table(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
             **{c: float(out[c].mean()) for c in out.columns if c not in ("run", "episodes")},
             "ci95_pct": half}
     return pd.concat([out, pd.DataFrame([mean])], ignore_index=True)
+
+
+#: the knobs a rule's two levels are chosen from: ``algorithm1_tuned``'s grid, so that the
+#: rules include the tuned single knob (both levels equal)
+RULE_KNOBS = TUNING_GRID
+
+
+def _background(env: Any) -> float:
+    return float(env.timeline.background(env.shared.now).mean()) / env.cluster_spec.capacity_gbps
+
+
+def _active(env: Any) -> float:
+    return float(len(env.shared.active))
+
+
+def _holding_time(env: Any) -> float:
+    return float(env.timeline.duration[env.t])
+
+
+#: a rule's feature: name -> (its value at the arriving group's moment, visible to a policy)
+RULE_FEATURES: dict[str, tuple[Callable[[Any], float], bool]] = {
+    "background": (_background, True), "active": (_active, True),
+    "holding_time": (_holding_time, False)}
+
+
+class KnobRule:
+    """Algorithm 1's order with load knob ``low`` while ``feature`` is at most ``threshold``,
+    ``high`` above it (an ``EnvPolicy`` of ``smart/MulticastOverTime-v0``, either action
+    coding)."""
+
+    def __init__(self, feature: str, threshold: float, low: float, high: float) -> None:
+        if feature not in RULE_FEATURES:
+            raise ValueError(f"unknown rule feature {feature!r}; known: "
+                             f"{', '.join(RULE_FEATURES)}")
+        self.name = f"knob_by_{feature}"
+        self.feature, self.threshold = feature, float(threshold)
+        self._value = RULE_FEATURES[feature][0]
+        self.knobs = (float(low), float(high))
+        self._low, self._high = _with_knob(float(low)), _with_knob(float(high))
+
+    def reset(self, env: Any, seed: int) -> None:
+        pass
+
+    def act(self, obs: np.ndarray, env: Any) -> np.ndarray:
+        rule = self._high if self._value(env) > self.threshold else self._low
+        return rule(env, None)
+
+
+class _Watch:
+    """``algorithm1_tuned`` at ``knob``, recording each rule feature before every action."""
+
+    name = "watch"
+
+    def __init__(self, knob: float) -> None:
+        self.seen: dict[str, list[float]] = {f: [] for f in RULE_FEATURES}
+        self._act = _with_knob(float(knob))
+
+    def reset(self, env: Any, seed: int) -> None:
+        pass
+
+    def act(self, obs: np.ndarray, env: Any) -> np.ndarray:
+        for f, (value, _) in RULE_FEATURES.items():
+            self.seen[f].append(value(env))
+        return self._act(env, None)
+
+
+def rule_table(episodes: int, env_overrides: Mapping[str, Any] | None = None,
+               knobs: Sequence[float] = RULE_KNOBS, tuning_episodes: int = TUNING_EPISODES,
+               say=print) -> pd.DataFrame:
+    """The knob rules (module docstring) tuned on ``tuning_episodes`` tuning episodes (the
+    seed stream ``algorithm1_tuned`` tunes on) and measured on ``episodes`` test episodes,
+    paired with ``algorithm1_tuned``."""
+    kw = overtime_env(env_overrides)
+    tuning = tuning_seeds(tuning_episodes)
+    test = episode_seeds(0, "test", int(episodes))
+    knob, _ = tune_knob(ENV_ID, kw, episodes=int(tuning_episodes))
+    knobs = sorted({float(k) for k in knobs} | {float(knob)})  # the tuned knob is a rule
+    watch = _Watch(knob)
+    ref_tune = float(run_episodes([watch], ENV_ID, kw, tuning)["return"].mean())
+    ref = run_episodes([_Watch(knob)], ENV_ID, kw, test).set_index("seed").value
+    rows = []
+    for feature, (_, visible) in RULE_FEATURES.items():
+        t0 = time.perf_counter()
+        thr = float(np.median(watch.seen[feature]))
+        # one knob for both levels first: a tie goes to the simpler rule
+        pairs = [(k, k) for k in knobs] + [(lo, hi) for lo in knobs for hi in knobs
+                                           if lo != hi]
+        cands = [KnobRule(feature, thr, lo, hi) for lo, hi in pairs]
+        means = [float(run_episodes([c], ENV_ID, kw, tuning)["return"].mean()) for c in cands]
+        best = cands[int(np.argmax(means))]
+        got = run_episodes([best], ENV_ID, kw, test).set_index("seed").value
+        d = (got / ref.reindex(got.index) - 1.0).to_numpy()
+        half = 1.96 * float(d.std(ddof=1)) / np.sqrt(d.size) if d.size > 1 else np.nan
+        rows.append({"rule": best.name, "visible": visible, "threshold": thr,
+                     "knob_low": best.knobs[0], "knob_high": best.knobs[1],
+                     "tuned_knob": float(knob),
+                     "tuning_vs_algorithm1_tuned_pct": 100.0 * (max(means) / ref_tune - 1.0),
+                     "episodes": int(d.size), "value": float(got.mean()),
+                     "vs_algorithm1_tuned_pct": 100.0 * float(d.mean()),
+                     "vs_algorithm1_tuned_ci95_pct": 100.0 * half})
+        say(f"overtime rules: {best.name} tuned and measured in "
+            f"{time.perf_counter() - t0:.0f} s")
+    return pd.DataFrame(rows)

@@ -41,7 +41,7 @@ from envs.seeding import derive_seed, rng
 from envs.trees.timeline import expected_weights
 
 __all__ = ["BASELINES", "TUNED", "TUNING_EPISODES", "TUNING_GRID", "TreePolicy",
-           "baseline_policies", "tune_knob"]
+           "baseline_policies", "tune_knob", "tuning_seeds"]
 
 #: the load knobs ``algorithm1_tuned`` chooses from (``a``: lambda x (1 + a) 2^a)
 TUNING_GRID = (-0.3, -0.15, 0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.45, 0.6)
@@ -49,11 +49,26 @@ TUNING_GRID = (-0.3, -0.15, 0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.45, 0.6)
 TUNING_EPISODES = 8
 
 
+def _knob_coded(env: Any, name: str, order: float | None) -> np.ndarray | None:
+    """The action of ``name`` in ``smart/MulticastOverTime-v0``'s ``knob`` coding (order
+    blend ``order``, knob 0), None in the node coding; a ValueError for a baseline whose
+    node order that coding cannot express (``order`` None)."""
+    if getattr(env, "action_mode", "nodes") != "knob":
+        return None
+    if order is None:
+        raise ValueError(f"the {name} baseline needs action=nodes: action=knob only "
+                         "expresses Algorithm 1's and the lookahead's orders")
+    return np.array([order, 0.0], np.float32)
+
+
 def _algorithm1(env: Any, g: np.random.Generator) -> np.ndarray:
     """Scores falling linearly from 1 (idle) to just above ``exclude_below`` (full): the
     weight order (``w`` increases with ``omega``; equal loads tie and fall back to the id,
     as in Algorithm 1's stable sort), and a linear function of the observation, which makes
-    the demonstrations easy to imitate."""
+    the demonstrations easy to imitate (``knob`` coding: the order blend -1)."""
+    coded = _knob_coded(env, "algorithm1", -1.0)
+    if coded is not None:
+        return coded
     a = np.zeros(env.action_space.shape, np.float32)
     span = 1.0 - (env.exclude_below + 0.05)
     a[:-1] = 1.0 - span * env.cluster.loads / env.cluster_spec.capacity_gbps
@@ -61,6 +76,7 @@ def _algorithm1(env: Any, g: np.random.Generator) -> np.ndarray:
 
 
 def _random10(env: Any, g: np.random.Generator) -> np.ndarray:
+    _knob_coded(env, "random10", None)
     ids = env.cluster.available(env.group[1])
     if len(ids) == 0:
         return env.encode([], 0.0)
@@ -70,6 +86,7 @@ def _random10(env: Any, g: np.random.Generator) -> np.ndarray:
 
 
 def _nvp(env: Any, g: np.random.Generator) -> np.ndarray:
+    _knob_coded(env, "nvp", None)
     ids = env.cluster.available(env.group[1])
     if len(ids) == 0:
         return env.encode([], 0.0)
@@ -77,6 +94,7 @@ def _nvp(env: Any, g: np.random.Generator) -> np.ndarray:
 
 
 def _binary(env: Any, g: np.random.Generator) -> np.ndarray:
+    _knob_coded(env, "binary", None)
     n, r = env.group
     loads = env.cluster.loads
     least = np.argsort(loads, kind="stable")[:50]
@@ -90,9 +108,12 @@ BASELINES: dict[str, Callable[[Any, np.random.Generator], np.ndarray]] = {
 
 def _lookahead(env: Any, g: np.random.Generator) -> np.ndarray:
     """The nodes with room, by their expected weight over the group's stay (module
-    docstring), knob 0."""
+    docstring), knob 0 (``knob`` coding: the order blend 1)."""
     if not hasattr(env, "shared"):
         raise ValueError("the lookahead baseline needs smart/MulticastOverTime-v0")
+    coded = _knob_coded(env, "lookahead", 1.0)
+    if coded is not None:
+        return coded
     sh = env.shared
     w = expected_weights(env.timeline, env.cluster_spec, sh.now, sh.group_load,
                          env.timeline_spec.mean_duration)
@@ -114,6 +135,11 @@ def _with_knob(knob: float, rule: Callable[[Any, np.random.Generator], np.ndarra
     return act
 
 
+def tuning_seeds(episodes: int = TUNING_EPISODES) -> list[int]:
+    """The tuning episodes' seeds (their own stream, disjoint from validation and test)."""
+    return [derive_seed(0, "multicast-tuning", i) % (2**31) for i in range(int(episodes))]
+
+
 def tune_knob(env_id: str, env_kwargs: Mapping[str, Any], grid: Sequence[float] = TUNING_GRID,
               episodes: int = TUNING_EPISODES,
               rule: Callable[[Any, np.random.Generator], np.ndarray] = _algorithm1
@@ -121,7 +147,7 @@ def tune_knob(env_id: str, env_kwargs: Mapping[str, Any], grid: Sequence[float] 
     """The load knob of ``rule`` (default: Algorithm 1's order) with the highest mean return
     over ``episodes`` tuning episodes of ``env_id`` (seeds from their own stream); returns it
     and every knob's mean."""
-    seeds = [derive_seed(0, "multicast-tuning", i) % (2**31) for i in range(int(episodes))]
+    seeds = tuning_seeds(episodes)
     env = gym.make(env_id, **dict(env_kwargs))
     means: dict[float, float] = {}
     try:

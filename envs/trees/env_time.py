@@ -16,10 +16,20 @@ lifetime, ``integral (U_g - lambda sum_i w_i(t)) dt`` over its employed service 
 sees, not over the loads its nodes will carry while it stays.
 
 ## Action space
-As ``smart/MulticastTree-v0``: ``Box(-1, 1, (M + 1,), float32)``, a score per service node
-and a load knob ``a`` (``lambda_eff = lambda (1 + a) 2^a``); nodes scored at or below
-``exclude_below`` or without room are left out, the rest taken in descending score by
-Algorithm 1.
+``action="nodes"`` (default), as ``smart/MulticastTree-v0``: ``Box(-1, 1, (M + 1,), float32)``,
+a score per service node and a load knob ``a`` (``lambda_eff = lambda (1 + a) 2^a``); nodes
+scored at or below ``exclude_below`` or without room are left out, the rest taken in
+descending score by Algorithm 1.
+
+``action="knob"``: ``Box(-1, 1, (2,), float32)``, the per-group choices of the one-step
+rollout (:mod:`agents.trees.overtime`) made continuous: ``a[0]`` blends the order, ``a[1]``
+is the load knob. Every node with room is a candidate, taken by ascending
+``(1 - u) w_now + u w_stay`` with ``u = (1 + a[0]) / 2``: ``w_now`` the current weights
+(``a[0] = -1``: Algorithm 1's order), ``w_stay`` the expected weights over a stay of the mean
+holding time (:func:`envs.trees.timeline.expected_weights`; ``a[0] = 1``: the ``lookahead``
+baseline's order). Algorithm 1 then chooses how many of the first ones to employ with
+``lambda_eff``. Per-node orders other than these blends cannot be expressed, so the
+``random10``, ``nvp`` and ``binary`` baselines do not run in this mode.
 
 ## Observation space
 ``Box(0, 1, (M + 7,), float32)``: each node's workload over ``Omega``; the group's hypervisor
@@ -46,7 +56,8 @@ objective (3) at each arrival, summed), ``value`` (the sequence objective, Gbps 
 ## Arguments
 Those of ``smart/MulticastTree-v0`` (here 60 groups per episode and a 4-16 Gbps background
 by default) and ``arrival_rate`` (3 groups per unit of time),
-``mean_duration`` (10), ``background_amplitude`` (0.5) and ``period`` (100).
+``mean_duration`` (10), ``background_amplitude`` (0.5), ``period`` (100) and ``action``
+(``"nodes"`` or ``"knob"``, above).
 
 ## Version history
 * v0: initial version.
@@ -60,7 +71,7 @@ from collections.abc import Sequence
 import numpy as np
 from gymnasium import spaces
 
-from .env import MulticastTreeEnv
+from .env import MulticastTreeEnv, lam_multiplier
 from .errors import MulticastError
 from .groups import Placement
 from .timeline import (
@@ -68,12 +79,16 @@ from .timeline import (
     Timeline,
     TimelineSpec,
     check_peak,
+    expected_weights,
     generate_timeline,
     isolation_bound,
 )
 from .tree import MulticastTree
 
-__all__ = ["MulticastOverTimeEnv"]
+__all__ = ["ACTIONS", "MulticastOverTimeEnv"]
+
+#: the action codings (module docstring)
+ACTIONS: tuple[str, ...] = ("nodes", "knob")
 
 
 class MulticastOverTimeEnv(MulticastTreeEnv):
@@ -87,7 +102,7 @@ class MulticastOverTimeEnv(MulticastTreeEnv):
                  variant: str = "exact", exclude_below: float = -0.9,
                  reward_scale: float | None = None, arrival_rate: float = 3.0,
                  mean_duration: float = 10.0, background_amplitude: float = 0.5,
-                 period: float = 100.0) -> None:
+                 period: float = 100.0, action: str = "nodes") -> None:
         scale = (reward_scale if reward_scale is not None
                  else float(hypervisors[1]) * float(rate_gbps[1]) * float(mean_duration))
         super().__init__(num_service_nodes, groups_per_episode, hypervisors, rate_gbps,
@@ -98,6 +113,11 @@ class MulticastOverTimeEnv(MulticastTreeEnv):
                                           float(period))
         check_peak(self.timeline_spec, self.cluster_spec)
         m = self.cluster_spec.num_service_nodes
+        if action not in ACTIONS:
+            raise MulticastError(f"action must be one of {ACTIONS}, got {action!r}")
+        self.action_mode = action
+        if action == "knob":
+            self.action_space = spaces.Box(-1.0, 1.0, (2,), np.float32)
         self.observation_space = spaces.Box(0.0, 1.0, (m + 7,), np.float32)
         self.timeline: Timeline | None = None
         self.shared: SharedCluster | None = None
@@ -155,6 +175,29 @@ class MulticastOverTimeEnv(MulticastTreeEnv):
         if done:
             info["episode_metrics"] = self._episode_metrics()
         return self._get_obs(), float(value / self.reward_scale), done, False, info
+
+    def decode(self, action: np.ndarray) -> tuple[np.ndarray, float]:
+        """``(ordered candidate ids, lambda_eff)`` for ``action`` in either coding (module
+        docstring)."""
+        if self.action_mode == "nodes":
+            return super().decode(action)
+        assert self.shared is not None and self.timeline is not None
+        a = np.clip(np.asarray(action, dtype=float).reshape(-1), -1.0, 1.0)
+        if a.shape != self.action_space.shape:
+            raise MulticastError(f"action has shape {a.shape}, expected "
+                                 f"{self.action_space.shape}")
+        avail = self.shared.state.available(self.group[1])
+        lam_eff = self.cluster_spec.lam * lam_multiplier(float(a[1]))
+        if len(avail) == 0:
+            return avail, 0.0
+        u = (1.0 + float(a[0])) / 2.0
+        key = self.shared.state.weights()[avail]
+        if u > 0.0:
+            sh = self.shared
+            stay = expected_weights(self.timeline, self.cluster_spec, sh.now, sh.group_load,
+                                    self.timeline_spec.mean_duration)[avail]
+            key = stay if u >= 1.0 else (1.0 - u) * key + u * stay
+        return avail[np.argsort(key, kind="stable")], lam_eff
 
     def _place_tree(self, tree: MulticastTree, r: float) -> Placement:
         """Put ``tree`` on the shared cluster until the group's departure."""
