@@ -504,7 +504,56 @@ def run_split(snaps: list[dict], policy, samples: int, warmup: int) -> dict[str,
         sess.run(["scores"], x[i % len(x)])
         raw[i] = pc() - a
     res["ort_run_hot"] = pct(raw / 1e3)
+    # the same graph cut to one channel: what ONNX Runtime spends per call whatever the size
+    one = one_channel_session(sess)
+    if one is not None:
+        x1 = [{k: v[..., :1] if k == "features" else v for k, v in xi.items()} for xi in x[:50]]
+        for i in range(500):
+            one.run(["scores"], x1[i % len(x1)])
+        for i in range(raw.size):
+            a = pc()
+            one.run(["scores"], x1[i % len(x1)])
+            raw[i] = pc() - a
+        res["ort_fixed_hot"] = pct(raw / 1e3)
     return res
+
+
+def floors_note(inproc: list[dict]) -> str:
+    """The in-process targets against what bounds them (medians over the runs of each run's
+    p50, ``load_bundle``'s session): ``Session.decide`` over the raw ONNX Runtime call, and
+    the sequential batch of 1,000 against 1,000 raw calls, which it cannot beat."""
+    dec = stats([r["single"]["bundle"]["p50"] * 1e3 for r in inproc])["median"]
+    raw = stats([r["split"]["bundle"]["ort_run_hot"]["p50"] for r in inproc])["median"]
+    out = (f"floors: Session.decide p50 {dec:.1f} us is {dec / raw:.2f}x the raw ONNX Runtime "
+           f"call's {raw:.1f} us (target 1.5x); a sequential batch of {BATCH_TYPES:,} makes "
+           f"{BATCH_TYPES:,} policy calls in order, each observed after the decision before "
+           f"it, so it cannot take less than {BATCH_TYPES:,} raw calls, "
+           f"{BATCH_TYPES * raw / 1e3:.1f} ms (target {TARGET_BATCH_MS:g} ms)")
+    if all("ort_fixed_hot" in r["split"]["bundle"] for r in inproc):
+        fixed = stats([r["split"]["bundle"]["ort_fixed_hot"]["p50"] for r in inproc])["median"]
+        out += (f"; of each raw call, {fixed:.1f} us is ONNX Runtime's own cost (the same "
+                f"graph on one channel) and {raw - fixed:.1f} us the actor's arithmetic")
+    return out
+
+
+def one_channel_session(sess) -> Any:
+    """The committed bundle's single-row graph (``actor_row.onnx``) with its channel dimension
+    cut to one, loaded with ``sess``'s session options: the per-call cost of ONNX Runtime
+    (binding, dispatch of each node, output allocation) with almost no arithmetic. None for a
+    graph that has no ``features`` input of ``[P, K+1]`` (the ``mlp`` architecture)."""
+    import onnx
+    import onnxruntime as ort
+
+    if [i.name for i in sess.get_inputs()] != ["globals", "features"]:
+        return None
+    m = onnx.load(str(BUNDLE / "actor_row.onnx"))
+    k1 = sess.get_inputs()[1].shape[1]
+    for v in [*m.graph.input, *m.graph.output, *m.graph.value_info]:
+        for d in v.type.tensor_type.shape.dim:
+            if d.dim_value == k1:
+                d.dim_value = 1
+    return ort.InferenceSession(m.SerializeToString(), sess_options=sess.get_session_options(),
+                                providers=sess.get_providers())
 
 
 def _timed(call: Callable[[], Any], runs: int) -> tuple[dict[str, float], Any]:
@@ -989,7 +1038,11 @@ def main() -> None:
                         ("decode", "decoding (feasible)"),
                         ("assign", "put it on the channel (CostState.move)"),
                         ("total", "all five stages (inlined, timed)"),
-                        ("ort_run_hot", "raw InferenceSession.run in a tight loop (extra)")):
+                        ("ort_run_hot", "raw InferenceSession.run in a tight loop (extra)"),
+                        ("ort_fixed_hot", "the same graph on one channel: ONNX Runtime's own "
+                                          "cost per call (extra)")):
+        if any(name not in r["split"][c] for r in inproc for c in ORT_CONFIGS):
+            continue
         cells = [label]
         for conf in ORT_CONFIGS:
             st = {q: across(inproc, "split", conf, name, q) for q in ("p50", "p99", "mean")}
@@ -1042,6 +1095,7 @@ def main() -> None:
         f"{100 * stats([r['split']['bundle']['not_argmax_share'] for r in inproc])['median']:.0f}"
         f"% of the decisions took another channel than the argmax (the feasible decoding "
         f"searched further)",
+        floors_note(inproc),
         f"batch: types 0..{BATCH_TYPES - 1} with the rate of the latest of the 20 windows in "
         f"which each is active; 'list' = decide(the 1,000 ids in rate x fan-out order) on a "
         f"fully decided session, 'replan' = decide(None, replan=True) from an empty "
