@@ -237,6 +237,6 @@ def test_experiment_refuses_unknown_figures_and_unread_learned_runs(tmp_path: Pa
                 f"logger.tracking_uri=sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}"])
     with pytest.raises(ValueError, match=r"figures: unknown \['fig12'\]; known: fig8"):
         run_trees(cfg("figures=[fig8,fig12]"))
-    with pytest.raises(ValueError, match=r"overtime.learned is read by figures=.overtime."):
+    with pytest.raises(ValueError, match=r"overtime.learned is read by figures=.overtime.,"):
         run_trees(cfg("figures=[fig8]", f"overtime.learned=[{tmp_path}]"))
     assert not (tmp_path / "out" / "fig8.csv").exists()

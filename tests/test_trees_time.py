@@ -262,3 +262,75 @@ def test_knob_rules_are_tuned_on_tuning_episodes_and_paired_on_test() -> None:
     assert same["return"].tolist() == ref["return"].tolist()
     with pytest.raises(ValueError, match="unknown rule feature 'hour'"):
         KnobRule("hour", 0.0, 0.0, 0.1)
+
+
+def test_a_resampled_future_keeps_the_present_and_redraws_what_is_unknown() -> None:
+    """``resampled``: the model-based rollout's future. The past, the arriving group's size
+    and rate, the background and the active groups' loads stay; the holding times, the
+    active groups' departures and the groups to come are drawn afresh (by the given RNG
+    alone), and the environment itself is untouched."""
+    from agents.trees.planner import resampled
+
+    env = gym.make("smart/MulticastOverTime-v0", **SMALL).unwrapped
+    env.reset(seed=2)
+    for _ in range(5):
+        env.step(np.zeros(env.action_space.shape, np.float32))
+    tl, t = env.timeline, env.t
+    before = (tl.t.copy(), tl.duration.copy(), [g.depart for g in env.shared.active])
+    a = resampled(env, np.random.default_rng(1))
+    b = resampled(env, np.random.default_rng(1))
+    c = resampled(env, np.random.default_rng(2))
+    assert np.array_equal(env.timeline.t, before[0])
+    assert np.array_equal(env.timeline.duration, before[1])
+    assert [g.depart for g in env.shared.active] == before[2]
+    assert a.timeline is a.shared.timeline
+    ta = a.timeline
+    assert np.array_equal(ta.t[:t + 1], tl.t[:t + 1]) and ta.n[t] == tl.n[t]
+    assert ta.rate_gbps[t] == tl.rate_gbps[t]
+    assert np.array_equal(ta.base, tl.base) and np.array_equal(ta.phase, tl.phase)
+    assert not np.array_equal(ta.t[t + 1:], tl.t[t + 1:])
+    assert np.all(np.diff(ta.t) > 0) and ta.duration[t] != tl.duration[t]
+    assert [g.ids.tolist() for g in a.shared.active] == [g.ids.tolist()
+                                                         for g in env.shared.active]
+    assert all(g.depart > env.shared.now for g in a.shared.active)
+    assert np.array_equal(ta.t, b.timeline.t) and not np.array_equal(ta.t, c.timeline.t)
+    assert np.array_equal(a.shared.state.loads, env.shared.state.loads)
+
+
+def test_planning_table_sets_both_rollouts_beside_the_tuned_baseline() -> None:
+    """``trees.py figures=[overtime_planning]``: the clairvoyant rollout, the rollout on
+    sampled futures and the lookahead, paired with ``algorithm1_tuned`` on the same
+    episodes; the same seed gives the same table."""
+    from agents.trees.overtime import planning_table
+
+    small = SMALL | {"groups_per_episode": 6}
+    t = planning_table(2, 2, small, say=lambda _: None).set_index("policy")
+    assert list(t.index) == ["algorithm1_tuned", "lookahead", "rollout", "rollout_model"]
+    assert t.sees_future.tolist() == [False, False, True, False]
+    assert t.loc["rollout_model", "samples"] == 2 and (t.episodes == 2).all()
+    assert t.loc["algorithm1_tuned", "vs_algorithm1_tuned_pct"] == pytest.approx(0.0)
+    again = planning_table(2, 2, small, say=lambda _: None).set_index("policy")
+    assert again.value.tolist() == t.value.tolist()
+
+
+def test_the_model_planner_is_a_baseline_and_a_teacher() -> None:
+    """``rollout_model`` by name: an ``EnvPolicy`` that plans each group on sampled futures
+    (deterministic for a seed), refused outside ``smart/MulticastOverTime-v0`` and with no
+    future to sample."""
+    from agents.trees.planner import ModelPlanner
+
+    small = SMALL | {"groups_per_episode": 4}
+    (pol,) = baseline_policies(["rollout_model"], small)
+    assert isinstance(pol, ModelPlanner) and pol.name == "rollout_model"
+    a = run_episodes([pol], "smart/MulticastOverTime-v0", small, [3, 4])
+    b = run_episodes(baseline_policies(["rollout_model"], small), "smart/MulticastOverTime-v0",
+                     small, [3, 4])
+    assert a["return"].tolist() == b["return"].tolist()
+    assert pol.knob is not None
+    with pytest.raises(ValueError, match="needs smart/MulticastOverTime-v0"):
+        run_episodes(baseline_policies(["rollout_model"], {}), "smart/MulticastTree-v0",
+                     {"num_service_nodes": 8, "groups_per_episode": 3}, [0])
+    with pytest.raises(ValueError, match="at least one sampled future"):
+        ModelPlanner(samples=0)
+    with pytest.raises(ValueError, match=r"known: .*rollout_model"):
+        baseline_policies(["rollout_models"], small)

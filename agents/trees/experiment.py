@@ -16,6 +16,9 @@
   isolation bound and a one-step rollout on held-out episodes (:mod:`agents.trees.overtime`).
 * ``overtime_rules`` (not a figure of the paper): two-level load-knob rules on the same
   episodes, whether the knob has room a policy could see (:func:`agents.trees.overtime.rule_table`).
+* ``overtime_planning`` (not a figure of the paper): the one-step rollout on the episode's
+  own future and on sampled futures, what planning with the model can take
+  (:func:`agents.trees.overtime.planning_table`).
 
 Each run writes CSV tables (``fig8.csv``, ``groups.csv``, ``workloads.csv``,
 ``summary.csv``), PNG plots and an MLflow run (metrics ``<scheme>/<metric>``).
@@ -56,9 +59,10 @@ __all__ = ["cluster_tables", "fig8_table", "run_sequence", "run_trees", "summari
 
 
 #: what ``figures`` may list (the module docstring)
-FIGURES = ("fig8", "fig9", "fig10", "fig11", "overtime", "overtime_rules")
+FIGURES = ("fig8", "fig9", "fig10", "fig11", "overtime", "overtime_rules", "overtime_planning")
 #: the tables of ``headline.json`` and of the closing printout
-HEADLINE = ("summary", "fig11_summary", "overtime_summary", "overtime_learned", "overtime_rules")
+HEADLINE = ("summary", "fig11_summary", "overtime_summary", "overtime_learned", "overtime_rules",
+            "overtime_planning")
 
 
 def _say(msg: str) -> None:
@@ -203,9 +207,9 @@ def run_trees(cfg: DictConfig) -> dict[str, Any]:
     ot = cfg.overtime
     env_over = (cast("dict[str, Any]", OmegaConf.to_container(ot.env)) if ot.get("env")
                 else None)
-    if ot.get("learned") and not figures & {"overtime", "overtime_rules"}:
-        raise ValueError("overtime.learned is read by figures=[overtime] or "
-                         "figures=[overtime_rules]; neither is listed")
+    if ot.get("learned") and not figures & {"overtime", "overtime_rules", "overtime_planning"}:
+        raise ValueError("overtime.learned is read by figures=[overtime], [overtime_rules] or "
+                         "[overtime_planning]; none is listed")
     t0 = time.perf_counter()
     tables: dict[str, pd.DataFrame] = {}
     plots: list[Path] = []
@@ -270,6 +274,14 @@ def run_trees(cfg: DictConfig) -> dict[str, Any]:
             tables["overtime_rules"] = rule_table(int(ot.episodes), env_over, say=_say)
             for _, row in tables["overtime_rules"].iterrows():
                 mlog.metrics({f"overtime_rules/{row.rule}/vs_algorithm1_tuned_pct":
+                              float(row.vs_algorithm1_tuned_pct)})
+        if "overtime_planning" in figures:
+            from .overtime import planning_table
+
+            tables["overtime_planning"] = planning_table(
+                int(ot.planning_episodes), int(ot.model_samples), env_over, say=_say)
+            for _, row in tables["overtime_planning"].iterrows():
+                mlog.metrics({f"overtime_planning/{row.policy}/vs_algorithm1_tuned_pct":
                               float(row.vs_algorithm1_tuned_pct)})
         if "overtime" in figures:
             from .overtime import overtime_tables

@@ -37,7 +37,6 @@ interval.
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -52,6 +51,7 @@ import envs  # noqa: F401  (registers smart/*)
 
 from ..config import CONFIG_DIR
 from ..episodes import episode_seeds, run_episodes
+from .planner import ROLLOUT_KNOBS, ModelPlanner, candidates, plan
 from .suite import (
     TUNED,
     TUNING_EPISODES,
@@ -63,11 +63,9 @@ from .suite import (
 )
 
 __all__ = ["ROLLOUT_KNOBS", "RULE_FEATURES", "RULE_KNOBS", "KnobRule", "learned_table",
-           "overtime_env", "overtime_tables", "rollout_episode", "rule_table"]
+           "overtime_env", "overtime_tables", "planning_table", "rollout_episode", "rule_table"]
 
 ENV_ID = "smart/MulticastOverTime-v0"
-#: the load knobs the rollout tries for each group, with each of the two orders
-ROLLOUT_KNOBS = (-0.5, 0.0, 0.15, 0.3, 0.6)
 
 
 def overtime_env(overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -81,26 +79,53 @@ def overtime_env(overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
 def rollout_episode(env_kwargs: Mapping[str, Any], seed: int, base_knob: float,
                     knobs: Sequence[float] = ROLLOUT_KNOBS) -> dict[str, float]:
     """One episode of the one-step rollout (module docstring) on the base policy Algorithm 1
-    at ``base_knob``: the episode's metrics and return."""
+    at ``base_knob``, each group planned on the episode's own future
+    (:func:`agents.trees.planner.plan`): the episode's metrics and return."""
     env = gym.make(ENV_ID, **dict(env_kwargs)).unwrapped
-    base = _with_knob(float(base_knob))
-    cands = [_with_knob(float(k), rule) for rule in TUNED.values() for k in knobs]
+    base, cands = _with_knob(float(base_knob)), candidates(knobs)
     env.reset(seed=int(seed))
     done, total, info = False, 0.0, {}
     while not done:
-        best, best_v = None, -np.inf
-        for cand in cands:
-            trial = copy.deepcopy(env)
-            a = cand(trial, None)
-            _, v, end, _, _ = trial.step(a)
-            while not end:
-                _, r, end, _, _ = trial.step(base(trial, None))
-                v += r
-            if v > best_v:
-                best, best_v = a, v
-        _, r, done, _, info = env.step(best)
+        _, r, done, _, info = env.step(plan(env, base, cands))
         total += float(r)
     return {"return": total, **info["episode_metrics"]}
+
+
+def planning_table(episodes: int, samples: int, env_overrides: Mapping[str, Any] | None = None,
+                   say=print) -> pd.DataFrame:
+    """The one-step rollout on the episode's own future (clairvoyant) and on ``samples``
+    sampled futures (:class:`agents.trees.planner.ModelPlanner`: what a controller that
+    knows the model can plan), both on ``algorithm1_tuned``, beside ``algorithm1_tuned`` and
+    ``lookahead`` on ``episodes`` test episodes; per policy the mean value and the paired
+    difference against ``algorithm1_tuned`` (95% interval)."""
+    kw = overtime_env(env_overrides)
+    seeds = episode_seeds(0, "test", int(episodes))
+    knob, _ = tune_knob(ENV_ID, kw)
+    rows = [{"policy": r.policy, "seed": int(r.seed), "value": float(r.value)}
+            for r in run_episodes(baseline_policies(["algorithm1_tuned", "lookahead"], kw),
+                                  ENV_ID, kw, seeds).itertuples()]
+    planner = ModelPlanner(samples)
+    for i, s in enumerate(seeds):
+        t0 = time.perf_counter()
+        rows.append({"policy": "rollout", "seed": int(s),
+                     "value": rollout_episode(kw, s, knob)["value"]})
+        model = run_episodes([planner], ENV_ID, kw, [s])
+        rows.append({"policy": "rollout_model", "seed": int(s),
+                     "value": float(model.value.iloc[0])})
+        say(f"overtime planning: episode {i + 1}/{len(seeds)} in "
+            f"{time.perf_counter() - t0:.0f} s")
+    df = pd.DataFrame(rows)
+    ref = df[df.policy == "algorithm1_tuned"].set_index("seed").value
+    out = []
+    for pol, d in df.groupby("policy", sort=False):
+        dv = (d.set_index("seed").value / ref.reindex(d.seed).to_numpy() - 1.0).to_numpy()
+        half = 1.96 * float(dv.std(ddof=1)) / np.sqrt(dv.size) if dv.size > 1 else np.nan
+        out.append({"policy": pol, "sees_future": pol == "rollout",
+                    "samples": int(samples) if pol == "rollout_model" else 0,
+                    "episodes": int(dv.size), "value": float(d.value.mean()),
+                    "vs_algorithm1_tuned_pct": 100.0 * float(dv.mean()),
+                    "vs_algorithm1_tuned_ci95_pct": 100.0 * half})
+    return pd.DataFrame(out)
 
 
 def overtime_tables(episodes: int, rollout_episodes: int,

@@ -25,7 +25,10 @@ would build for a learned policy:
   of their expected weight over the arriving group's stay
   (:func:`envs.trees.timeline.expected_weights`: the known diurnal background, the current
   groups' load, the mean holding time, not the group's own), with the load knob tuned as
-  ``algorithm1_tuned``'s. It is the strongest non-learned policy measured there.
+  ``algorithm1_tuned``'s.
+* ``rollout_model`` (``smart/MulticastOverTime-v0`` only,
+  :class:`agents.trees.planner.ModelPlanner`): each group's knob and order planned by the
+  one-step rollout on futures drawn from the model; tens of seconds an episode.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ import numpy as np
 from envs.seeding import derive_seed, rng
 from envs.trees.timeline import expected_weights
 
-__all__ = ["BASELINES", "TUNED", "TUNING_EPISODES", "TUNING_GRID", "TreePolicy",
+__all__ = ["BASELINES", "PLANNERS", "TUNED", "TUNING_EPISODES", "TUNING_GRID", "TreePolicy",
            "baseline_policies", "tune_knob", "tuning_seeds"]
 
 #: the load knobs ``algorithm1_tuned`` chooses from (``a``: lambda x (1 + a) 2^a)
@@ -173,7 +176,7 @@ class TreePolicy:
     def __init__(self, name: str) -> None:
         if name not in BASELINES and name not in TUNED:
             raise ValueError(f"unknown tree baseline {name!r}; known: "
-                             f"{', '.join([*BASELINES, *TUNED])}")
+                             f"{', '.join([*BASELINES, *TUNED, *PLANNERS])}")
         self.name = name
         self._act = BASELINES.get(name)
         self._rng = rng(0, "multicast-baseline", name)
@@ -196,7 +199,20 @@ class TreePolicy:
         return self._act(env, self._rng)
 
 
+#: policies that plan with the model (:mod:`agents.trees.planner`), slow (tens of seconds an
+#: episode): usable as a baseline or as the teacher of demonstrations
+PLANNERS = ("rollout_model",)
+
+
 def baseline_policies(names: Sequence[str], env_kwargs: Mapping[str, Any]
-                      ) -> list[TreePolicy]:
+                      ) -> list[Any]:
     """The baselines called ``names`` (unknown names: a ValueError listing the known)."""
-    return [TreePolicy(str(n)) for n in names]
+    out: list[Any] = []
+    for n in names:
+        if str(n) in PLANNERS:
+            from .planner import ModelPlanner  # it imports this module
+
+            out.append(ModelPlanner())
+        else:
+            out.append(TreePolicy(str(n)))
+    return out

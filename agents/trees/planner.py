@@ -1,0 +1,121 @@
+"""Planning the per-group choice on ``smart/MulticastOverTime-v0`` with the model (Bertsekas'
+one-step rollout): for the arriving group, every candidate (a load knob of
+:data:`ROLLOUT_KNOBS` with Algorithm 1's order or with the lookahead's) is tried on copies of
+the environment whose rest of the episode is played by a base policy (``algorithm1_tuned``),
+and the candidate with the best mean return is taken.
+
+* On the episode's own future (``futures=None`` in :func:`plan`) the rollout is clairvoyant:
+  an achievable value, not a policy a controller could run
+  (:func:`agents.trees.overtime.rollout_episode`).
+* On futures drawn from the model (:func:`resampled`: the holding times, the active groups'
+  remaining stays and the groups to come drawn afresh; the present and the known background
+  kept) it is a policy: :class:`ModelPlanner` (``rollout_model``), which uses only what a
+  controller knows. The same futures score every candidate of a group (common random
+  numbers).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from .suite import TUNED, _with_knob, tune_knob
+
+__all__ = ["ROLLOUT_KNOBS", "ModelPlanner", "candidates", "plan", "resampled"]
+
+#: the load knobs the rollout tries for each group, with each of the two orders
+ROLLOUT_KNOBS = (-0.5, 0.0, 0.15, 0.3, 0.6)
+
+Rule = Callable[[Any, Any], np.ndarray]
+
+
+def candidates(knobs: Sequence[float] = ROLLOUT_KNOBS) -> list[Rule]:
+    """The rollout's candidates: each knob with Algorithm 1's order, then with the
+    lookahead's (either action coding)."""
+    return [_with_knob(float(k), rule) for rule in TUNED.values() for k in knobs]
+
+
+def resampled(env: Any, rng: np.random.Generator) -> Any:
+    """A copy of ``env`` (unwrapped, before placing group ``env.t``) whose future is drawn
+    afresh from the model a controller knows, not the episode's own: the arriving group's
+    holding time, the active groups' remaining ones (exponential, hence memoryless) and the
+    groups after it (arrival gaps, sizes, rates, holding times); the known background is
+    kept."""
+    trial = copy.deepcopy(env)
+    tl, spec, t = trial.timeline, trial.timeline_spec, trial.t
+    k = len(tl) - t - 1
+    d = spec.mean_duration
+    lo, hi = spec.groups.hypervisors
+    arrive = tl.t.copy()
+    arrive[t + 1:] = tl.t[t] + np.cumsum(rng.exponential(1.0 / spec.arrival_rate, size=k))
+    dur = tl.duration.copy()
+    dur[t:] = rng.exponential(d, size=k + 1)
+    n, r = tl.n.copy(), tl.rate_gbps.copy()
+    n[t + 1:] = rng.integers(lo, hi + 1, size=k)
+    r[t + 1:] = rng.uniform(*spec.groups.rate_gbps, size=k)
+    new = dataclasses.replace(tl, t=arrive, duration=dur, n=n, rate_gbps=r)
+    sh = trial.shared
+    trial.timeline = sh.timeline = new
+    sh.active = [dataclasses.replace(g, depart=sh.now + float(rng.exponential(d)))
+                 for g in sh.active]
+    return trial
+
+
+def plan(env: Any, base: Rule, cands: Sequence[Rule], futures: Sequence[Any] | None = None
+         ) -> np.ndarray:
+    """The action of the candidate whose return, this group's reward plus the rest of the
+    episode under ``base``, is best on average over ``futures`` (copies of ``env`` before
+    this group; None: ``env``'s own future). Ties go to the first candidate."""
+    worlds = [env] if futures is None else list(futures)
+    best, best_v = None, -np.inf
+    for cand in cands:
+        v = 0.0
+        for world in worlds:
+            trial = copy.deepcopy(world)
+            _, r, end, _, _ = trial.step(cand(trial, None))
+            v += r
+            while not end:
+                _, r, end, _, _ = trial.step(base(trial, None))
+                v += r
+        if v > best_v:
+            best, best_v = cand, v
+    assert best is not None
+    return best(env, None)
+
+
+class ModelPlanner:
+    """``rollout_model``: the one-step rollout on ``samples`` futures drawn from the model
+    (:func:`resampled`) with ``algorithm1_tuned`` as the base policy, as an ``EnvPolicy``.
+    The base knob is tuned as ``algorithm1_tuned``'s (once, at the first episode); the
+    futures are drawn from a stream of the episode's seed."""
+
+    def __init__(self, samples: int = 4, knobs: Sequence[float] = ROLLOUT_KNOBS,
+                 name: str = "rollout_model") -> None:
+        if int(samples) < 1:
+            raise ValueError(f"rollout_model needs at least one sampled future, got {samples}")
+        self.name, self.samples = name, int(samples)
+        self._cands = candidates(knobs)
+        self.knob: float | None = None
+        self._base: Rule | None = None
+        self._rng = np.random.default_rng(0)
+
+    def reset(self, env: Any, seed: int) -> None:
+        if not hasattr(env, "shared"):
+            raise ValueError("rollout_model needs smart/MulticastOverTime-v0")
+        if self._base is None:
+            spec = env.spec
+            if spec is None:
+                raise ValueError("rollout_model needs an environment made by gym.make")
+            self.knob, _ = tune_knob(spec.id, spec.kwargs)
+            self._base = _with_knob(self.knob)
+        self._rng = np.random.default_rng([int(seed), 7919])
+
+    def act(self, obs: np.ndarray, env: Any) -> np.ndarray:
+        if self._base is None:
+            raise ValueError("rollout_model: reset(env, seed) before act")
+        futures = [resampled(env, self._rng) for _ in range(self.samples)]
+        return plan(env, self._base, self._cands, futures)
