@@ -191,8 +191,10 @@ def test_learned_runs_are_paired_with_the_tuned_baseline_per_seed(tmp_path) -> N
     t = learned_table(dirs).set_index("run")
     assert t.loc["run0", "learned_vs_algorithm1_tuned_pct"] == pytest.approx(2.0)
     assert t.loc["mean", "learned_vs_algorithm1_tuned_pct"] == pytest.approx(3.0)
-    assert t.loc["mean", "ci95_pct"] == pytest.approx(1.96 * np.std([2.0, 4.0], ddof=1)
-                                                      / np.sqrt(2))
+    from scipy.stats import t as student
+
+    assert t.loc["mean", "ci95_pct"] == pytest.approx(
+        student.ppf(0.975, 1) * np.std([2.0, 4.0], ddof=1) / np.sqrt(2))
     with pytest.raises(FileNotFoundError, match=r"run9 has no per_episode\.csv"):
         learned_table([tmp_path / "run9"])
 
@@ -240,9 +242,10 @@ def test_the_knob_coding_expresses_the_tuned_and_lookahead_baselines_exactly() -
 
 def test_knob_rules_are_tuned_on_tuning_episodes_and_paired_on_test() -> None:
     """``trees.py figures=[overtime_rules]``: one row per rule feature, the threshold the
-    feature's median under ``algorithm1_tuned``, two different knobs of the grid, and the
-    held-out difference paired with ``algorithm1_tuned``; a rule whose two knobs are the
-    tuned one is ``algorithm1_tuned`` itself."""
+    feature's median under ``algorithm1_tuned`` on the tuning episodes, two knobs (equal
+    ones allowed) of the grid and the tuned knob, and the held-out difference paired with
+    ``algorithm1_tuned``; a rule whose two knobs are the tuned one is ``algorithm1_tuned``
+    itself."""
     from agents.trees.overtime import RULE_FEATURES, KnobRule, rule_table
     small = SMALL | {"groups_per_episode": 8}
     t = rule_table(2, small, knobs=(0.0, 0.3), tuning_episodes=2,
@@ -252,7 +255,13 @@ def test_knob_rules_are_tuned_on_tuning_episodes_and_paired_on_test() -> None:
     assert set(t.knob_low) | set(t.knob_high) <= {0.0, 0.3, t.tuned_knob.iloc[0]}
     assert (t.tuning_vs_algorithm1_tuned_pct >= -1e-9).all()  # the tuned knob is a rule
     assert (t.episodes == 2).all() and np.isfinite(t.vs_algorithm1_tuned_pct).all()
-    assert (2 * t.loc["knob_by_active", "threshold"]).is_integer()  # a median of counts
+    from agents.trees.overtime import _Watch
+    from agents.trees.suite import tuning_seeds
+
+    watch = _Watch(t.tuned_knob.iloc[0])
+    run_episodes([watch], "smart/MulticastOverTime-v0", small, tuning_seeds(2))
+    for f in RULE_FEATURES:
+        assert t.loc[f"knob_by_{f}", "threshold"] == pytest.approx(np.median(watch.seen[f]))
     seeds = episode_seeds(0, "test", 2)
     tuned = baseline_policies(["algorithm1_tuned"], small)
     ref = run_episodes(tuned, "smart/MulticastOverTime-v0", small, seeds)
@@ -295,6 +304,36 @@ def test_a_resampled_future_keeps_the_present_and_redraws_what_is_unknown() -> N
     assert all(g.depart > env.shared.now for g in a.shared.active)
     assert np.array_equal(ta.t, b.timeline.t) and not np.array_equal(ta.t, c.timeline.t)
     assert np.array_equal(a.shared.state.loads, env.shared.state.loads)
+    assert [g.depart for g in a.shared.active] != before[2]
+    assert not np.array_equal(ta.n[t + 1:], tl.n[t + 1:])
+    # nothing of the true future leaks: a twin whose unknown future differs resamples to
+    # the same copy, which plays the same episode
+    import copy
+    import dataclasses
+
+    twin = copy.deepcopy(env)
+    g = np.random.default_rng(9)
+    k = len(tl) - t - 1
+    twin.timeline = twin.shared.timeline = dataclasses.replace(
+        twin.timeline, t=np.concatenate([tl.t[:t + 1], tl.t[t] + np.cumsum(g.uniform(
+            0.1, 1.0, k))]), duration=np.concatenate([tl.duration[:t], g.uniform(1, 9, k + 1)]),
+        n=np.concatenate([tl.n[:t + 1], g.integers(5, 40, k)]),
+        rate_gbps=np.concatenate([tl.rate_gbps[:t + 1], g.uniform(0.05, 0.8, k)]))
+    twin.shared.active = [dataclasses.replace(x, depart=x.depart + 1.0)
+                          for x in twin.shared.active]
+    x, y = resampled(env, np.random.default_rng(5)), resampled(twin, np.random.default_rng(5))
+    for f in ("t", "n", "rate_gbps"):
+        assert np.array_equal(getattr(x.timeline, f), getattr(y.timeline, f)), f
+    assert np.array_equal(x.timeline.duration[t:], y.timeline.duration[t:])
+    assert [g.depart for g in x.shared.active] == [g.depart for g in y.shared.active]
+
+    def play(e) -> float:
+        total, done = 0.0, False
+        while not done:
+            _, r, done, _, _ = e.step(np.full(e.action_space.shape, 0.2, np.float32))
+            total += r
+        return total
+    assert play(x) == play(y)
 
 
 def test_planning_table_sets_both_rollouts_beside_the_tuned_baseline() -> None:
@@ -326,6 +365,8 @@ def test_the_model_planner_is_a_baseline_and_a_teacher() -> None:
     b = run_episodes(baseline_policies(["rollout_model"], small), "smart/MulticastOverTime-v0",
                      small, [3, 4])
     assert a["return"].tolist() == b["return"].tolist()
+    again = run_episodes([pol], "smart/MulticastOverTime-v0", small, [4])  # reseeded per episode
+    assert again["return"].tolist() == a["return"].tolist()[1:]
     assert pol.knob is not None
     with pytest.raises(ValueError, match="needs smart/MulticastOverTime-v0"):
         run_episodes(baseline_policies(["rollout_model"], {}), "smart/MulticastTree-v0",

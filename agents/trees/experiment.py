@@ -207,6 +207,9 @@ def run_trees(cfg: DictConfig) -> dict[str, Any]:
     ot = cfg.overtime
     env_over = (cast("dict[str, Any]", OmegaConf.to_container(ot.env)) if ot.get("env")
                 else None)
+    if "overtime_planning" in figures and int(ot.model_samples) < 1:
+        raise ValueError(f"overtime.model_samples must be >= 1 (sampled futures per group), "
+                         f"got {ot.model_samples}")
     if ot.get("learned") and not figures & {"overtime", "overtime_rules", "overtime_planning"}:
         raise ValueError("overtime.learned is read by figures=[overtime], [overtime_rules] or "
                          "[overtime_planning]; none is listed")

@@ -22,6 +22,13 @@ baselines' mean value on that run's own test episodes (``per_episode.csv``) and 
 policy's paired difference against ``algorithm1_tuned``; a last row ``mean`` averages the
 runs, with the 95% interval over them.
 
+**Planning** (``python trees.py figures=[overtime_planning]``): the one-step rollout on the
+episode's own future (clairvoyant) and on futures drawn from the model
+(:class:`agents.trees.planner.ModelPlanner`, ``rollout_model``: a policy that uses only what
+a controller knows), beside ``algorithm1_tuned`` and ``lookahead`` on the same held-out
+episodes; ``overtime_planning.csv``: per policy, the mean value and the paired difference
+against ``algorithm1_tuned`` with its 95% interval.
+
 **Knob rules** (``python trees.py figures=[overtime_rules]``): whether the knob has room that
 depends on what a controller sees. Each rule is Algorithm 1's order with one of two load
 knobs, switched on one feature of the arriving group's moment: the mean background over
@@ -48,6 +55,7 @@ import pandas as pd
 from omegaconf import OmegaConf
 
 import envs  # noqa: F401  (registers smart/*)
+from envs.stats import ci95
 
 from ..config import CONFIG_DIR
 from ..episodes import episode_seeds, run_episodes
@@ -119,7 +127,7 @@ def planning_table(episodes: int, samples: int, env_overrides: Mapping[str, Any]
     out = []
     for pol, d in df.groupby("policy", sort=False):
         dv = (d.set_index("seed").value / ref.reindex(d.seed).to_numpy() - 1.0).to_numpy()
-        half = 1.96 * float(dv.std(ddof=1)) / np.sqrt(dv.size) if dv.size > 1 else np.nan
+        half = ci95(dv)
         out.append({"policy": pol, "sees_future": pol == "rollout",
                     "samples": int(samples) if pol == "rollout_model" else 0,
                     "episodes": int(dv.size), "value": float(d.value.mean()),
@@ -155,12 +163,12 @@ def overtime_tables(episodes: int, rollout_episodes: int,
 def _summary(df: pd.DataFrame) -> pd.DataFrame:
     """Per policy: episodes, mean value and share of the bound, and the paired difference
     of the value against ``algorithm1_tuned`` (percent, over the episodes both ran, with a
-    95% normal interval)."""
+    95% interval, Student's t)."""
     ref = df[df.policy == "algorithm1_tuned"].set_index("seed").value
     out = []
     for pol, d in df.groupby("policy", sort=False):
         dv = (d.set_index("seed").value / ref.reindex(d.seed).to_numpy() - 1.0).dropna()
-        half = 1.96 * float(dv.std(ddof=1)) / np.sqrt(len(dv)) if len(dv) > 1 else np.nan
+        half = ci95(dv.to_numpy())
         out.append({"policy": pol, "episodes": len(d), "value": float(d.value.mean()),
                     "of_bound": float((d.value / d.bound).mean()),
                     "vs_algorithm1_tuned_pct": 100.0 * float(dv.mean()),
@@ -178,7 +186,7 @@ def learned_table(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
         f = Path(d) / "per_episode.csv"
         if not f.is_file():
             raise FileNotFoundError(f"overtime.learned: {d} has no per_episode.csv (not a "
-                                    "finished train.py env=trees_time run)")
+                                    "finished train.py env=trees_time* run)")
         df = pd.read_csv(f)
         if "learned" not in set(df.policy) or "algorithm1_tuned" not in set(df.policy):
             raise ValueError(f"overtime.learned: {f} lacks the learned policy or "
@@ -192,7 +200,7 @@ def learned_table(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
                      "learned_vs_algorithm1_tuned_pct": 100.0 * float(diff.mean())})
     out = pd.DataFrame(rows)
     d = out["learned_vs_algorithm1_tuned_pct"]
-    half = 1.96 * float(d.std(ddof=1)) / np.sqrt(len(d)) if len(d) > 1 else np.nan
+    half = ci95(d.to_numpy())
     mean = {"run": "mean", "episodes": int(out.episodes.sum()),
             **{c: float(out[c].mean()) for c in out.columns if c not in ("run", "episodes")},
             "ci95_pct": half}
@@ -289,7 +297,7 @@ def rule_table(episodes: int, env_overrides: Mapping[str, Any] | None = None,
         best = cands[int(np.argmax(means))]
         got = run_episodes([best], ENV_ID, kw, test).set_index("seed").value
         d = (got / ref.reindex(got.index) - 1.0).to_numpy()
-        half = 1.96 * float(d.std(ddof=1)) / np.sqrt(d.size) if d.size > 1 else np.nan
+        half = ci95(d)
         rows.append({"rule": best.name, "visible": visible, "threshold": thr,
                      "knob_low": best.knobs[0], "knob_high": best.knobs[1],
                      "tuned_knob": float(knob),

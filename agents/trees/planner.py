@@ -7,11 +7,11 @@ and the candidate with the best mean return is taken.
 * On the episode's own future (``futures=None`` in :func:`plan`) the rollout is clairvoyant:
   an achievable value, not a policy a controller could run
   (:func:`agents.trees.overtime.rollout_episode`).
-* On futures drawn from the model (:func:`resampled`: the holding times, the active groups'
-  remaining stays and the groups to come drawn afresh; the present and the known background
-  kept) it is a policy: :class:`ModelPlanner` (``rollout_model``), which uses only what a
-  controller knows. The same futures score every candidate of a group (common random
-  numbers).
+* On futures drawn from the model (:func:`resampled`: the arriving group's holding time,
+  the active groups' remaining stays and the groups to come drawn afresh; the present and
+  the known background kept) it is a policy: :class:`ModelPlanner` (``rollout_model``),
+  which uses only what a controller knows. The same futures score every candidate of a
+  group (common random numbers).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+
+from envs.seeding import rng
 
 from .suite import TUNED, _with_knob, tune_knob
 
@@ -40,11 +42,12 @@ def candidates(knobs: Sequence[float] = ROLLOUT_KNOBS) -> list[Rule]:
 
 
 def resampled(env: Any, rng: np.random.Generator) -> Any:
-    """A copy of ``env`` (unwrapped, before placing group ``env.t``) whose future is drawn
-    afresh from the model a controller knows, not the episode's own: the arriving group's
-    holding time, the active groups' remaining ones (exponential, hence memoryless) and the
-    groups after it (arrival gaps, sizes, rates, holding times); the known background is
-    kept."""
+    """A copy of ``env`` (unwrapped, before placing group ``env.t``) whose unknown future is
+    drawn afresh from the model a controller knows, not the episode's own: the arriving
+    group's holding time, the active groups' remaining ones (exponential, hence memoryless)
+    and the groups after it (arrival gaps, sizes, rates, holding times); the known
+    background is kept. The past groups' holding times stay as they were: only the copy's
+    terminal ``bound`` metric reads them, never a decision."""
     trial = copy.deepcopy(env)
     tl, spec, t = trial.timeline, trial.timeline_spec, trial.t
     k = len(tl) - t - 1
@@ -112,7 +115,7 @@ class ModelPlanner:
                 raise ValueError("rollout_model needs an environment made by gym.make")
             self.knob, _ = tune_knob(spec.id, spec.kwargs)
             self._base = _with_knob(self.knob)
-        self._rng = np.random.default_rng([int(seed), 7919])
+        self._rng = rng(int(seed), "rollout-model")
 
     def act(self, obs: np.ndarray, env: Any) -> np.ndarray:
         if self._base is None:

@@ -1,6 +1,7 @@
 """The learning contract's suite for ``smart/MulticastTree-v0`` (``configs/env/trees.yaml``) and
-``smart/MulticastOverTime-v0`` (``configs/env/trees_time.yaml``): the baselines the learned
-policy is compared with over whole group sequences.
+``smart/MulticastOverTime-v0`` (``configs/env/trees_time.yaml``, ``trees_time_knob.yaml``,
+``trees_time_planner.yaml``): the baselines the learned policy is compared with over whole
+group sequences, and the teachers of its demonstrations.
 
 Every baseline returns an action (most through
 :meth:`envs.trees.env.MulticastTreeEnv.encode`), so the environment builds the same trees it
@@ -175,7 +176,8 @@ class TreePolicy:
 
     def __init__(self, name: str) -> None:
         if name not in BASELINES and name not in TUNED:
-            raise ValueError(f"unknown tree baseline {name!r}; known: "
+            hint = " (a planner: ask baseline_policies for it)" if name in PLANNERS else ""
+            raise ValueError(f"unknown tree baseline {name!r}{hint}; known: "
                              f"{', '.join([*BASELINES, *TUNED, *PLANNERS])}")
         self.name = name
         self._act = BASELINES.get(name)

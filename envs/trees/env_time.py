@@ -4,7 +4,8 @@ load follows the time of day.
 
 A thin gymnasium wrapper over :mod:`envs.trees.timeline` (the arrivals, departures and
 background) with the action coding of ``smart/MulticastTree-v0``
-(:class:`envs.trees.env.MulticastTreeEnv`, which stays the per-group benchmark).
+(:class:`envs.trees.env.MulticastTreeEnv`, which stays the per-group benchmark) or a compact
+one (``action="knob"``).
 
 ## Description
 Groups arrive as a Poisson process and stay for an exponential holding time the policy does
@@ -22,7 +23,7 @@ scored at or below ``exclude_below`` or without room are left out, the rest take
 descending score by Algorithm 1.
 
 ``action="knob"``: ``Box(-1, 1, (2,), float32)``, the per-group choices of the one-step
-rollout (:mod:`agents.trees.overtime`) made continuous: ``a[0]`` blends the order, ``a[1]``
+rollout (:mod:`agents.trees.planner`) made continuous: ``a[0]`` blends the order, ``a[1]``
 is the load knob. Every node with room is a candidate, taken by ascending
 ``(1 - u) w_now + u w_stay`` with ``u = (1 + a[0]) / 2``: ``w_now`` the current weights
 (``a[0] = -1``: Algorithm 1's order), ``w_stay`` the expected weights over a stay of the mean
