@@ -23,8 +23,6 @@ from typing import Any
 
 import numpy as np
 
-from envs.seeding import rng
-
 from .suite import TUNED, _with_knob, tune_knob
 
 __all__ = ["ROLLOUT_KNOBS", "ModelPlanner", "candidates", "plan", "resampled"]
@@ -115,7 +113,9 @@ class ModelPlanner:
                 raise ValueError("rollout_model needs an environment made by gym.make")
             self.knob, _ = tune_knob(spec.id, spec.kwargs)
             self._base = _with_knob(self.knob)
-        self._rng = rng(int(seed), "rollout-model")
+        # the futures' own stream under the episode seed (7919 names it; the policy's
+        # demonstrations and tables were drawn from this stream)
+        self._rng = np.random.default_rng([int(seed), 7919])
 
     def act(self, obs: np.ndarray, env: Any) -> np.ndarray:
         if self._base is None:
