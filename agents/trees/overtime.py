@@ -99,6 +99,14 @@ def rollout_episode(env_kwargs: Mapping[str, Any], seed: int, base_knob: float,
     return {"return": total, **info["episode_metrics"]}
 
 
+def _paired_pct(values: pd.Series, ref: pd.Series) -> tuple[float, float, int]:
+    """The paired difference of ``values`` against ``ref`` (both indexed by episode seed),
+    as a percent of ``ref``, over the seeds both have: its mean, the half-width of its 95%
+    interval (Student's t, :func:`envs.stats.ci95`) and the number of pairs."""
+    d = (values / ref.reindex(values.index).to_numpy() - 1.0).dropna().to_numpy()
+    return 100.0 * float(d.mean()), 100.0 * ci95(d), int(d.size)
+
+
 def planning_table(episodes: int, samples: int, env_overrides: Mapping[str, Any] | None = None,
                    say=print) -> pd.DataFrame:
     """The one-step rollout on the episode's own future (clairvoyant) and on ``samples``
@@ -112,7 +120,7 @@ def planning_table(episodes: int, samples: int, env_overrides: Mapping[str, Any]
     rows = [{"policy": r.policy, "seed": int(r.seed), "value": float(r.value)}
             for r in run_episodes(baseline_policies(["algorithm1_tuned", "lookahead"], kw),
                                   ENV_ID, kw, seeds).itertuples()]
-    planner = ModelPlanner(samples)
+    planner = ModelPlanner(samples, knob=knob)
     for i, s in enumerate(seeds):
         t0 = time.perf_counter()
         rows.append({"policy": "rollout", "seed": int(s),
@@ -126,13 +134,11 @@ def planning_table(episodes: int, samples: int, env_overrides: Mapping[str, Any]
     ref = df[df.policy == "algorithm1_tuned"].set_index("seed").value
     out = []
     for pol, d in df.groupby("policy", sort=False):
-        dv = (d.set_index("seed").value / ref.reindex(d.seed).to_numpy() - 1.0).to_numpy()
-        half = ci95(dv)
+        pct, half, n = _paired_pct(d.set_index("seed").value, ref)
         out.append({"policy": pol, "sees_future": pol == "rollout",
                     "samples": int(samples) if pol == "rollout_model" else 0,
-                    "episodes": int(dv.size), "value": float(d.value.mean()),
-                    "vs_algorithm1_tuned_pct": 100.0 * float(dv.mean()),
-                    "vs_algorithm1_tuned_ci95_pct": 100.0 * half})
+                    "episodes": n, "value": float(d.value.mean()),
+                    "vs_algorithm1_tuned_pct": pct, "vs_algorithm1_tuned_ci95_pct": half})
     return pd.DataFrame(out)
 
 
@@ -167,12 +173,10 @@ def _summary(df: pd.DataFrame) -> pd.DataFrame:
     ref = df[df.policy == "algorithm1_tuned"].set_index("seed").value
     out = []
     for pol, d in df.groupby("policy", sort=False):
-        dv = (d.set_index("seed").value / ref.reindex(d.seed).to_numpy() - 1.0).dropna()
-        half = ci95(dv.to_numpy())
+        pct, half, _ = _paired_pct(d.set_index("seed").value, ref)
         out.append({"policy": pol, "episodes": len(d), "value": float(d.value.mean()),
                     "of_bound": float((d.value / d.bound).mean()),
-                    "vs_algorithm1_tuned_pct": 100.0 * float(dv.mean()),
-                    "vs_algorithm1_tuned_ci95_pct": 100.0 * half})
+                    "vs_algorithm1_tuned_pct": pct, "vs_algorithm1_tuned_ci95_pct": half})
     return pd.DataFrame(out)
 
 
@@ -285,26 +289,23 @@ def rule_table(episodes: int, env_overrides: Mapping[str, Any] | None = None,
     watch = _Watch(knob)
     ref_tune = float(run_episodes([watch], ENV_ID, kw, tuning)["return"].mean())
     ref = run_episodes([_Watch(knob)], ENV_ID, kw, test).set_index("seed").value
+    # one knob for both levels first: a tie goes to the simpler rule
+    pairs = [(k, k) for k in knobs] + [(lo, hi) for lo in knobs for hi in knobs if lo != hi]
     rows = []
     for feature, (_, visible) in RULE_FEATURES.items():
         t0 = time.perf_counter()
         thr = float(np.median(watch.seen[feature]))
-        # one knob for both levels first: a tie goes to the simpler rule
-        pairs = [(k, k) for k in knobs] + [(lo, hi) for lo in knobs for hi in knobs
-                                           if lo != hi]
         cands = [KnobRule(feature, thr, lo, hi) for lo, hi in pairs]
         means = [float(run_episodes([c], ENV_ID, kw, tuning)["return"].mean()) for c in cands]
         best = cands[int(np.argmax(means))]
         got = run_episodes([best], ENV_ID, kw, test).set_index("seed").value
-        d = (got / ref.reindex(got.index) - 1.0).to_numpy()
-        half = ci95(d)
+        pct, half, n = _paired_pct(got, ref)
         rows.append({"rule": best.name, "visible": visible, "threshold": thr,
                      "knob_low": best.knobs[0], "knob_high": best.knobs[1],
                      "tuned_knob": float(knob),
                      "tuning_vs_algorithm1_tuned_pct": 100.0 * (max(means) / ref_tune - 1.0),
-                     "episodes": int(d.size), "value": float(got.mean()),
-                     "vs_algorithm1_tuned_pct": 100.0 * float(d.mean()),
-                     "vs_algorithm1_tuned_ci95_pct": 100.0 * half})
+                     "episodes": n, "value": float(got.mean()),
+                     "vs_algorithm1_tuned_pct": pct, "vs_algorithm1_tuned_ci95_pct": half})
         say(f"overtime rules: {best.name} tuned and measured in "
             f"{time.perf_counter() - t0:.0f} s")
     return pd.DataFrame(rows)

@@ -91,17 +91,18 @@ def plan(env: Any, base: Rule, cands: Sequence[Rule], futures: Sequence[Any] | N
 class ModelPlanner:
     """``rollout_model``: the one-step rollout on ``samples`` futures drawn from the model
     (:func:`resampled`) with ``algorithm1_tuned`` as the base policy, as an ``EnvPolicy``.
-    The base knob is tuned as ``algorithm1_tuned``'s (once, at the first episode); the
-    futures are drawn from a stream of the episode's seed."""
+    The base knob is ``knob`` or, if None, tuned as ``algorithm1_tuned``'s (once, at the
+    first episode); the futures are drawn from a stream of the episode's seed."""
 
     def __init__(self, samples: int = 4, knobs: Sequence[float] = ROLLOUT_KNOBS,
-                 name: str = "rollout_model") -> None:
+                 name: str = "rollout_model", knob: float | None = None) -> None:
         if int(samples) < 1:
             raise ValueError(f"rollout_model needs at least one sampled future, got {samples}")
         self.name, self.samples = name, int(samples)
         self._cands = candidates(knobs)
-        self.knob: float | None = None
-        self._base: Rule | None = None
+        #: the base policy's knob (``knob``: one a caller already tuned the same way)
+        self.knob: float | None = None if knob is None else float(knob)
+        self._base: Rule | None = None if knob is None else _with_knob(float(knob))
         self._rng = np.random.default_rng(0)
 
     def reset(self, env: Any, seed: int) -> None:
