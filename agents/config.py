@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -9,13 +10,19 @@ from omegaconf import DictConfig, OmegaConf
 
 from envs.dsmd.scenarios import ScenarioSpec
 
-__all__ = ["CONFIG_DIR", "PROJECT_ROOT", "output_dir", "scenario_spec", "to_dict"]
+__all__ = ["CONFIG_DIR", "PROJECT_ROOT", "default_workers", "output_dir", "scenario_spec",
+           "to_dict"]
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = PROJECT_ROOT / "configs"
 
 if not OmegaConf.has_resolver("project_root"):
     OmegaConf.register_new_resolver("project_root", lambda: str(PROJECT_ROOT))
+
+
+def default_workers(cap: int = 4) -> int:
+    """The processes a ``workers: null`` setting means: the usable cores, at most ``cap``."""
+    return max(1, min(len(os.sched_getaffinity(0)), int(cap)))
 
 
 def to_dict(node: Any) -> Any:

@@ -3,7 +3,8 @@
 the per-episode table every comparison is built from.
 
 A sub-problem's *suite* is a module named by ``env.suite`` in its ``configs/env/*.yaml``
-exposing ``baseline_policies(names, env_kwargs) -> list[EnvPolicy]``. A baseline acts on the
+exposing ``baseline_policies(names, env_kwargs, workers=1) -> list[EnvPolicy]`` (``workers``:
+the processes a slow, planning baseline may use). A baseline acts on the
 *unwrapped* environment, so it may read the simulator's state (service-node loads, queues)
 that the observation only summarises; the learned actor sees the observation alone.
 
@@ -14,6 +15,7 @@ of the episode's summary metrics; they become columns of the table beside the re
 from __future__ import annotations
 
 import importlib
+import inspect
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import ModuleType
@@ -75,9 +77,13 @@ def load_suite(module: str) -> ModuleType:
         mod = importlib.import_module(module)
     except ImportError as e:
         raise SuiteError(f"env.suite: cannot import suite module {module!r}: {e}") from None
-    if not callable(getattr(mod, "baseline_policies", None)):
+    fn = getattr(mod, "baseline_policies", None)
+    if not callable(fn):
         raise SuiteError(f"env.suite: module {module!r} has no baseline_policies(names, "
-                         "env_kwargs) function")
+                         "env_kwargs, workers=1) function")
+    if "workers" not in inspect.signature(fn).parameters:
+        raise SuiteError(f"env.suite: {module}.baseline_policies takes no workers argument "
+                         "(the contract is baseline_policies(names, env_kwargs, workers=1))")
     return mod
 
 

@@ -404,10 +404,6 @@ def format_online_table(summary: pd.DataFrame) -> str:
     return "\n".join([line(head), line(["-" * w for w in widths]), *map(line, body)])
 
 
-def default_workers() -> int:
-    return max(1, min(len(os.sched_getaffinity(0)), 4))
-
-
 # ---------------------------------------------------------------------- exact bound
 def exact_bound(trace: OnlineTrace, cost: OnlineCost, horizon: int, time_limit_s: float,
                 max_variables: int, windows: int | None = None) -> dict[str, Any]:

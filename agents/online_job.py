@@ -29,12 +29,11 @@ from envs.dsmd.dataset import DatasetSpec, TraceDataset, build_dataset, load_dat
 from envs.dsmd.errors import DSMDError
 from envs.dsmd.online import OnlineCost
 
-from .config import output_dir, to_dict
+from .config import default_workers, output_dir, to_dict
 from .online_eval import (
     DeciderSpec,
     ci95,
     compose_oracle,
-    default_workers,
     evaluate_online,
     exact_bounds,
     format_online_table,

@@ -10,13 +10,15 @@ Episodes are seeded from ``seed`` through disjoint streams (training episodes by
 learner never sees an evaluation episode. Model selection: the actor with the best mean
 validation return is evaluated and exported. ``agent.demonstrations`` names a baseline whose
 episodes become DDPGfD demonstrations (behaviour-cloning pre-training and demonstration rows in
-every batch, as on DSMD).
+every batch, as on DSMD); ``agent.dagger_rounds`` adds, per round, the teacher's actions on
+the states the cloned actor itself visits (DAgger), each with the reward and next
+observation that action would have had.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -28,7 +30,7 @@ import numpy as np
 import pandas as pd
 from omegaconf import DictConfig
 
-from .config import output_dir, to_dict
+from .config import default_workers, output_dir, to_dict
 from .episodes import (
     ActorEnvPolicy,
     EnvPolicy,
@@ -64,14 +66,37 @@ def make_subproblem_env(env_ctx: Any):
     return gym.make(kw.pop("env_id"), **kw)
 
 
+def _labelled(policy: EnvPolicy, env: Any, seed: int, roll_in: EnvPolicy
+              ) -> Iterator[tuple[np.ndarray, np.ndarray, float, np.ndarray, bool]]:
+    """One episode that follows ``roll_in``: at every state, ``policy``'s action with the
+    reward, next observation and end that action has on a copy of the environment."""
+    obs, _ = env.reset(seed=int(seed))
+    policy.reset(env.unwrapped, int(seed))
+    roll_in.reset(env.unwrapped, int(seed))
+    done = False
+    while not done:
+        a = policy.act(obs, env.unwrapped)
+        twin = copy.deepcopy(env.unwrapped)
+        nxt, r, term, _, _ = twin.step(a)
+        yield obs, a, float(r), nxt, bool(term)
+        obs, _, term, trunc, _ = env.step(roll_in.act(obs, env.unwrapped))
+        done = term or trunc
+
+
 def episode_demonstrations(policy: EnvPolicy, env_id: str, env_kwargs: Mapping[str, Any],
-                           seeds: list[int]) -> dict[str, np.ndarray]:
-    """Transitions (obs, actions, rewards, next_obs, terminateds) of ``policy``'s episodes."""
+                           seeds: list[int], roll_in: EnvPolicy | None = None
+                           ) -> dict[str, np.ndarray]:
+    """Transitions (obs, actions, rewards, next_obs, terminateds) of ``policy``'s episodes;
+    with ``roll_in``, of ``policy``'s actions on the states of ``roll_in``'s episodes
+    (DAgger, Ross et al. 2011: the states a learner reaches, labelled by the teacher)."""
     env = make_subproblem_env({"env_id": env_id, **env_kwargs})
     cols: dict[str, list] = {k: [] for k in ("obs", "actions", "rewards", "next_obs",
                                             "terminateds")}
     for s in seeds:
-        for obs, a, r, nxt, term, _, _ in play_episode(policy, env, s):
+        steps = (((obs, a, r, nxt, term) for obs, a, r, nxt, term, _, _
+                  in play_episode(policy, env, s)) if roll_in is None
+                 else _labelled(policy, env, s, roll_in))
+        for obs, a, r, nxt, term in steps:
             for k, v in zip(cols, (obs, np.asarray(a, np.float32), r, nxt, float(term))):
                 cols[k].append(v)
     env.close()
@@ -123,7 +148,8 @@ def evaluate_env_baselines(cfg: DictConfig) -> dict[str, Any]:
     seed_everything(seed)
     out = output_dir(cfg)
     env_kwargs = dict(to_dict(e.get("kwargs")) or {})
-    baselines = load_suite(str(e.suite)).baseline_policies(list(e.baselines), env_kwargs)
+    baselines = load_suite(str(e.suite)).baseline_policies(list(e.baselines), env_kwargs,
+                                                           workers=_workers(e))
     test_seeds = episode_seeds(seed, "test", int(e.get("eval_episodes", 10)))
     run_name = cfg.get("run_name") or f"{str(e.id).split('/')[-1]}__baselines__{seed}"
     with tracked_run(cfg, run_name=run_name, tags={"env": str(e.id), "task": "baselines",
@@ -134,6 +160,13 @@ def evaluate_env_baselines(cfg: DictConfig) -> dict[str, Any]:
                           "episodes)")
     return {"summary": summary, "per_episode": per_ep, "run_id": log.run_id,
             "output_dir": out}
+
+
+def _workers(env_cfg: Any) -> int:
+    """``env.workers``: processes a slow (planning) baseline or teacher may use; null: the
+    usable cores (at most 10, a planner's candidates)."""
+    w = env_cfg.get("workers")
+    return int(w) if w is not None else default_workers(cap=10)
 
 
 class EpisodeTask:
@@ -154,7 +187,10 @@ class EpisodeTask:
                              "(use agent=ddpg, sac or ppo)")
         self.env_id, self.env_kwargs = str(e.id), dict(to_dict(e.get("kwargs")) or {})
         self.suite = load_suite(str(e.suite))
-        self.baselines = self.suite.baseline_policies(list(e.baselines), self.env_kwargs)
+        self.workers = _workers(e)
+        self.baselines = self.suite.baseline_policies(list(e.baselines), self.env_kwargs,
+                                                      workers=self.workers)
+        self._teachers: dict[str, EnvPolicy] = {}
         self.val_seeds = episode_seeds(seed, "validation", int(e.get("val_episodes", 3)))
         self.test_seeds = episode_seeds(seed, "test", int(e.get("eval_episodes", 10)))
         probe = make_subproblem_env({"env_id": self.env_id, **self.env_kwargs})
@@ -182,11 +218,26 @@ class EpisodeTask:
 
         return ActorEnvPolicy(torch_scorer(scores), name="learned")
 
+    def _teacher(self, name: str) -> EnvPolicy:
+        """The teacher ``name``, built once (a tuned or planning teacher tunes once)."""
+        if name not in self._teachers:
+            self._teachers[name] = self.suite.baseline_policies([name], self.env_kwargs,
+                                                                workers=self.workers)[0]
+        return self._teachers[name]
+
     def demonstrations(self, teacher: str) -> dict[str, np.ndarray]:
-        pol = self.suite.baseline_policies([teacher], self.env_kwargs)[0]
-        return episode_demonstrations(pol, self.env_id, self.env_kwargs,
+        return episode_demonstrations(self._teacher(teacher), self.env_id, self.env_kwargs,
                                       episode_seeds(self.seed, "demo",
                                                     int(self.cfg.env.get("demo_episodes", 20))))
+
+    def dagger_demonstrations(self, teacher: str, roll_in: EnvPolicy, round_: int
+                              ) -> dict[str, np.ndarray]:
+        """DAgger round ``round_``: ``teacher``'s actions on the states of ``roll_in``'s
+        episodes (``env.dagger_episodes`` of them, their own seed stream per round)."""
+        n = int(self.cfg.env.get("dagger_episodes", 4))
+        return episode_demonstrations(self._teacher(teacher), self.env_id, self.env_kwargs,
+                                      episode_seeds(self.seed, f"dagger-{int(round_)}", n),
+                                      roll_in=roll_in)
 
     def validate(self, policy: Any) -> tuple[dict[str, float], float]:
         v = summarize_episodes(run_episodes([policy], self.env_id, self.env_kwargs,

@@ -19,6 +19,11 @@ demonstrations, the held-out evaluation and the export), chosen from ``env``:
                               environment, seeded episodes; its baselines; ``actor.onnx``
 ============================  ==============================================================
 
+With ``agent.demonstrations`` the actor starts as a clone of the teacher (DDPGfD); with
+``agent.dagger_rounds`` (a task with ``dagger_demonstrations``: the sub-problems), each
+round labels the clone's own states with the teacher's actions and clones again (DAgger,
+Ross et al. 2011) before reinforcement learning starts.
+
 The learner never sees a validation or test trace, window or episode. Progress is printed
 every ``agent.log_every_s`` seconds with rates.
 """
@@ -226,6 +231,14 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
     a = cfg.agent
     name = str(a.name)
     task = make_task(cfg, out)
+    rounds = int(a.get("dagger_rounds") or 0)
+    dagger = getattr(task, "dagger_demonstrations", None)  # the sub-problems' teachers
+    if rounds < 0 or (rounds and not (a.get("demonstrations") and name == "ddpg"
+                                      and a.training.get("bc_pretrain_steps") and dagger)):
+        raise DSMDError(f"agent.dagger_rounds={rounds}: DAgger rounds (>= 0) need agent=ddpg "
+                        "with agent.demonstrations, agent.training.bc_pretrain_steps > 0 and "
+                        "a sub-problem env (env.suite) whose teacher labels the learner's "
+                        "states")
     ray_cfg = cfg.get("ray") or {}
     ray.init(address=ray_cfg.get("address"), num_cpus=ray_cfg.get("num_cpus"),
              include_dashboard=False, log_to_driver=False, logging_level="WARNING",
@@ -256,6 +269,16 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
                 print(f"[train] behaviour-cloning pre-training: "
                       f"{algo.config.bc_pretrain_steps:,} steps in "
                       f"{time.perf_counter() - t:.0f} s, loss {loss:.4f}", flush=True)
+            for k in range(1, rounds + 1):  # DAgger: the teacher on the clone's own states
+                t = time.perf_counter()
+                more = dagger(str(demo), policy, k)
+                d = {c: np.concatenate([d[c], more[c]]) for c in d}
+                algo.add_demonstrations(**d)
+                loss = algo.pretrain_actor()
+                print(f"[train] DAgger round {k}/{rounds}: {len(more['obs']):,} states of the "
+                      f"clone labelled by {demo} ({len(d['obs']):,} demonstration transitions), "
+                      f"re-cloned in {time.perf_counter() - t:.0f} s, loss {loss:.4f}",
+                      flush=True)
         total, t0 = int(a.total_steps), time.perf_counter()
         print(task.header(name, total) + f"; output: {out}", flush=True)
         with tracked_run(cfg, run_name=task.run_name,

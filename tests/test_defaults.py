@@ -36,11 +36,14 @@ NOT_CONSTRUCTOR = {
                         "observation"},
     "trees_time_planner": {"id", "suite", "baselines", "eval_episodes", "val_episodes",
                            "observation", "demo_episodes"},
+    "trees_time_dagger": {"id", "suite", "baselines", "eval_episodes", "val_episodes",
+                          "observation", "demo_episodes", "dagger_episodes", "workers"},
 }
 # a config that is another's variant: the constructor it configures and the arguments it
 # sets away from their defaults on purpose (every other key must still equal its default)
 VARIANTS = {"trees_time_knob": ("trees_time", {"action": "knob"}),
-            "trees_time_planner": ("trees_time", {"action": "knob"})}
+            "trees_time_planner": ("trees_time", {"action": "knob"}),
+            "trees_time_dagger": ("trees_time", {"action": "knob"})}
 # where a config key is passed to the constructor under another name or path
 RENAMED = {
     "online": {"control.max_headroom": "max_headroom", "control.max_horizon": "max_horizon",

@@ -5,6 +5,8 @@ and the exported ONNX actor run by ONNX Runtime."""
 
 from __future__ import annotations
 
+import sys
+import types
 from pathlib import Path
 
 import gymnasium as gym
@@ -71,7 +73,7 @@ class _Zero(_Oracle):
         return np.zeros(2, np.float32)
 
 
-def baseline_policies(names, env_kwargs):
+def baseline_policies(names, env_kwargs, workers=1):
     known = {"oracle": _Oracle, "zero": _Zero}
     for n in names:
         if n not in known:
@@ -97,17 +99,54 @@ def _cfg(tmp_path: Path, overrides: list[str]):
             *([] if "agent=baselines" in overrides else AGENT), *overrides])
     OmegaConf.update(cfg, "env", {"id": TOY_ID, "suite": __name__, "kwargs": {"horizon": 8},
                                   "baselines": ["oracle", "zero"], "eval_episodes": 4,
-                                  "val_episodes": 2, "demo_episodes": 30}, merge=False)
+                                  "val_episodes": 2, "demo_episodes": 30,
+                                  "dagger_episodes": 5}, merge=False)
     return cfg
 
 
-def test_suite_contract_errors():
+def test_suite_contract_errors(monkeypatch):
     with pytest.raises(SuiteError, match="cannot import"):
         load_suite("no.such.module")
     with pytest.raises(SuiteError, match="no baseline_policies"):
         load_suite("json")
     with pytest.raises(SuiteError, match="unknown baseline 'x'"):
         baseline_policies(["x"], {})
+    old = types.ModuleType("old_suite")  # the contract before workers
+    old.baseline_policies = lambda names, env_kwargs: []  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "old_suite", old)
+    with pytest.raises(SuiteError, match="takes no workers argument"):
+        load_suite("old_suite")
+
+
+def test_dagger_labels_the_roll_in_policys_states_with_the_teachers_actions():
+    """With ``roll_in`` the states are those of the roll-in policy's own episode; each row
+    holds the teacher's action there and what that action earns (the oracle's 0), not what
+    the roll-in policy did."""
+    from agents.episodes import play_episode
+    from agents.task_episodes import episode_demonstrations
+
+    oracle, zero = baseline_policies(["oracle", "zero"], {})
+    d = episode_demonstrations(oracle, TOY_ID, {"horizon": 8}, [5, 6], roll_in=zero)
+    own = [(o, r) for s in (5, 6) for o, _, r, *_ in
+           play_episode(zero, gym.make(TOY_ID, horizon=8), s)]
+    np.testing.assert_array_equal(d["obs"], np.stack([o for o, _ in own]))
+    assert all(r < 0 for _, r in own)  # the roll-in policy's own rewards
+    np.testing.assert_array_equal(d["rewards"], 0.0)  # the teacher's, at the same states
+    np.testing.assert_array_equal(d["actions"], d["obs"][:, :2])
+    np.testing.assert_array_equal(d["next_obs"][:7], d["obs"][1:8])  # the same episode
+    assert d["terminateds"].tolist() == ([0.0] * 7 + [1.0]) * 2
+    plain = episode_demonstrations(oracle, TOY_ID, {"horizon": 8}, [5, 6])
+    np.testing.assert_array_equal(plain["obs"], d["obs"])  # the toy's states ignore actions
+
+
+def test_dagger_rounds_are_refused_without_a_teacher_before_training(tmp_path):
+    from envs.dsmd.errors import DSMDError
+
+    for bad in (["agent.dagger_rounds=1", "agent.demonstrations=null"],
+                ["agent.dagger_rounds=-1"],
+                ["agent.dagger_rounds=1", "agent.training.bc_pretrain_steps=0"]):
+        with pytest.raises(DSMDError, match="dagger_rounds"):
+            run_training(_cfg(tmp_path, bad))
 
 
 def test_run_episodes_table_and_determinism():
@@ -123,11 +162,14 @@ def test_run_episodes_table_and_determinism():
 
 
 @pytest.mark.slow  # a DDPG training run (the trainer stays covered by test_online_job.py)
-def test_train_on_toy_env_end_to_end(tmp_path):
+def test_train_on_toy_env_end_to_end(tmp_path, capsys):
     import onnxruntime as ort
 
-    cfg = _cfg(tmp_path, ["run_name=toy"])
+    cfg = _cfg(tmp_path, ["run_name=toy", "agent.dagger_rounds=1"])
     res = run_training(cfg)
+    # one DAgger round: the oracle labels 5 episodes of the clone's own states
+    assert "DAgger round 1/1: 40 states of the clone labelled by oracle (280 " in (
+        capsys.readouterr().out)
     s = res["summary"].set_index("policy")
     assert list(s.index) == ["oracle", "zero", "learned"]
     # cloned from the oracle (then DDPG): far better than doing nothing

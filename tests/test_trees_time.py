@@ -375,3 +375,66 @@ def test_the_model_planner_is_a_baseline_and_a_teacher() -> None:
         ModelPlanner(samples=0)
     with pytest.raises(ValueError, match=r"known: .*rollout_model"):
         baseline_policies(["rollout_models"], small)
+
+
+def test_the_planner_chooses_the_same_with_any_number_of_workers() -> None:
+    """``rollout_model`` with 2 processes scoring the candidates takes the same action at
+    every group as in one process, and both are the plain one-step rollout written out here
+    (every candidate on the same sampled futures, the first best kept); the trial copies
+    skip the terminal metrics without changing a reward."""
+    import copy
+
+    from agents.trees.planner import ModelPlanner, candidates, resampled
+    from agents.trees.suite import _with_knob
+
+    small = SMALL | {"groups_per_episode": 5, "action": "knob"}
+    base = _with_knob(0.15)
+
+    def rollout(env, futures):
+        values = []
+        for cand in candidates():
+            v = 0.0
+            for world in futures:
+                trial = copy.deepcopy(world)
+                _, r, end, _, info = trial.step(cand(trial, None))
+                v += r
+                while not end:
+                    _, r, end, _, info = trial.step(base(trial, None))
+                    v += r
+                assert "episode_metrics" in info  # the written-out rollout keeps them
+            values.append(v)
+        return candidates()[int(np.argmax(values))](env, None)
+
+    plans = {}
+    for workers in (1, 2):
+        env = gym.make("smart/MulticastOverTime-v0", **small)
+        pol = ModelPlanner(samples=2, knob=0.15, workers=workers)
+        obs, _ = env.reset(seed=21)
+        pol.reset(env.unwrapped, 21)
+        twin_rng = np.random.default_rng([21, 7919])  # the planner's own futures stream
+        acts, done = [], False
+        while not done:
+            futures = [resampled(env.unwrapped, twin_rng) for _ in range(2)]
+            a = pol.act(obs, env.unwrapped)
+            np.testing.assert_array_equal(a, rollout(env.unwrapped, futures))
+            acts.append(a)
+            obs, _, done, _, _ = env.step(a)
+        plans[workers] = np.stack(acts)
+    np.testing.assert_array_equal(plans[1], plans[2])
+    with pytest.raises(ValueError, match="at least one worker"):
+        ModelPlanner(workers=0)
+
+
+def test_terminal_metrics_can_be_left_out_without_changing_the_episode() -> None:
+    env = gym.make("smart/MulticastOverTime-v0", **SMALL).unwrapped
+    quiet = gym.make("smart/MulticastOverTime-v0", **SMALL).unwrapped
+    quiet.terminal_metrics = False
+    for e in (env, quiet):
+        e.reset(seed=8)
+    done = False
+    while not done:
+        a = env.action_space.sample() * 0.0
+        _, r1, done, _, i1 = env.step(a)
+        _, r2, _, _, i2 = quiet.step(a)
+        assert r1 == r2
+    assert "episode_metrics" in i1 and "episode_metrics" not in i2

@@ -130,9 +130,10 @@ HINDSIGHT_SETUP = (1.0, 0.3, 0.1)
 PATH_BASELINES = ("none", "static", "sincon", "priority", "hindsight")
 
 
-def path_baseline_policies(names: Sequence[str], env_kwargs: Mapping[str, Any]) -> list[Any]:
+def path_baseline_policies(names: Sequence[str], env_kwargs: Mapping[str, Any],
+                          workers: int = 1) -> list[Any]:
     """The baselines called ``names``; ``priority_<h>`` sets the headroom (``priority``:
-    0.9)."""
+    0.9). ``workers`` is the suite contract's; none of these plans."""
     out: list[Any] = []
     for n in names:
         if n == "none":

@@ -74,8 +74,10 @@ class SinconPolicy:
 BASELINES = {"none": NoShapingPolicy, "static": StaticSplitPolicy, "sincon": SinconPolicy}
 
 
-def baseline_policies(names: Sequence[str], env_kwargs: Mapping[str, Any]) -> list[Any]:
-    """The baselines called ``names`` (``env_kwargs`` is not needed: they read the env)."""
+def baseline_policies(names: Sequence[str], env_kwargs: Mapping[str, Any], workers: int = 1
+                      ) -> list[Any]:
+    """The baselines called ``names`` (``env_kwargs`` is not needed: they read the env;
+    ``workers`` neither: none of them plans)."""
     unknown = [n for n in names if n not in BASELINES]
     if unknown:
         raise ShapingError(f"unknown shaping baselines {unknown}; known: "

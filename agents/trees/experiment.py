@@ -52,6 +52,7 @@ from envs.trees.groups import (
 from envs.trees.switch import SwitchModel, switch_from_spec
 from envs.trees.tree import evaluate_tree, objective1
 
+from ..config import default_workers
 from ..plots import _save
 from .baselines import SCHEMES, small_group_trees
 
@@ -207,6 +208,11 @@ def run_trees(cfg: DictConfig) -> dict[str, Any]:
     ot = cfg.overtime
     env_over = (cast("dict[str, Any]", OmegaConf.to_container(ot.env)) if ot.get("env")
                 else None)
+    workers = (int(ot.workers) if ot.get("workers") is not None
+               else default_workers(cap=10))
+    if workers < 1:
+        raise ValueError(f"overtime.workers must be >= 1 or null (the usable cores), got "
+                         f"{ot.workers}")
     if "overtime_planning" in figures and int(ot.model_samples) < 1:
         raise ValueError(f"overtime.model_samples must be >= 1 (sampled futures per group), "
                          f"got {ot.model_samples}")
@@ -282,7 +288,8 @@ def run_trees(cfg: DictConfig) -> dict[str, Any]:
             from .overtime import planning_table
 
             tables["overtime_planning"] = planning_table(
-                int(ot.planning_episodes), int(ot.model_samples), env_over, say=_say)
+                int(ot.planning_episodes), int(ot.model_samples), env_over, say=_say,
+                workers=workers)
             for _, row in tables["overtime_planning"].iterrows():
                 mlog.metrics({f"overtime_planning/{row.policy}/vs_algorithm1_tuned_pct":
                               float(row.vs_algorithm1_tuned_pct)})
@@ -290,7 +297,7 @@ def run_trees(cfg: DictConfig) -> dict[str, Any]:
             from .overtime import overtime_tables
 
             over = overtime_tables(int(ot.episodes), int(ot.rollout_episodes), env_over,
-                                   say=_say)
+                                   say=_say, workers=workers)
             tables.update(over)
             plots.append(_overtime_plot(over["overtime"], out / "overtime.png"))
             for _, row in over["overtime_summary"].iterrows():

@@ -59,7 +59,7 @@ from envs.stats import ci95
 
 from ..config import CONFIG_DIR
 from ..episodes import episode_seeds, run_episodes
-from .planner import ROLLOUT_KNOBS, ModelPlanner, candidates, plan
+from .planner import ROLLOUT_KNOBS, ModelPlanner, candidates, plan, planning_pool
 from .suite import (
     TUNED,
     TUNING_EPISODES,
@@ -85,16 +85,19 @@ def overtime_env(overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
 
 
 def rollout_episode(env_kwargs: Mapping[str, Any], seed: int, base_knob: float,
-                    knobs: Sequence[float] = ROLLOUT_KNOBS) -> dict[str, float]:
+                    knobs: Sequence[float] = ROLLOUT_KNOBS, workers: int = 1
+                    ) -> dict[str, float]:
     """One episode of the one-step rollout (module docstring) on the base policy Algorithm 1
     at ``base_knob``, each group planned on the episode's own future
-    (:func:`agents.trees.planner.plan`): the episode's metrics and return."""
+    (:func:`agents.trees.planner.plan`, its candidates scored in ``workers`` processes):
+    the episode's metrics and return."""
     env = gym.make(ENV_ID, **dict(env_kwargs)).unwrapped
     base, cands = _with_knob(float(base_knob)), candidates(knobs)
+    pool = planning_pool(workers)
     env.reset(seed=int(seed))
     done, total, info = False, 0.0, {}
     while not done:
-        _, r, done, _, info = env.step(plan(env, base, cands))
+        _, r, done, _, info = env.step(plan(env, base, cands, pool=pool, workers=workers))
         total += float(r)
     return {"return": total, **info["episode_metrics"]}
 
@@ -108,23 +111,24 @@ def _paired_pct(values: pd.Series, ref: pd.Series) -> tuple[float, float, int]:
 
 
 def planning_table(episodes: int, samples: int, env_overrides: Mapping[str, Any] | None = None,
-                   say=print) -> pd.DataFrame:
+                   say=print, workers: int = 1) -> pd.DataFrame:
     """The one-step rollout on the episode's own future (clairvoyant) and on ``samples``
     sampled futures (:class:`agents.trees.planner.ModelPlanner`: what a controller that
     knows the model can plan), both on ``algorithm1_tuned``, beside ``algorithm1_tuned`` and
     ``lookahead`` on ``episodes`` test episodes; per policy the mean value and the paired
-    difference against ``algorithm1_tuned`` (95% interval)."""
+    difference against ``algorithm1_tuned`` (95% interval). Both rollouts score their
+    candidates in ``workers`` processes (the same table with any number)."""
     kw = overtime_env(env_overrides)
     seeds = episode_seeds(0, "test", int(episodes))
     knob, _ = tune_knob(ENV_ID, kw)
     rows = [{"policy": r.policy, "seed": int(r.seed), "value": float(r.value)}
             for r in run_episodes(baseline_policies(["algorithm1_tuned", "lookahead"], kw),
                                   ENV_ID, kw, seeds).itertuples()]
-    planner = ModelPlanner(samples, knob=knob)
+    planner = ModelPlanner(samples, knob=knob, workers=workers)
     for i, s in enumerate(seeds):
         t0 = time.perf_counter()
         rows.append({"policy": "rollout", "seed": int(s),
-                     "value": rollout_episode(kw, s, knob)["value"]})
+                     "value": rollout_episode(kw, s, knob, workers=workers)["value"]})
         model = run_episodes([planner], ENV_ID, kw, [s])
         rows.append({"policy": "rollout_model", "seed": int(s),
                      "value": float(model.value.iloc[0])})
@@ -144,7 +148,7 @@ def planning_table(episodes: int, samples: int, env_overrides: Mapping[str, Any]
 
 def overtime_tables(episodes: int, rollout_episodes: int,
                     env_overrides: Mapping[str, Any] | None = None,
-                    say=print) -> dict[str, pd.DataFrame]:
+                    say=print, workers: int = 1) -> dict[str, pd.DataFrame]:
     """The baselines on ``episodes`` test episodes and the rollout on the first
     ``rollout_episodes`` of them (module docstring)."""
     kw = overtime_env(env_overrides)
@@ -157,7 +161,8 @@ def overtime_tables(episodes: int, rollout_episodes: int,
     ro = []
     for i, s in enumerate(seeds[:int(rollout_episodes)]):
         t1 = time.perf_counter()
-        ro.append({"policy": "rollout", "seed": s, **rollout_episode(kw, s, knob)})
+        ro.append({"policy": "rollout", "seed": s,
+                   **rollout_episode(kw, s, knob, workers=workers)})
         say(f"overtime: rollout episode {i + 1}/{rollout_episodes} in "
             f"{time.perf_counter() - t1:.0f} s")
     df = pd.concat([rows, pd.DataFrame(ro)], ignore_index=True)

@@ -12,20 +12,26 @@ and the candidate with the best mean return is taken.
   the known background kept) it is a policy: :class:`ModelPlanner` (``rollout_model``),
   which uses only what a controller knows. The same futures score every candidate of a
   group (common random numbers).
+
+A group's candidates can be scored in ``workers`` processes (:func:`plan`'s ``pool``); each
+candidate's value is summed in one process in the same order, so the choice is the same
+with any number of workers.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import multiprocessing as mp
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, ProcessPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from .suite import TUNED, _with_knob, tune_knob
 
-__all__ = ["ROLLOUT_KNOBS", "ModelPlanner", "candidates", "plan", "resampled"]
+__all__ = ["ROLLOUT_KNOBS", "ModelPlanner", "candidates", "plan", "planning_pool", "resampled"]
 
 #: the load knobs the rollout tries for each group, with each of the two orders
 ROLLOUT_KNOBS = (-0.5, 0.0, 0.15, 0.3, 0.6)
@@ -66,39 +72,73 @@ def resampled(env: Any, rng: np.random.Generator) -> Any:
     return trial
 
 
-def plan(env: Any, base: Rule, cands: Sequence[Rule], futures: Sequence[Any] | None = None
-         ) -> np.ndarray:
+def _value(cand: Rule, base: Rule, worlds: Sequence[Any]) -> float:
+    """``cand`` for this group, then ``base`` to the episode's end, summed over ``worlds``."""
+    v = 0.0
+    for world in worlds:
+        trial = copy.deepcopy(world)
+        trial.terminal_metrics = False  # a trial reads only its rewards
+        _, r, end, _, _ = trial.step(cand(trial, None))
+        v += r
+        while not end:
+            _, r, end, _, _ = trial.step(base(trial, None))
+            v += r
+    return v
+
+
+def _values(job: tuple[Sequence[Rule], Rule, Sequence[Any]]) -> list[float]:
+    cands, base, worlds = job
+    return [_value(c, base, worlds) for c in cands]
+
+
+_POOLS: dict[int, ProcessPoolExecutor] = {}
+
+
+def planning_pool(workers: int) -> Executor | None:
+    """A process pool of ``workers`` for :func:`plan` (None for one: plan in this process),
+    started once per process and size (spawned: safe beside Ray's and torch's threads)."""
+    if int(workers) <= 1:
+        return None
+    if int(workers) not in _POOLS:
+        _POOLS[int(workers)] = ProcessPoolExecutor(int(workers),
+                                                   mp_context=mp.get_context("spawn"))
+    return _POOLS[int(workers)]
+
+
+def plan(env: Any, base: Rule, cands: Sequence[Rule], futures: Sequence[Any] | None = None,
+         pool: Executor | None = None, workers: int = 1) -> np.ndarray:
     """The action of the candidate whose return, this group's reward plus the rest of the
     episode under ``base``, is best on average over ``futures`` (copies of ``env`` before
-    this group; None: ``env``'s own future). Ties go to the first candidate."""
+    this group; None: ``env``'s own future). Ties go to the first candidate. With ``pool``
+    (:func:`planning_pool`), the candidates are scored in ``workers`` contiguous shares
+    (``base`` and ``cands`` must pickle: :func:`agents.trees.suite._with_knob`'s do)."""
     worlds = [env] if futures is None else list(futures)
-    best, best_v = None, -np.inf
-    for cand in cands:
-        v = 0.0
-        for world in worlds:
-            trial = copy.deepcopy(world)
-            _, r, end, _, _ = trial.step(cand(trial, None))
-            v += r
-            while not end:
-                _, r, end, _, _ = trial.step(base(trial, None))
-                v += r
-        if v > best_v:
-            best, best_v = cand, v
-    assert best is not None
-    return best(env, None)
+    if pool is None or workers <= 1:
+        values = [_value(c, base, worlds) for c in cands]
+    else:
+        k = -(-len(cands) // int(workers))
+        shares = [list(cands[i:i + k]) for i in range(0, len(cands), k)]
+        values = [v for part in pool.map(_values, [(c, base, worlds) for c in shares])
+                  for v in part]
+    best = int(np.argmax(values))  # the first of equal values
+    return cands[best](env, None)
 
 
 class ModelPlanner:
     """``rollout_model``: the one-step rollout on ``samples`` futures drawn from the model
     (:func:`resampled`) with ``algorithm1_tuned`` as the base policy, as an ``EnvPolicy``.
     The base knob is ``knob`` or, if None, tuned as ``algorithm1_tuned``'s (once, at the
-    first episode); the futures are drawn from a stream of the episode's seed."""
+    first episode); the futures are drawn from a stream of the episode's seed. ``workers``
+    processes score each group's candidates (the same choices with any number)."""
 
     def __init__(self, samples: int = 4, knobs: Sequence[float] = ROLLOUT_KNOBS,
-                 name: str = "rollout_model", knob: float | None = None) -> None:
+                 name: str = "rollout_model", knob: float | None = None,
+                 workers: int = 1) -> None:
         if int(samples) < 1:
             raise ValueError(f"rollout_model needs at least one sampled future, got {samples}")
-        self.name, self.samples = name, int(samples)
+        if int(workers) < 1:
+            raise ValueError(f"rollout_model needs at least one worker, got {workers}")
+        self.name, self.samples, self.workers = name, int(samples), int(workers)
         self._cands = candidates(knobs)
         #: the base policy's knob (``knob``: one a caller already tuned the same way)
         self.knob: float | None = None if knob is None else float(knob)
@@ -122,4 +162,5 @@ class ModelPlanner:
         if self._base is None:
             raise ValueError("rollout_model: reset(env, seed) before act")
         futures = [resampled(env, self._rng) for _ in range(self.samples)]
-        return plan(env, self._base, self._cands, futures)
+        return plan(env, self._base, self._cands, futures, planning_pool(self.workers),
+                    self.workers)

@@ -34,6 +34,7 @@ would build for a learned policy:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -130,13 +131,23 @@ TUNED: dict[str, Callable[[Any, np.random.Generator], np.ndarray]] = {
     "algorithm1_tuned": _algorithm1, "lookahead": _lookahead}
 
 
+@dataclasses.dataclass(frozen=True)
+class _Knobbed:
+    """``rule``'s action with its load knob set to ``knob`` (a module-level rule and a
+    float: it pickles, so a planner's candidates can be scored in other processes)."""
+
+    knob: float
+    rule: Callable[[Any, np.random.Generator], np.ndarray]
+
+    def __call__(self, env: Any, g: np.random.Generator) -> np.ndarray:
+        a = self.rule(env, g)
+        a[-1] = self.knob
+        return a
+
+
 def _with_knob(knob: float, rule: Callable[[Any, np.random.Generator], np.ndarray] = _algorithm1
                ) -> Callable[[Any, np.random.Generator], np.ndarray]:
-    def act(env: Any, g: np.random.Generator) -> np.ndarray:
-        a = rule(env, g)
-        a[-1] = knob
-        return a
-    return act
+    return _Knobbed(float(knob), rule)
 
 
 def tuning_seeds(episodes: int = TUNING_EPISODES) -> list[int]:
@@ -206,15 +217,16 @@ class TreePolicy:
 PLANNERS = ("rollout_model",)
 
 
-def baseline_policies(names: Sequence[str], env_kwargs: Mapping[str, Any]
+def baseline_policies(names: Sequence[str], env_kwargs: Mapping[str, Any], workers: int = 1
                       ) -> list[Any]:
-    """The baselines called ``names`` (unknown names: a ValueError listing the known)."""
+    """The baselines called ``names`` (unknown names: a ValueError listing the known); a
+    planner scores its candidates in ``workers`` processes."""
     out: list[Any] = []
     for n in names:
         if str(n) in PLANNERS:
             from .planner import ModelPlanner  # it imports this module
 
-            out.append(ModelPlanner())
+            out.append(ModelPlanner(workers=workers))
         else:
             out.append(TreePolicy(str(n)))
     return out

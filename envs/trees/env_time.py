@@ -122,6 +122,9 @@ class MulticastOverTimeEnv(MulticastTreeEnv):
         self.observation_space = spaces.Box(0.0, 1.0, (m + 7,), np.float32)
         self.timeline: Timeline | None = None
         self.shared: SharedCluster | None = None
+        #: False: the terminal ``info`` carries no ``episode_metrics`` (a planner's trial
+        #: copies read only the rewards; the isolation bound is most of a trial's last step)
+        self.terminal_metrics = True
 
     @property
     def group(self) -> tuple[int, float]:
@@ -173,7 +176,7 @@ class MulticastOverTimeEnv(MulticastTreeEnv):
                  else self.shared.advance(float(self.timeline.t[self.t])))
         self._value += value
         info.update(value=value, departed=self.shared.departed - before)
-        if done:
+        if done and self.terminal_metrics:
             info["episode_metrics"] = self._episode_metrics()
         return self._get_obs(), float(value / self.reward_scale), done, False, info
 
