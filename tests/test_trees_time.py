@@ -197,6 +197,25 @@ def test_learned_runs_are_paired_with_the_tuned_baseline_per_seed(tmp_path) -> N
         student.ppf(0.975, 1) * np.std([2.0, 4.0], ddof=1) / np.sqrt(2))
     with pytest.raises(FileNotFoundError, match=r"run9 has no per_episode\.csv"):
         learned_table([tmp_path / "run9"])
+    assert "learned_vs_rollout_model_pct" not in t.columns
+    # runs that also evaluated the planner: both paired with it (the learned policy 1% and
+    # 3% below it, the planner 3% and 5% above the tuned baseline, hand-made)
+    for k, (gain, plan_gain) in enumerate(((0.02, 0.03), (0.02, 0.05))):
+        d = tmp_path / f"planned{k}"
+        d.mkdir()
+        rows = [{"policy": p, "seed": s,
+                 "value": v * {"learned": 1 + gain, "rollout_model": 1 + plan_gain}.get(p, 1)}
+                for s, v in ((1, 100.0), (2, 200.0))
+                for p in ("learned", "algorithm1_tuned", "rollout_model")]
+        pd.DataFrame(rows).to_csv(d / "per_episode.csv", index=False)
+    t = learned_table([tmp_path / "planned0", tmp_path / "planned1"]).set_index("run")
+    assert t.loc["planned0", "learned_vs_rollout_model_pct"] == pytest.approx(
+        100 * (1.02 / 1.03 - 1))
+    assert t.loc["mean", "rollout_model_vs_algorithm1_tuned_pct"] == pytest.approx(4.0)
+    assert t.loc["mean", "rollout_model_vs_algorithm1_tuned_ci95_pct"] == pytest.approx(
+        student.ppf(0.975, 1) * np.std([3.0, 5.0], ddof=1) / np.sqrt(2))
+    assert t.loc["mean", "rollout_model"] == pytest.approx(
+        np.mean([100 * 1.03, 200 * 1.03, 100 * 1.05, 200 * 1.05]))
 
 
 def test_the_knob_coding_expresses_the_tuned_and_lookahead_baselines_exactly() -> None:

@@ -187,9 +187,12 @@ def _summary(df: pd.DataFrame) -> pd.DataFrame:
 
 def learned_table(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
     """Per training run (its ``per_episode.csv``): the mean value of ``learned``,
-    ``algorithm1``, ``algorithm1_tuned`` and ``lookahead`` on its test episodes and the
-    learned policy's paired difference against ``algorithm1_tuned`` (percent); then a
-    ``mean`` row over the runs with the 95% interval of that difference across them."""
+    ``algorithm1``, ``algorithm1_tuned``, ``lookahead`` and (where the run evaluated it)
+    ``rollout_model`` on its test episodes, the learned policy's paired difference against
+    ``algorithm1_tuned`` (percent) and, with ``rollout_model``, the learned policy's and the
+    planner's paired differences against it and against ``algorithm1_tuned``; then a
+    ``mean`` row over the runs with the 95% interval of each difference across them
+    (``ci95_pct`` for the first, ``<difference>_ci95`` for the others)."""
     rows = []
     for d in run_dirs:
         f = Path(d) / "per_episode.csv"
@@ -201,18 +204,26 @@ def learned_table(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
             raise ValueError(f"overtime.learned: {f} lacks the learned policy or "
                              "algorithm1_tuned (train with env=trees_time or env=trees_time_knob)")
         v = df.pivot_table(index="seed", columns="policy", values="value")
-        diff = v["learned"] / v["algorithm1_tuned"] - 1.0
+        pct = {"learned_vs_algorithm1_tuned_pct": ("learned", "algorithm1_tuned")}
+        if "rollout_model" in v.columns:
+            pct |= {"learned_vs_rollout_model_pct": ("learned", "rollout_model"),
+                    "rollout_model_vs_algorithm1_tuned_pct": ("rollout_model",
+                                                              "algorithm1_tuned")}
         rows.append({"run": Path(d).name, "episodes": len(v),
                      **{p: float(v[p].mean()) for p in ("learned", "algorithm1",
-                                                        "algorithm1_tuned", "lookahead")
+                                                        "algorithm1_tuned", "lookahead",
+                                                        "rollout_model")
                         if p in v.columns},
-                     "learned_vs_algorithm1_tuned_pct": 100.0 * float(diff.mean())})
+                     **{k: 100.0 * float((v[a] / v[b] - 1.0).mean())
+                        for k, (a, b) in pct.items()}})
     out = pd.DataFrame(rows)
-    d = out["learned_vs_algorithm1_tuned_pct"]
-    half = ci95(d.to_numpy())
+    half = ci95(out["learned_vs_algorithm1_tuned_pct"].to_numpy())
     mean = {"run": "mean", "episodes": int(out.episodes.sum()),
             **{c: float(out[c].mean()) for c in out.columns if c not in ("run", "episodes")},
             "ci95_pct": half}
+    for c in ("learned_vs_rollout_model_pct", "rollout_model_vs_algorithm1_tuned_pct"):
+        if c in out.columns:
+            mean[c.replace("_pct", "_ci95_pct")] = ci95(out[c].dropna().to_numpy())
     return pd.concat([out, pd.DataFrame([mean])], ignore_index=True)
 
 
