@@ -239,6 +239,8 @@ def test_experiment_refuses_unknown_figures_and_unread_learned_runs(tmp_path: Pa
         run_trees(cfg("figures=[fig8,fig12]"))
     with pytest.raises(ValueError, match=r"overtime.learned is read by figures=.overtime.,"):
         run_trees(cfg("figures=[fig8]", f"overtime.learned=[{tmp_path}]"))
+    with pytest.raises(ValueError, match=r"figures=\[overtime_learned\] tabulates "):
+        run_trees(cfg("figures=[overtime_learned]"))
     with pytest.raises(ValueError, match=r"overtime.workers must be >= 1 or null"):
         run_trees(cfg("figures=[fig8]", "overtime.workers=0"))
     assert not (tmp_path / "out" / "fig8.csv").exists()

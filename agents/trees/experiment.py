@@ -19,6 +19,9 @@
 * ``overtime_planning`` (not a figure of the paper): the one-step rollout on the episode's
   own future and on sampled futures, what planning with the model can take
   (:func:`agents.trees.overtime.planning_table`).
+* ``overtime_learned`` (not a figure of the paper): only the ``overtime.learned`` training
+  runs, each paired with the baselines on its own test episodes
+  (:func:`agents.trees.overtime.learned_table`), in seconds.
 
 Each run writes CSV tables (``fig8.csv``, ``groups.csv``, ``workloads.csv``,
 ``summary.csv``), PNG plots and an MLflow run (metrics ``<scheme>/<metric>``).
@@ -60,7 +63,8 @@ __all__ = ["cluster_tables", "fig8_table", "run_sequence", "run_trees", "summari
 
 
 #: what ``figures`` may list (the module docstring)
-FIGURES = ("fig8", "fig9", "fig10", "fig11", "overtime", "overtime_rules", "overtime_planning")
+FIGURES = ("fig8", "fig9", "fig10", "fig11", "overtime", "overtime_rules", "overtime_planning",
+           "overtime_learned")
 #: the tables of ``headline.json`` and of the closing printout
 HEADLINE = ("summary", "fig11_summary", "overtime_summary", "overtime_learned", "overtime_rules",
             "overtime_planning")
@@ -216,9 +220,13 @@ def run_trees(cfg: DictConfig) -> dict[str, Any]:
     if "overtime_planning" in figures and int(ot.model_samples) < 1:
         raise ValueError(f"overtime.model_samples must be >= 1 (sampled futures per group), "
                          f"got {ot.model_samples}")
-    if ot.get("learned") and not figures & {"overtime", "overtime_rules", "overtime_planning"}:
-        raise ValueError("overtime.learned is read by figures=[overtime], [overtime_rules] or "
-                         "[overtime_planning]; none is listed")
+    readers = {"overtime", "overtime_rules", "overtime_planning", "overtime_learned"}
+    if ot.get("learned") and not figures & readers:
+        raise ValueError("overtime.learned is read by figures=[overtime], [overtime_rules], "
+                         "[overtime_planning] or [overtime_learned]; none is listed")
+    if "overtime_learned" in figures and not ot.get("learned"):
+        raise ValueError("figures=[overtime_learned] tabulates overtime.learned (train.py "
+                         "env=trees_time* output directories), which is empty")
     t0 = time.perf_counter()
     tables: dict[str, pd.DataFrame] = {}
     plots: list[Path] = []
