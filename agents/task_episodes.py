@@ -76,7 +76,7 @@ def _labelled(policy: EnvPolicy, env: Any, seed: int, roll_in: EnvPolicy
     done = False
     while not done:
         a = policy.act(obs, env.unwrapped)
-        twin = copy.deepcopy(env.unwrapped)
+        twin = copy.deepcopy(env)  # wrappers included: the row is what env.step(a) returns
         nxt, r, term, _, _ = twin.step(a)
         yield obs, a, float(r), nxt, bool(term)
         obs, _, term, trunc, _ = env.step(roll_in.act(obs, env.unwrapped))
@@ -154,8 +154,11 @@ def evaluate_env_baselines(cfg: DictConfig) -> dict[str, Any]:
     run_name = cfg.get("run_name") or f"{str(e.id).split('/')[-1]}__baselines__{seed}"
     with tracked_run(cfg, run_name=run_name, tags={"env": str(e.id), "task": "baselines",
                                                     "seed": str(seed)}) as log:
-        per_ep = run_episodes(baselines, str(e.id), env_kwargs, test_seeds,
-                              progress=bool(cfg.progress), desc="evaluate")
+        try:
+            per_ep = run_episodes(baselines, str(e.id), env_kwargs, test_seeds,
+                                  progress=bool(cfg.progress), desc="evaluate")
+        finally:
+            _close(baselines)
         summary = _report(log, per_ep, out, f"Baselines on {e.id} ({len(test_seeds)} test "
                           "episodes)")
     return {"summary": summary, "per_episode": per_ep, "run_id": log.run_id,
@@ -166,7 +169,17 @@ def _workers(env_cfg: Any) -> int:
     """``env.workers``: processes a slow (planning) baseline or teacher may use; null: the
     usable cores (at most 10, a planner's candidates)."""
     w = env_cfg.get("workers")
+    if w is not None and int(w) < 1:
+        raise SuiteError(f"env.workers must be >= 1 or null (the usable cores), got {w}")
     return int(w) if w is not None else default_workers(cap=10)
+
+
+def _close(policies: Any) -> None:
+    """Stop the worker processes of the policies that have them (a planner's)."""
+    for p in policies:
+        close = getattr(p, "close", None)
+        if callable(close):
+            close()
 
 
 class EpisodeTask:
@@ -199,8 +212,11 @@ class EpisodeTask:
         probe.close()
         self.rllib_env = f"smart-{self.env_id.split('/')[-1]}"
         self.env_config = {"env_id": self.env_id, **self.env_kwargs}
-        base_val = summarize_episodes(run_episodes(self.baselines, self.env_id, self.env_kwargs,
-                                                   self.val_seeds))
+        try:
+            base_val = summarize_episodes(run_episodes(self.baselines, self.env_id,
+                                                       self.env_kwargs, self.val_seeds))
+        finally:
+            _close(self.baselines)
         self.base_ret = dict(zip(base_val["policy"], base_val["return"]))
         self.run_name = cfg.get("run_name") or f"{self.env_id.split('/')[-1]}__{name}__{seed}"
         self.tags = {"env": self.env_id, "task": "train"}
@@ -219,25 +235,34 @@ class EpisodeTask:
         return ActorEnvPolicy(torch_scorer(scores), name="learned")
 
     def _teacher(self, name: str) -> EnvPolicy:
-        """The teacher ``name``, built once (a tuned or planning teacher tunes once)."""
+        """The teacher ``name``: the baseline of that name, or one built once (a tuned or
+        planning teacher tunes once)."""
         if name not in self._teachers:
-            self._teachers[name] = self.suite.baseline_policies([name], self.env_kwargs,
-                                                                workers=self.workers)[0]
+            same = [p for p in self.baselines if getattr(p, "name", None) == name]
+            self._teachers[name] = (same[0] if same else self.suite.baseline_policies(
+                [name], self.env_kwargs, workers=self.workers)[0])
         return self._teachers[name]
 
     def demonstrations(self, teacher: str) -> dict[str, np.ndarray]:
-        return episode_demonstrations(self._teacher(teacher), self.env_id, self.env_kwargs,
-                                      episode_seeds(self.seed, "demo",
-                                                    int(self.cfg.env.get("demo_episodes", 20))))
+        pol = self._teacher(teacher)
+        try:
+            return episode_demonstrations(pol, self.env_id, self.env_kwargs, episode_seeds(
+                self.seed, "demo", int(self.cfg.env.get("demo_episodes", 20))))
+        finally:
+            _close([pol])
 
     def dagger_demonstrations(self, teacher: str, roll_in: EnvPolicy, round_: int
                               ) -> dict[str, np.ndarray]:
         """DAgger round ``round_``: ``teacher``'s actions on the states of ``roll_in``'s
         episodes (``env.dagger_episodes`` of them, their own seed stream per round)."""
         n = int(self.cfg.env.get("dagger_episodes", 4))
-        return episode_demonstrations(self._teacher(teacher), self.env_id, self.env_kwargs,
-                                      episode_seeds(self.seed, f"dagger-{int(round_)}", n),
-                                      roll_in=roll_in)
+        pol = self._teacher(teacher)
+        try:
+            return episode_demonstrations(pol, self.env_id, self.env_kwargs,
+                                          episode_seeds(self.seed, f"dagger-{int(round_)}", n),
+                                          roll_in=roll_in)
+        finally:
+            _close([pol])
 
     def validate(self, policy: Any) -> tuple[dict[str, float], float]:
         v = summarize_episodes(run_episodes([policy], self.env_id, self.env_kwargs,
@@ -259,8 +284,12 @@ class EpisodeTask:
     def finish(self, log: Any, scores: Any, policy: Any, *, steps: int,
                best: Selected | None, updates: int | None) -> dict[str, Any]:
         out = self.out
-        per_ep = run_episodes([*self.baselines, policy], self.env_id, self.env_kwargs,
-                              self.test_seeds, progress=bool(self.cfg.progress), desc="evaluate")
+        try:
+            per_ep = run_episodes([*self.baselines, policy], self.env_id, self.env_kwargs,
+                                  self.test_seeds, progress=bool(self.cfg.progress),
+                                  desc="evaluate")
+        finally:
+            _close(self.baselines)
         summary = _report(log, per_ep, out, f"{self.name.upper()} vs baselines on "
                           f"{self.env_id} ({len(self.test_seeds)} test episodes)")
         log.artifact(_export_actor(scores, self.obs_dim, out), "policy")

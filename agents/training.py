@@ -131,7 +131,8 @@ def ablation_tags(agent: DictConfig) -> dict[str, str]:
         tags.update(td3=str(bool(agent.get("td3"))),
                     per=str(bool(t.get("prioritized_replay", True))),
                     noise=str(t.get("noise_type", "gaussian")),
-                    demonstrations=str(agent.get("demonstrations")))
+                    demonstrations=str(agent.get("demonstrations")),
+                    dagger_rounds=str(int(agent.get("dagger_rounds") or 0)))
     return tags
 
 
@@ -230,15 +231,16 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
     out = output_dir(cfg)
     a = cfg.agent
     name = str(a.name)
-    task = make_task(cfg, out)
-    rounds = int(a.get("dagger_rounds") or 0)
-    dagger = getattr(task, "dagger_demonstrations", None)  # the sub-problems' teachers
+    rounds = int(a.get("dagger_rounds") or 0)  # checked before the task's set-up runs
     if rounds < 0 or (rounds and not (a.get("demonstrations") and name == "ddpg"
-                                      and a.training.get("bc_pretrain_steps") and dagger)):
+                                      and a.training.get("bc_pretrain_steps")
+                                      and cfg.env.get("suite"))):
         raise DSMDError(f"agent.dagger_rounds={rounds}: DAgger rounds (>= 0) need agent=ddpg "
                         "with agent.demonstrations, agent.training.bc_pretrain_steps > 0 and "
                         "a sub-problem env (env.suite) whose teacher labels the learner's "
                         "states")
+    task = make_task(cfg, out)
+    dagger = getattr(task, "dagger_demonstrations", None)  # the sub-problems' teachers
     ray_cfg = cfg.get("ray") or {}
     ray.init(address=ray_cfg.get("address"), num_cpus=ray_cfg.get("num_cpus"),
              include_dashboard=False, log_to_driver=False, logging_level="WARNING",
@@ -255,6 +257,7 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
         scores = score_module(name, module, task.act_dim)
         policy = task.policy(scores)
         demo = a.get("demonstrations")
+        cloned: list[dict[str, float]] = []  # validation of the clone before each DAgger round
         if demo:
             if name != "ddpg":
                 raise DSMDError(f"agent.demonstrations is DDPG's (DDPGfD); {name} does not "
@@ -271,6 +274,12 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
                       f"{time.perf_counter() - t:.0f} s, loss {loss:.4f}", flush=True)
             for k in range(1, rounds + 1):  # DAgger: the teacher on the clone's own states
                 t = time.perf_counter()
+                clone_val, _ = task.validate(policy)  # the clone before this round
+                cloned.append({f"val/dagger{k - 1}/{c.removeprefix('val/')}": v
+                               for c, v in clone_val.items() if "/baseline/" not in c})
+                print(f"[train] DAgger round {k}/{rounds}, the clone before it: "
+                      + task.progress(clone_val), flush=True)
+                assert dagger is not None  # checked with rounds above
                 more = dagger(str(demo), policy, k)
                 d = {c: np.concatenate([d[c], more[c]]) for c in d}
                 algo.add_demonstrations(**d)
@@ -288,6 +297,8 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
                 print(f"[train] {st:>8,}/{total:,} steps  {_rate_text(st, el, algo)}"
                       + task.progress(last), flush=True)
 
+            for row in cloned:
+                log.metrics(row)
             history, best, steps = train_with_selection(
                 algo, scores, log, total, int(a.eval_every), float(a.log_every_s), t0,
                 lambda: task.validate(policy), progress)

@@ -59,7 +59,7 @@ from envs.stats import ci95
 
 from ..config import CONFIG_DIR
 from ..episodes import episode_seeds, run_episodes
-from .planner import ROLLOUT_KNOBS, ModelPlanner, candidates, plan, planning_pool
+from .planner import ROLLOUT_KNOBS, ModelPlanner, PlanningPool, candidates, plan
 from .suite import (
     TUNED,
     TUNING_EPISODES,
@@ -93,12 +93,15 @@ def rollout_episode(env_kwargs: Mapping[str, Any], seed: int, base_knob: float,
     the episode's metrics and return."""
     env = gym.make(ENV_ID, **dict(env_kwargs)).unwrapped
     base, cands = _with_knob(float(base_knob)), candidates(knobs)
-    pool = planning_pool(workers)
+    pool = PlanningPool(workers)
     env.reset(seed=int(seed))
     done, total, info = False, 0.0, {}
-    while not done:
-        _, r, done, _, info = env.step(plan(env, base, cands, pool=pool, workers=workers))
-        total += float(r)
+    try:
+        while not done:
+            _, r, done, _, info = env.step(plan(env, base, cands, pool=pool))
+            total += float(r)
+    finally:
+        pool.close()
     return {"return": total, **info["episode_metrics"]}
 
 
@@ -125,15 +128,18 @@ def planning_table(episodes: int, samples: int, env_overrides: Mapping[str, Any]
             for r in run_episodes(baseline_policies(["algorithm1_tuned", "lookahead"], kw),
                                   ENV_ID, kw, seeds).itertuples()]
     planner = ModelPlanner(samples, knob=knob, workers=workers)
-    for i, s in enumerate(seeds):
-        t0 = time.perf_counter()
-        rows.append({"policy": "rollout", "seed": int(s),
-                     "value": rollout_episode(kw, s, knob, workers=workers)["value"]})
-        model = run_episodes([planner], ENV_ID, kw, [s])
-        rows.append({"policy": "rollout_model", "seed": int(s),
-                     "value": float(model.value.iloc[0])})
-        say(f"overtime planning: episode {i + 1}/{len(seeds)} in "
-            f"{time.perf_counter() - t0:.0f} s")
+    try:
+        for i, s in enumerate(seeds):
+            t0 = time.perf_counter()
+            rows.append({"policy": "rollout", "seed": int(s),
+                         "value": rollout_episode(kw, s, knob, workers=workers)["value"]})
+            model = run_episodes([planner], ENV_ID, kw, [s])
+            rows.append({"policy": "rollout_model", "seed": int(s),
+                         "value": float(model.value.iloc[0])})
+            say(f"overtime planning: episode {i + 1}/{len(seeds)} in "
+                f"{time.perf_counter() - t0:.0f} s")
+    finally:
+        planner.close()
     df = pd.DataFrame(rows)
     ref = df[df.policy == "algorithm1_tuned"].set_index("seed").value
     out = []

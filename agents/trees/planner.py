@@ -13,7 +13,7 @@ and the candidate with the best mean return is taken.
   which uses only what a controller knows. The same futures score every candidate of a
   group (common random numbers).
 
-A group's candidates can be scored in ``workers`` processes (:func:`plan`'s ``pool``); each
+A group's candidates can be scored in ``workers`` processes (:class:`PlanningPool`); each
 candidate's value is summed in one process in the same order, so the choice is the same
 with any number of workers.
 """
@@ -24,14 +24,15 @@ import copy
 import dataclasses
 import multiprocessing as mp
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 import numpy as np
 
 from .suite import TUNED, _with_knob, tune_knob
 
-__all__ = ["ROLLOUT_KNOBS", "ModelPlanner", "candidates", "plan", "planning_pool", "resampled"]
+__all__ = ["ROLLOUT_KNOBS", "ModelPlanner", "PlanningPool", "candidates", "plan", "resampled"]
 
 #: the load knobs the rollout tries for each group, with each of the two orders
 ROLLOUT_KNOBS = (-0.5, 0.0, 0.15, 0.3, 0.6)
@@ -91,35 +92,54 @@ def _values(job: tuple[Sequence[Rule], Rule, Sequence[Any]]) -> list[float]:
     return [_value(c, base, worlds) for c in cands]
 
 
-_POOLS: dict[int, ProcessPoolExecutor] = {}
+class PlanningPool:
+    """``workers`` processes that score a group's candidates for :func:`plan`, started at
+    the first use (spawned: safe beside Ray's and torch's threads) and stopped by
+    :meth:`close` (a later use starts them again). A pool whose process died is replaced
+    once per call."""
 
+    def __init__(self, workers: int) -> None:
+        if int(workers) < 1:
+            raise ValueError(f"a planning pool needs at least one worker, got {workers}")
+        self.workers = int(workers)
+        self._ex: ProcessPoolExecutor | None = None
 
-def planning_pool(workers: int) -> Executor | None:
-    """A process pool of ``workers`` for :func:`plan` (None for one: plan in this process),
-    started once per process and size (spawned: safe beside Ray's and torch's threads)."""
-    if int(workers) <= 1:
-        return None
-    if int(workers) not in _POOLS:
-        _POOLS[int(workers)] = ProcessPoolExecutor(int(workers),
-                                                   mp_context=mp.get_context("spawn"))
-    return _POOLS[int(workers)]
+    def values(self, cands: Sequence[Rule], base: Rule, worlds: Sequence[Any]) -> list[float]:
+        """Each candidate's value (:func:`_value`), in ``workers`` contiguous shares."""
+        if self.workers <= 1 or len(cands) <= 1:
+            return [_value(c, base, worlds) for c in cands]
+        k = -(-len(cands) // self.workers)
+        jobs = [(list(cands[i:i + k]), base, worlds) for i in range(0, len(cands), k)]
+        for attempt in (0, 1):
+            if self._ex is None:
+                self._ex = ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"))
+            try:
+                return [v for part in self._ex.map(_values, jobs) for v in part]
+            except BrokenProcessPool:
+                self.close()  # a worker died (killed, out of memory): start afresh, once
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        if self._ex is not None:
+            self._ex.shutdown(wait=True, cancel_futures=True)
+            self._ex = None
 
 
 def plan(env: Any, base: Rule, cands: Sequence[Rule], futures: Sequence[Any] | None = None,
-         pool: Executor | None = None, workers: int = 1) -> np.ndarray:
+         pool: PlanningPool | None = None) -> np.ndarray:
     """The action of the candidate whose return, this group's reward plus the rest of the
     episode under ``base``, is best on average over ``futures`` (copies of ``env`` before
-    this group; None: ``env``'s own future). Ties go to the first candidate. With ``pool``
-    (:func:`planning_pool`), the candidates are scored in ``workers`` contiguous shares
-    (``base`` and ``cands`` must pickle: :func:`agents.trees.suite._with_knob`'s do)."""
+    this group; None: ``env``'s own future). Ties go to the first candidate. With ``pool``,
+    the candidates are scored in its processes (``base`` and ``cands`` must pickle:
+    :func:`agents.trees.suite._with_knob`'s do), with the same values."""
+    if not cands:
+        raise ValueError("plan needs at least one candidate")
     worlds = [env] if futures is None else list(futures)
-    if pool is None or workers <= 1:
-        values = [_value(c, base, worlds) for c in cands]
-    else:
-        k = -(-len(cands) // int(workers))
-        shares = [list(cands[i:i + k]) for i in range(0, len(cands), k)]
-        values = [v for part in pool.map(_values, [(c, base, worlds) for c in shares])
-                  for v in part]
+    values = (pool or PlanningPool(1)).values(cands, base, worlds)
+    if not np.all(np.isfinite(values)):
+        raise ValueError(f"plan: a candidate's value is not finite: {values}")
     best = int(np.argmax(values))  # the first of equal values
     return cands[best](env, None)
 
@@ -139,6 +159,7 @@ class ModelPlanner:
         if int(workers) < 1:
             raise ValueError(f"rollout_model needs at least one worker, got {workers}")
         self.name, self.samples, self.workers = name, int(samples), int(workers)
+        self._pool = PlanningPool(self.workers)
         self._cands = candidates(knobs)
         #: the base policy's knob (``knob``: one a caller already tuned the same way)
         self.knob: float | None = None if knob is None else float(knob)
@@ -162,5 +183,8 @@ class ModelPlanner:
         if self._base is None:
             raise ValueError("rollout_model: reset(env, seed) before act")
         futures = [resampled(env, self._rng) for _ in range(self.samples)]
-        return plan(env, self._base, self._cands, futures, planning_pool(self.workers),
-                    self.workers)
+        return plan(env, self._base, self._cands, futures, self._pool)
+
+    def close(self) -> None:
+        """Stop the worker processes (a later episode starts them again)."""
+        self._pool.close()
