@@ -81,7 +81,8 @@ def load_suite(module: str) -> ModuleType:
     if not callable(fn):
         raise SuiteError(f"env.suite: module {module!r} has no baseline_policies(names, "
                          "env_kwargs, workers=1) function")
-    if "workers" not in inspect.signature(fn).parameters:
+    params = inspect.signature(fn).parameters
+    if "workers" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
         raise SuiteError(f"env.suite: {module}.baseline_policies takes no workers argument "
                          "(the contract is baseline_policies(names, env_kwargs, workers=1))")
     return mod

@@ -52,8 +52,22 @@ class TargetEnv(gym.Env):
         return self._obs(), -mse, done, False, info
 
 
+class DriftEnv(TargetEnv):
+    """:class:`TargetEnv` whose next target is half the action plus half a uniform draw, so
+    the states depend on who acts."""
+
+    def step(self, action):
+        _, r, done, trunc, info = super().step(action)
+        self.target = (0.5 * np.asarray(action, np.float32) + 0.5 * self.target).astype(
+            np.float32)
+        return self._obs(), r, done, trunc, info
+
+
+DRIFT_ID = "smart-test/Drift-v0"
 if TOY_ID not in registry:
     register(id=TOY_ID, entry_point=TargetEnv)
+if DRIFT_ID not in registry:
+    register(id=DRIFT_ID, entry_point=DriftEnv)
 
 
 class _Oracle:
@@ -119,24 +133,29 @@ def test_suite_contract_errors(monkeypatch):
 
 
 def test_dagger_labels_the_roll_in_policys_states_with_the_teachers_actions():
-    """With ``roll_in`` the states are those of the roll-in policy's own episode; each row
-    holds the teacher's action there and what that action earns (the oracle's 0), not what
-    the roll-in policy did."""
+    """With ``roll_in`` the states are those of the roll-in policy's own episode (here the
+    action moves the next target, so the teacher's own episode has other states); each row
+    holds the teacher's action there and what that action earns and leads to (the oracle's
+    reward 0, its next target half its action plus the same draw), not what the roll-in
+    policy did."""
     from agents.episodes import play_episode
     from agents.task_episodes import episode_demonstrations
 
     oracle, zero = baseline_policies(["oracle", "zero"], {})
-    d = episode_demonstrations(oracle, TOY_ID, {"horizon": 8}, [5, 6], roll_in=zero)
-    own = [(o, r) for s in (5, 6) for o, _, r, *_ in
-           play_episode(zero, gym.make(TOY_ID, horizon=8), s)]
+    d = episode_demonstrations(oracle, DRIFT_ID, {"horizon": 8}, [5, 6], roll_in=zero)
+    env = gym.make(DRIFT_ID, horizon=8)
+    own = [(o, r) for s in (5, 6) for o, _, r, *_ in play_episode(zero, env, s)]
+    teacher_own = np.stack([o for s in (5, 6) for o, *_ in play_episode(oracle, env, s)])
     np.testing.assert_array_equal(d["obs"], np.stack([o for o, _ in own]))
+    assert not np.allclose(d["obs"], teacher_own)  # not the teacher's own states
     assert all(r < 0 for _, r in own)  # the roll-in policy's own rewards
     np.testing.assert_array_equal(d["rewards"], 0.0)  # the teacher's, at the same states
     np.testing.assert_array_equal(d["actions"], d["obs"][:, :2])
-    np.testing.assert_array_equal(d["next_obs"][:7], d["obs"][1:8])  # the same episode
+    for e in (0, 8):  # next target = half the oracle's action (the target) + the draw the
+        for i in range(e, e + 7):  # roll-in's own next target is (its action is 0)
+            np.testing.assert_allclose(d["next_obs"][i, :2],
+                                       0.5 * d["obs"][i, :2] + d["obs"][i + 1, :2], atol=1e-6)
     assert d["terminateds"].tolist() == ([0.0] * 7 + [1.0]) * 2
-    plain = episode_demonstrations(oracle, TOY_ID, {"horizon": 8}, [5, 6])
-    np.testing.assert_array_equal(plain["obs"], d["obs"])  # the toy's states ignore actions
 
 
 def test_dagger_rounds_are_refused_without_a_teacher_before_training(tmp_path):
@@ -147,6 +166,10 @@ def test_dagger_rounds_are_refused_without_a_teacher_before_training(tmp_path):
                 ["agent.dagger_rounds=1", "agent.training.bc_pretrain_steps=0"]):
         with pytest.raises(DSMDError, match="dagger_rounds"):
             run_training(_cfg(tmp_path, bad))
+    cfg = _cfg(tmp_path, [])
+    OmegaConf.update(cfg, "env.workers", 0, force_add=True)
+    with pytest.raises(SuiteError, match=r"env.workers must be >= 1 or null"):
+        run_training(cfg)
 
 
 def test_run_episodes_table_and_determinism():

@@ -216,6 +216,8 @@ def test_learned_runs_are_paired_with_the_tuned_baseline_per_seed(tmp_path) -> N
         student.ppf(0.975, 1) * np.std([3.0, 5.0], ddof=1) / np.sqrt(2))
     assert t.loc["mean", "rollout_model"] == pytest.approx(
         np.mean([100 * 1.03, 200 * 1.03, 100 * 1.05, 200 * 1.05]))
+    with pytest.raises(ValueError, match=r"some runs evaluated rollout_model .*\(run0\)"):
+        learned_table([tmp_path / "run0", tmp_path / "planned1"])
 
 
 def test_the_knob_coding_expresses_the_tuned_and_lookahead_baselines_exactly() -> None:
@@ -439,6 +441,9 @@ def test_the_planner_chooses_the_same_with_any_number_of_workers() -> None:
             acts.append(a)
             obs, _, done, _, _ = env.step(a)
         plans[workers] = np.stack(acts)
+        assert (pol._pool._ex is not None) == (workers > 1)  # scored in processes
+        pol.close()
+        assert pol._pool._ex is None
     np.testing.assert_array_equal(plans[1], plans[2])
     with pytest.raises(ValueError, match="at least one worker"):
         ModelPlanner(workers=0)
@@ -457,3 +462,40 @@ def test_terminal_metrics_can_be_left_out_without_changing_the_episode() -> None
         _, r2, _, _, i2 = quiet.step(a)
         assert r1 == r2
     assert "episode_metrics" in i1 and "episode_metrics" not in i2
+
+
+def test_a_planning_pool_replaces_a_dead_worker_and_refuses_what_it_cannot_plan(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker killed between two calls (out of memory, a signal) costs one restart, not
+    the run; the values are those of the serial path. No candidate, or a value that is not
+    finite, is refused."""
+    import os
+    import signal
+
+    from agents.trees.planner import PlanningPool, candidates, plan
+    from agents.trees.suite import _with_knob
+
+    env = gym.make("smart/MulticastOverTime-v0",
+                   **(SMALL | {"groups_per_episode": 3, "action": "knob"})).unwrapped
+    env.reset(seed=2)
+    base, cands = _with_knob(0.15), candidates()
+    serial = PlanningPool(1).values(cands, base, [env])
+    pool = PlanningPool(2)
+    try:
+        assert pool.values(cands, base, [env]) == serial
+        assert pool._ex is not None
+        for proc in list(pool._ex._processes.values()):
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.join()
+        assert pool.values(cands, base, [env]) == serial
+    finally:
+        pool.close()
+    with pytest.raises(ValueError, match="at least one candidate"):
+        plan(env, base, [])
+    with pytest.raises(ValueError, match="at least one worker"):
+        PlanningPool(0)
+    from agents.trees import planner
+
+    monkeypatch.setattr(planner, "_value", lambda cand, base, worlds: float("nan"))
+    with pytest.raises(ValueError, match="not finite"):
+        plan(env, base, cands)

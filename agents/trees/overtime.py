@@ -198,7 +198,8 @@ def learned_table(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
     ``algorithm1_tuned`` (percent) and, with ``rollout_model``, the learned policy's and the
     planner's paired differences against it and against ``algorithm1_tuned``; then a
     ``mean`` row over the runs with the 95% interval of each difference across them
-    (``ci95_pct`` for the first, ``<difference>_ci95`` for the others)."""
+    (``ci95_pct`` for the first, ``<name>_ci95_pct`` for a difference ``<name>_pct``). The
+    runs must all have evaluated ``rollout_model`` or none."""
     rows = []
     for d in run_dirs:
         f = Path(d) / "per_episode.csv"
@@ -223,13 +224,18 @@ def learned_table(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
                      **{k: 100.0 * float((v[a] / v[b] - 1.0).mean())
                         for k, (a, b) in pct.items()}})
     out = pd.DataFrame(rows)
+    planned = ["rollout_model" in r for r in rows]
+    if any(planned) and not all(planned):
+        raise ValueError("overtime.learned: some runs evaluated rollout_model and some did "
+                         f"not ({', '.join(r['run'] for r in rows if 'rollout_model' not in r)}"
+                         "); tabulate them separately")
     half = ci95(out["learned_vs_algorithm1_tuned_pct"].to_numpy())
     mean = {"run": "mean", "episodes": int(out.episodes.sum()),
             **{c: float(out[c].mean()) for c in out.columns if c not in ("run", "episodes")},
             "ci95_pct": half}
     for c in ("learned_vs_rollout_model_pct", "rollout_model_vs_algorithm1_tuned_pct"):
         if c in out.columns:
-            mean[c.replace("_pct", "_ci95_pct")] = ci95(out[c].dropna().to_numpy())
+            mean[c.replace("_pct", "_ci95_pct")] = ci95(out[c].to_numpy())
     return pd.concat([out, pd.DataFrame([mean])], ignore_index=True)
 
 
