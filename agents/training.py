@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -246,6 +247,10 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
              include_dashboard=False, log_to_driver=False, logging_level="WARNING",
              ignore_reinit_error=True)
     register_env(task.rllib_env, task.env_creator())  # Ray's registry reaches remote runners
+    # RLlib registers its single-agent env wrapper with gymnasium at every build: the second
+    # run in one process (a Hydra multirun) made gymnasium warn that it overrides it
+    warnings.filterwarnings("ignore", message=".*Overriding environment rllib-single-agent-env",
+                            category=UserWarning)
     algo = algorithm_config(to_dict(a), task.rllib_env, task.env_config, seed).build_algo()
     stopped = False
     try:
