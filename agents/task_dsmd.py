@@ -109,7 +109,8 @@ class DSMDTask:
         return {}
 
     def finish(self, log: Any, scores: Any, policy: Any, *, steps: int,
-               best: Selected | None, updates: int | None) -> dict[str, Any]:
+               best: Selected | None, updates: int | None,
+               start: dict[str, Any] | None = None) -> dict[str, Any]:
         cfg, out, spec, ps = self.cfg, self.out, self.spec, self.ps
         test = ps.instances(str(cfg.eval_split))
         pols = [*make_policies(list(cfg.baseline.policies), ps, to_dict(cfg.baseline.params)),

@@ -110,7 +110,8 @@ def _comparison_plot(summary: pd.DataFrame, path: Path, title: str) -> Path:
     for ax, c in zip(axes[0], cols):
         err = summary["return_std"] if c == "return" else None
         ax.bar(summary["policy"], summary[c], yerr=err, capsize=3,
-               color=["tab:brown" if p == "learned" else "tab:blue" for p in summary["policy"]])
+               color=[{"learned": "tab:brown", "clone": "tab:orange"}.get(p, "tab:blue")
+                      for p in summary["policy"]])
         ax.set_title(c, fontsize=10)
         ax.tick_params(axis="x", rotation=30)
     fig.suptitle(title)
@@ -282,10 +283,21 @@ class EpisodeTask:
         return {"val/return": dict(self.base_ret)}
 
     def finish(self, log: Any, scores: Any, policy: Any, *, steps: int,
-               best: Selected | None, updates: int | None) -> dict[str, Any]:
+               best: Selected | None, updates: int | None,
+               start: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The baselines, the learned policy and, with ``start`` (the cloned actor's weights
+        before reinforcement learning), that clone as ``clone`` on the test episodes, so
+        the reinforcement phase is judged on held-out episodes too."""
         out = self.out
+        pols = [*self.baselines, policy]
+        if start is not None:
+            from .algorithms import torch_scorer
+
+            clone = copy.deepcopy(scores)
+            clone.load_state_dict(start)
+            pols.append(ActorEnvPolicy(torch_scorer(clone), name="clone"))
         try:
-            per_ep = run_episodes([*self.baselines, policy], self.env_id, self.env_kwargs,
+            per_ep = run_episodes(pols, self.env_id, self.env_kwargs,
                                   self.test_seeds, progress=bool(self.cfg.progress),
                                   desc="evaluate")
         finally:

@@ -228,7 +228,8 @@ class OnlineTask:
         return {"val/cost": dict(self.reference)}
 
     def finish(self, log: Any, scores: Any, policy: Any, *, steps: int,
-               best: Selected | None, updates: int | None) -> dict[str, Any]:
+               best: Selected | None, updates: int | None,
+               start: dict[str, Any] | None = None) -> dict[str, Any]:
         import ray
 
         from serving.bundles.online import online_bundle_files

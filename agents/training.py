@@ -97,7 +97,8 @@ class TrainingTask(Protocol):
     def curve_references(self) -> dict[str, dict[str, float]]: ...
 
     def finish(self, log: Any, scores: Any, policy: Any, *, steps: int,
-               best: Selected | None, updates: int | None) -> dict[str, Any]: ...
+               best: Selected | None, updates: int | None,
+               start: dict[str, Any] | None = None) -> dict[str, Any]: ...
 
 
 def make_task(cfg: DictConfig, out: Path) -> TrainingTask:
@@ -304,6 +305,8 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
 
             for row in cloned:
                 log.metrics(row)
+            # the cloned start's weights, which a task may also evaluate on held-out data
+            start = copy.deepcopy(scores.state_dict()) if demo else None
             history, best, steps = train_with_selection(
                 algo, scores, log, total, int(a.eval_every), float(a.log_every_s), t0,
                 lambda: task.validate(policy), progress)
@@ -330,7 +333,8 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
                              "plots")
             algo.stop()  # the held-out evaluation needs no Ray
             stopped = True
-            result = task.finish(log, scores, policy, steps=steps, best=best, updates=updates)
+            result = task.finish(log, scores, policy, steps=steps, best=best, updates=updates,
+                                 start=start)
     finally:
         if not stopped:
             algo.stop()

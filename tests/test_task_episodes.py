@@ -194,7 +194,9 @@ def test_train_on_toy_env_end_to_end(tmp_path, capsys):
     assert "DAgger round 1/1: 40 states of the clone labelled by oracle (280 " in (
         capsys.readouterr().out)
     s = res["summary"].set_index("policy")
-    assert list(s.index) == ["oracle", "zero", "learned"]
+    # the cloned start is evaluated beside the selected weights on the test episodes
+    assert list(s.index) == ["oracle", "zero", "learned", "clone"]
+    assert s.loc["clone", "return"] > 0.5 * s.loc["zero", "return"]
     # cloned from the oracle (then DDPG): far better than doing nothing
     assert s.loc["learned", "return"] > 0.5 * s.loc["zero", "return"]
     out = res["output_dir"]

@@ -218,6 +218,17 @@ def test_learned_runs_are_paired_with_the_tuned_baseline_per_seed(tmp_path) -> N
         np.mean([100 * 1.03, 200 * 1.03, 100 * 1.05, 200 * 1.05]))
     with pytest.raises(ValueError, match=r"some runs evaluated rollout_model .*\(run0\)"):
         learned_table([tmp_path / "run0", tmp_path / "planned1"])
+    # a run that also evaluated its cloned start: the reinforcement phase paired with it
+    d = tmp_path / "cloned"
+    d.mkdir()
+    pd.DataFrame([{"policy": p, "seed": s, "value": v * {"learned": 1.02, "clone": 1.01}.get(p, 1)}
+                  for s, v in ((1, 100.0), (2, 200.0))
+                  for p in ("learned", "algorithm1_tuned", "clone")]).to_csv(
+        d / "per_episode.csv", index=False)
+    t = learned_table([d]).set_index("run")
+    assert t.loc["cloned", "learned_vs_clone_pct"] == pytest.approx(100 * (1.02 / 1.01 - 1))
+    assert t.loc["cloned", "clone_vs_algorithm1_tuned_pct"] == pytest.approx(1.0)
+    assert "learned_vs_rollout_model_pct" not in t.columns
 
 
 def test_the_knob_coding_expresses_the_tuned_and_lookahead_baselines_exactly() -> None:

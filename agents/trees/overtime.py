@@ -191,15 +191,26 @@ def _summary(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
+#: policies a training run may also have evaluated on its test episodes, and the paired
+#: differences (name -> (policy, reference)) each adds to :func:`learned_table`
+OPTIONAL_PAIRS: dict[str, dict[str, tuple[str, str]]] = {
+    "rollout_model": {"learned_vs_rollout_model_pct": ("learned", "rollout_model"),
+                      "rollout_model_vs_algorithm1_tuned_pct": ("rollout_model",
+                                                                "algorithm1_tuned")},
+    "clone": {"learned_vs_clone_pct": ("learned", "clone"),
+              "clone_vs_algorithm1_tuned_pct": ("clone", "algorithm1_tuned")},
+}
+
+
 def learned_table(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
     """Per training run (its ``per_episode.csv``): the mean value of ``learned``,
-    ``algorithm1``, ``algorithm1_tuned``, ``lookahead`` and (where the run evaluated it)
-    ``rollout_model`` on its test episodes, the learned policy's paired difference against
-    ``algorithm1_tuned`` (percent) and, with ``rollout_model``, the learned policy's and the
-    planner's paired differences against it and against ``algorithm1_tuned``; then a
-    ``mean`` row over the runs with the 95% interval of each difference across them
-    (``ci95_pct`` for the first, ``<name>_ci95_pct`` for a difference ``<name>_pct``). The
-    runs must all have evaluated ``rollout_model`` or none."""
+    ``algorithm1``, ``algorithm1_tuned``, ``lookahead`` and, where the run evaluated them,
+    ``rollout_model`` and ``clone`` (the cloned start before reinforcement learning) on its
+    test episodes; the learned policy's paired difference against ``algorithm1_tuned``
+    (percent) and those of :data:`OPTIONAL_PAIRS`; then a ``mean`` row over the runs with
+    the 95% interval of each difference across them (``ci95_pct`` for the first,
+    ``<name>_ci95_pct`` for a difference ``<name>_pct``). The runs must all have evaluated
+    an optional policy or none."""
     rows = []
     for d in run_dirs:
         f = Path(d) / "per_episode.csv"
@@ -212,30 +223,30 @@ def learned_table(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
                              "algorithm1_tuned (train with env=trees_time or env=trees_time_knob)")
         v = df.pivot_table(index="seed", columns="policy", values="value")
         pct = {"learned_vs_algorithm1_tuned_pct": ("learned", "algorithm1_tuned")}
-        if "rollout_model" in v.columns:
-            pct |= {"learned_vs_rollout_model_pct": ("learned", "rollout_model"),
-                    "rollout_model_vs_algorithm1_tuned_pct": ("rollout_model",
-                                                              "algorithm1_tuned")}
+        for pol, pairs in OPTIONAL_PAIRS.items():
+            if pol in v.columns:
+                pct |= pairs
         rows.append({"run": Path(d).name, "episodes": len(v),
                      **{p: float(v[p].mean()) for p in ("learned", "algorithm1",
                                                         "algorithm1_tuned", "lookahead",
-                                                        "rollout_model")
+                                                        *OPTIONAL_PAIRS)
                         if p in v.columns},
                      **{k: 100.0 * float((v[a] / v[b] - 1.0).mean())
                         for k, (a, b) in pct.items()}})
+    for pol in OPTIONAL_PAIRS:
+        lacking = [r["run"] for r in rows if pol not in r]
+        if 0 < len(lacking) < len(rows):
+            raise ValueError(f"overtime.learned: some runs evaluated {pol} and some did not "
+                             f"({', '.join(lacking)}); tabulate them separately")
     out = pd.DataFrame(rows)
-    planned = ["rollout_model" in r for r in rows]
-    if any(planned) and not all(planned):
-        raise ValueError("overtime.learned: some runs evaluated rollout_model and some did "
-                         f"not ({', '.join(r['run'] for r in rows if 'rollout_model' not in r)}"
-                         "); tabulate them separately")
     half = ci95(out["learned_vs_algorithm1_tuned_pct"].to_numpy())
     mean = {"run": "mean", "episodes": int(out.episodes.sum()),
             **{c: float(out[c].mean()) for c in out.columns if c not in ("run", "episodes")},
             "ci95_pct": half}
-    for c in ("learned_vs_rollout_model_pct", "rollout_model_vs_algorithm1_tuned_pct"):
-        if c in out.columns:
-            mean[c.replace("_pct", "_ci95_pct")] = ci95(out[c].to_numpy())
+    for pairs in OPTIONAL_PAIRS.values():
+        for c in pairs:
+            if c in out.columns:
+                mean[c.replace("_pct", "_ci95_pct")] = ci95(out[c].to_numpy())
     return pd.concat([out, pd.DataFrame([mean])], ignore_index=True)
 
 
