@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 from envs.dsmd.scenarios import ScenarioSpec
 
 __all__ = ["CONFIG_DIR", "PROJECT_ROOT", "default_workers", "output_dir", "scenario_spec",
-           "to_dict"]
+           "to_dict", "workers_setting"]
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = PROJECT_ROOT / "configs"
@@ -23,6 +23,17 @@ if not OmegaConf.has_resolver("project_root"):
 def default_workers(cap: int = 4) -> int:
     """The processes a ``workers: null`` setting means: the usable cores, at most ``cap``."""
     return max(1, min(len(os.sched_getaffinity(0)), int(cap)))
+
+
+def workers_setting(value: Any, key: str, cap: int = 10,
+                    error: type[Exception] = ValueError) -> int:
+    """A ``workers`` setting named ``key``: a count >= 1, or null for
+    :func:`default_workers` (``cap``); anything below 1 raises ``error`` naming ``key``."""
+    if value is None:
+        return default_workers(cap)
+    if int(value) < 1:
+        raise error(f"{key} must be >= 1 or null (the usable cores), got {value}")
+    return int(value)
 
 
 def to_dict(node: Any) -> Any:

@@ -30,7 +30,7 @@ import numpy as np
 import pandas as pd
 from omegaconf import DictConfig
 
-from .config import default_workers, output_dir, to_dict
+from .config import output_dir, to_dict, workers_setting
 from .episodes import (
     ActorEnvPolicy,
     EnvPolicy,
@@ -169,10 +169,7 @@ def evaluate_env_baselines(cfg: DictConfig) -> dict[str, Any]:
 def _workers(env_cfg: Any) -> int:
     """``env.workers``: processes a slow (planning) baseline or teacher may use; null: the
     usable cores (at most 10, a planner's candidates)."""
-    w = env_cfg.get("workers")
-    if w is not None and int(w) < 1:
-        raise SuiteError(f"env.workers must be >= 1 or null (the usable cores), got {w}")
-    return int(w) if w is not None else default_workers(cap=10)
+    return workers_setting(env_cfg.get("workers"), "env.workers", error=SuiteError)
 
 
 def _close(policies: Any) -> None:

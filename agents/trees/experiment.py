@@ -55,7 +55,7 @@ from envs.trees.groups import (
 from envs.trees.switch import SwitchModel, switch_from_spec
 from envs.trees.tree import evaluate_tree, objective1
 
-from ..config import default_workers
+from ..config import workers_setting
 from ..plots import _save
 from .baselines import SCHEMES, small_group_trees
 
@@ -212,11 +212,7 @@ def run_trees(cfg: DictConfig) -> dict[str, Any]:
     ot = cfg.overtime
     env_over = (cast("dict[str, Any]", OmegaConf.to_container(ot.env)) if ot.get("env")
                 else None)
-    workers = (int(ot.workers) if ot.get("workers") is not None
-               else default_workers(cap=10))
-    if workers < 1:
-        raise ValueError(f"overtime.workers must be >= 1 or null (the usable cores), got "
-                         f"{ot.workers}")
+    workers = workers_setting(ot.get("workers"), "overtime.workers")
     if "overtime_planning" in figures and int(ot.model_samples) < 1:
         raise ValueError(f"overtime.model_samples must be >= 1 (sampled futures per group), "
                          f"got {ot.model_samples}")

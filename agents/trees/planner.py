@@ -110,16 +110,16 @@ class PlanningPool:
             return [_value(c, base, worlds) for c in cands]
         k = -(-len(cands) // self.workers)
         jobs = [(list(cands[i:i + k]), base, worlds) for i in range(0, len(cands), k)]
-        for attempt in (0, 1):
-            if self._ex is None:
-                self._ex = ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"))
-            try:
-                return [v for part in self._ex.map(_values, jobs) for v in part]
-            except BrokenProcessPool:
-                self.close()  # a worker died (killed, out of memory): start afresh, once
-                if attempt:
-                    raise
-        raise AssertionError("unreachable")
+        try:
+            return self._map(jobs)
+        except BrokenProcessPool:
+            self.close()  # a worker died (killed, out of memory): start afresh, once
+            return self._map(jobs)
+
+    def _map(self, jobs: list[tuple[Sequence[Rule], Rule, Sequence[Any]]]) -> list[float]:
+        if self._ex is None:
+            self._ex = ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"))
+        return [v for part in self._ex.map(_values, jobs) for v in part]
 
     def close(self) -> None:
         if self._ex is not None:
