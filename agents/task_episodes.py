@@ -211,13 +211,26 @@ class EpisodeTask:
         self.rllib_env = f"smart-{self.env_id.split('/')[-1]}"
         self.env_config = {"env_id": self.env_id, **self.env_kwargs}
         try:
-            base_val = summarize_episodes(run_episodes(self.baselines, self.env_id,
+            base_val = summarize_episodes(run_episodes(self._val_references(e), self.env_id,
                                                        self.env_kwargs, self.val_seeds))
         finally:
             _close(self.baselines)
         self.base_ret = dict(zip(base_val["policy"], base_val["return"]))
         self.run_name = cfg.get("run_name") or f"{self.env_id.split('/')[-1]}__{name}__{seed}"
         self.tags = {"env": self.env_id, "task": "train"}
+
+    def _val_references(self, e: Any) -> list[EnvPolicy]:
+        """The baselines scored on the validation episodes beside each check of the learner
+        (``env.val_baselines``, a subset of ``env.baselines``; null: all of them): a
+        reference only, which a slow planner need not be on many validation episodes."""
+        names = e.get("val_baselines")
+        if names is None:
+            return list(self.baselines)
+        known = [getattr(p, "name", None) for p in self.baselines]
+        unknown = [str(n) for n in names if str(n) not in known]
+        if unknown:
+            raise SuiteError(f"env.val_baselines: {unknown} not among env.baselines {known}")
+        return [p for p in self.baselines if getattr(p, "name", None) in set(map(str, names))]
 
     def env_creator(self):
         return make_subproblem_env

@@ -37,7 +37,8 @@ NOT_CONSTRUCTOR = {
     "trees_time_planner": {"id", "suite", "baselines", "eval_episodes", "val_episodes",
                            "observation", "demo_episodes"},
     "trees_time_dagger": {"id", "suite", "baselines", "eval_episodes", "val_episodes",
-                          "observation", "demo_episodes", "dagger_episodes", "workers"},
+                          "observation", "demo_episodes", "dagger_episodes", "workers",
+                          "val_baselines"},
 }
 # a config that is another's variant: the constructor it configures and the arguments it
 # sets away from their defaults on purpose (every other key must still equal its default)

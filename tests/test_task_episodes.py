@@ -16,7 +16,7 @@ import pytest
 from gymnasium.envs.registration import register, registry
 from hydra import compose, initialize_config_dir
 from mlflow import MlflowClient
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
 from agents.config import CONFIG_DIR
 from agents.episodes import SuiteError, load_suite, run_episodes, summarize_episodes
@@ -170,6 +170,23 @@ def test_dagger_rounds_are_refused_without_a_teacher_before_training(tmp_path):
     OmegaConf.update(cfg, "env.workers", 0, force_add=True)
     with pytest.raises(SuiteError, match=r"env.workers must be >= 1 or null"):
         run_training(cfg)
+
+
+def test_validation_references_are_the_named_baselines(tmp_path):
+    """``env.val_baselines`` names the baselines scored on the validation episodes (a slow
+    planner can be left to the test episodes); one not among ``env.baselines`` is refused
+    by name; null scores them all."""
+    from agents.task_episodes import EpisodeTask
+
+    cfg = _cfg(tmp_path, [])
+    assert set(EpisodeTask(cfg, tmp_path / "all").base_ret) == {"oracle", "zero"}
+    with open_dict(cfg):
+        cfg.env.val_baselines = ["zero"]
+    task = EpisodeTask(cfg, tmp_path / "some")
+    assert set(task.base_ret) == {"zero"} and len(task.baselines) == 2  # all still tested
+    cfg.env.val_baselines = ["zero", "planner"]
+    with pytest.raises(SuiteError, match=r"env.val_baselines: \['planner'\] not among"):
+        EpisodeTask(cfg, tmp_path / "bad")
 
 
 def test_run_episodes_table_and_determinism():

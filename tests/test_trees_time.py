@@ -412,7 +412,8 @@ def test_the_model_planner_is_a_baseline_and_a_teacher() -> None:
 def test_the_planner_chooses_the_same_with_any_number_of_workers() -> None:
     """``rollout_model`` with 2 processes scoring the candidates takes the same action at
     every group as in one process, and both are the plain one-step rollout written out here
-    (every candidate on the same sampled futures, the first best kept); the trial copies
+    (every candidate on the same sampled futures, the best kept, equal ones going to the
+    base's action); the trial copies
     skip the terminal metrics without changing a reward."""
     import copy
 
@@ -435,7 +436,9 @@ def test_the_planner_chooses_the_same_with_any_number_of_workers() -> None:
                     v += r
                 assert "episode_metrics" in info  # the written-out rollout keeps them
             values.append(v)
-        return candidates()[int(np.argmax(values))](env, None)
+        best = [c(env, None) for c, v in zip(candidates(), values) if v == max(values)]
+        ref = base(env, None)  # among equal best: the nearest to the base's action
+        return min(best, key=lambda a: float(np.abs(a - ref).sum()))
 
     plans = {}
     for workers in (1, 2):
@@ -458,6 +461,26 @@ def test_the_planner_chooses_the_same_with_any_number_of_workers() -> None:
     np.testing.assert_array_equal(plans[1], plans[2])
     with pytest.raises(ValueError, match="at least one worker"):
         ModelPlanner(workers=0)
+
+
+def test_equal_best_values_go_to_the_candidate_nearest_the_base_action() -> None:
+    """Where candidates tie (the same trees), the planner's action (and a clone's label) is
+    the one nearest the base policy's, not the first in the list: hand-made actions."""
+    from agents.trees.planner import nearest_best
+
+    def act(*a):
+        return lambda env, g: np.array(a, dtype=float)
+
+    cands = [act(-1.0, -0.5), act(-1.0, 0.0), act(-1.0, 0.15), act(1.0, 0.15), act(-1.0, 0.6)]
+    base = act(-1.0, 0.15)
+    # -0.5, 0.15 (both orders) tie: Algorithm 1's order with the base's knob, not -0.5
+    np.testing.assert_array_equal(nearest_best(None, base, cands, [3, 1, 3, 3, 2]), [-1, 0.15])
+    # the other order alone ties with -0.5: the nearer (distance 0.65 against 2.0)
+    np.testing.assert_array_equal(nearest_best(None, base, cands, [3, 1, 2, 3, 2]), [-1, -0.5])
+    # a single best is kept however far it is; equal distances (0.25) go to the first
+    np.testing.assert_array_equal(nearest_best(None, base, cands, [0, 1, 2, 3, 9]), [-1, 0.6])
+    np.testing.assert_array_equal(nearest_best(None, act(-1.0, 0.5), [
+        act(-1.0, 0.75), act(-1.0, 0.25), act(-1.0, 0.0)], [5, 5, 5]), [-1, 0.75])
 
 
 def test_terminal_metrics_can_be_left_out_without_changing_the_episode() -> None:

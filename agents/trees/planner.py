@@ -2,7 +2,8 @@
 one-step rollout): for the arriving group, every candidate (a load knob of
 :data:`ROLLOUT_KNOBS` with Algorithm 1's order or with the lookahead's) is tried on copies of
 the environment whose rest of the episode is played by a base policy (``algorithm1_tuned``),
-and the candidate with the best mean return is taken.
+and the candidate with the best mean return is taken (among equal ones, the one nearest the
+base policy's action).
 
 * On the episode's own future (``futures=None`` in :func:`plan`) the rollout is clairvoyant:
   an achievable value, not a policy a controller could run
@@ -32,7 +33,8 @@ import numpy as np
 
 from .suite import TUNED, _with_knob, tune_knob
 
-__all__ = ["ROLLOUT_KNOBS", "ModelPlanner", "PlanningPool", "candidates", "plan", "resampled"]
+__all__ = ["ROLLOUT_KNOBS", "ModelPlanner", "PlanningPool", "candidates", "nearest_best", "plan",
+           "resampled"]
 
 #: the load knobs the rollout tries for each group, with each of the two orders
 ROLLOUT_KNOBS = (-0.5, 0.0, 0.15, 0.3, 0.6)
@@ -131,8 +133,11 @@ def plan(env: Any, base: Rule, cands: Sequence[Rule], futures: Sequence[Any] | N
          pool: PlanningPool | None = None) -> np.ndarray:
     """The action of the candidate whose return, this group's reward plus the rest of the
     episode under ``base``, is best on average over ``futures`` (copies of ``env`` before
-    this group; None: ``env``'s own future). Ties go to the first candidate. With ``pool``,
-    the candidates are scored in its processes (``base`` and ``cands`` must pickle:
+    this group; None: ``env``'s own future). Equal best values (frequent: several knobs
+    often build the same trees) go to the candidate whose action is nearest ``base``'s
+    (L1; then the first), so where the choice makes no difference the action, and the
+    label a clone learns from it, is the base policy's. With ``pool``, the candidates are
+    scored in its processes (``base`` and ``cands`` must pickle:
     :func:`agents.trees.suite._with_knob`'s do), with the same values."""
     if not cands:
         raise ValueError("plan needs at least one candidate")
@@ -140,8 +145,19 @@ def plan(env: Any, base: Rule, cands: Sequence[Rule], futures: Sequence[Any] | N
     values = (pool or PlanningPool(1)).values(cands, base, worlds)
     if not np.all(np.isfinite(values)):
         raise ValueError(f"plan: a candidate's value is not finite: {values}")
-    best = int(np.argmax(values))  # the first of equal values
-    return cands[best](env, None)
+    return nearest_best(env, base, cands, values)
+
+
+def nearest_best(env: Any, base: Rule, cands: Sequence[Rule], values: Sequence[float]
+                 ) -> np.ndarray:
+    """The action of the best of ``values``; among equal best, the one nearest ``base``'s
+    action (L1 distance; then the first)."""
+    top = max(values)
+    acts = [cands[i](env, None) for i, v in enumerate(values) if v == top]
+    if len(acts) == 1:
+        return acts[0]
+    ref = base(env, None)
+    return min(acts, key=lambda a: float(np.abs(np.asarray(a) - ref).sum()))
 
 
 class ModelPlanner:
