@@ -35,7 +35,7 @@ NOT_CONSTRUCTOR = {
     "trees_time_knob": {"id", "suite", "baselines", "eval_episodes", "val_episodes",
                         "observation"},
     "trees_time_planner": {"id", "suite", "baselines", "eval_episodes", "val_episodes",
-                           "observation", "demo_episodes"},
+                           "observation", "demo_episodes", "val_baselines"},
     "trees_time_dagger": {"id", "suite", "baselines", "eval_episodes", "val_episodes",
                           "observation", "demo_episodes", "dagger_episodes", "workers",
                           "val_baselines"},
