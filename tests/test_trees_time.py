@@ -229,6 +229,23 @@ def test_learned_runs_are_paired_with_the_tuned_baseline_per_seed(tmp_path) -> N
     assert t.loc["cloned", "learned_vs_clone_pct"] == pytest.approx(100 * (1.02 / 1.01 - 1))
     assert t.loc["cloned", "clone_vs_algorithm1_tuned_pct"] == pytest.approx(1.0)
     assert "learned_vs_rollout_model_pct" not in t.columns
+    assert "clone_vs_rollout_model_pct" not in t.columns
+    # the planner and the clone in the same runs: the clone paired with its teacher too
+    for k, (clone_gain, plan_gain) in enumerate(((0.02, 0.01), (0.03, 0.04))):
+        d = tmp_path / f"both{k}"
+        d.mkdir()
+        pd.DataFrame([{"policy": p, "seed": s, "value": v * {
+            "learned": 1 + clone_gain, "clone": 1 + clone_gain,
+            "rollout_model": 1 + plan_gain}.get(p, 1)}
+            for s, v in ((1, 100.0), (2, 200.0))
+            for p in ("learned", "algorithm1_tuned", "clone", "rollout_model")]).to_csv(
+            d / "per_episode.csv", index=False)
+    t = learned_table([tmp_path / "both0", tmp_path / "both1"]).set_index("run")
+    per_run = [100 * (1.02 / 1.01 - 1), 100 * (1.03 / 1.04 - 1)]
+    assert t.loc["both0", "clone_vs_rollout_model_pct"] == pytest.approx(per_run[0])
+    assert t.loc["mean", "clone_vs_rollout_model_pct"] == pytest.approx(np.mean(per_run))
+    assert t.loc["mean", "clone_vs_rollout_model_ci95_pct"] == pytest.approx(
+        student.ppf(0.975, 1) * np.std(per_run, ddof=1) / np.sqrt(2))
 
 
 def test_the_knob_coding_expresses_the_tuned_and_lookahead_baselines_exactly() -> None:

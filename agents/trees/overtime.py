@@ -200,6 +200,10 @@ OPTIONAL_PAIRS: dict[str, dict[str, tuple[str, str]]] = {
     "clone": {"learned_vs_clone_pct": ("learned", "clone"),
               "clone_vs_algorithm1_tuned_pct": ("clone", "algorithm1_tuned")},
 }
+#: the pairs of two optional policies, where a run evaluated both: the cloned start against
+#: the planner it was cloned from
+JOINT_PAIRS: dict[str, tuple[str, str]] = {"clone_vs_rollout_model_pct": ("clone",
+                                                                          "rollout_model")}
 
 
 def learned_table(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
@@ -207,7 +211,8 @@ def learned_table(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
     ``algorithm1``, ``algorithm1_tuned``, ``lookahead`` and, where the run evaluated them,
     ``rollout_model`` and ``clone`` (the cloned start before reinforcement learning) on its
     test episodes; the learned policy's paired difference against ``algorithm1_tuned``
-    (percent) and those of :data:`OPTIONAL_PAIRS`; then a ``mean`` row over the runs with
+    (percent) and those of :data:`OPTIONAL_PAIRS` and :data:`JOINT_PAIRS`; then a ``mean``
+    row over the runs with
     the 95% interval of each difference across them (``ci95_pct`` for the first,
     ``<name>_ci95_pct`` for a difference ``<name>_pct``). The runs must all have evaluated
     an optional policy or none."""
@@ -226,6 +231,7 @@ def learned_table(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
         for pol, pairs in OPTIONAL_PAIRS.items():
             if pol in v.columns:
                 pct |= pairs
+        pct |= {k: ab for k, ab in JOINT_PAIRS.items() if set(ab) <= set(v.columns)}
         rows.append({"run": Path(d).name, "episodes": len(v),
                      **{p: float(v[p].mean()) for p in ("learned", "algorithm1",
                                                         "algorithm1_tuned", "lookahead",
@@ -243,10 +249,9 @@ def learned_table(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
     mean = {"run": "mean", "episodes": int(out.episodes.sum()),
             **{c: float(out[c].mean()) for c in out.columns if c not in ("run", "episodes")},
             "ci95_pct": half}
-    for pairs in OPTIONAL_PAIRS.values():
-        for c in pairs:
-            if c in out.columns:
-                mean[c.replace("_pct", "_ci95_pct")] = ci95(out[c].to_numpy())
+    for c in [*(c for pairs in OPTIONAL_PAIRS.values() for c in pairs), *JOINT_PAIRS]:
+        if c in out.columns:
+            mean[c.replace("_pct", "_ci95_pct")] = ci95(out[c].to_numpy())
     return pd.concat([out, pd.DataFrame([mean])], ignore_index=True)
 
 
