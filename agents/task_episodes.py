@@ -18,7 +18,7 @@ observation that action would have had.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -210,22 +210,29 @@ class EpisodeTask:
         probe.close()
         self.rllib_env = f"smart-{self.env_id.split('/')[-1]}"
         self.env_config = {"env_id": self.env_id, **self.env_kwargs}
-        try:
-            base_val = summarize_episodes(run_episodes(self._val_references(e), self.env_id,
-                                                       self.env_kwargs, self.val_seeds))
-        finally:
-            _close(self.baselines)
-        self.base_ret = dict(zip(base_val["policy"], base_val["return"]))
+        refs = self._val_references(e)
+        self.base_ret: dict[str, float] = {}
+        if refs:  # env.val_baselines: [] scores none
+            try:
+                base_val = summarize_episodes(run_episodes(refs, self.env_id,
+                                                           self.env_kwargs, self.val_seeds))
+            finally:
+                _close(self.baselines)
+            self.base_ret = dict(zip(base_val["policy"], base_val["return"]))
         self.run_name = cfg.get("run_name") or f"{self.env_id.split('/')[-1]}__{name}__{seed}"
         self.tags = {"env": self.env_id, "task": "train"}
 
     def _val_references(self, e: Any) -> list[EnvPolicy]:
         """The baselines scored on the validation episodes beside each check of the learner
-        (``env.val_baselines``, a subset of ``env.baselines``; null: all of them): a
-        reference only, which a slow planner need not be on many validation episodes."""
+        (``env.val_baselines``, a list from ``env.baselines``; null: all of them; empty:
+        none): a reference only, which a slow planner need not be on many validation
+        episodes."""
         names = e.get("val_baselines")
         if names is None:
             return list(self.baselines)
+        if isinstance(names, str) or not isinstance(names, Sequence):
+            raise SuiteError(f"env.val_baselines must be a list of baseline names or null, "
+                             f"got {names!r}")
         known = [getattr(p, "name", None) for p in self.baselines]
         unknown = [str(n) for n in names if str(n) not in known]
         if unknown:
@@ -238,7 +245,7 @@ class EpisodeTask:
     def header(self, agent: str, total: int) -> str:
         return (f"[train] {agent.upper()} on {self.env_id}: observation {self.obs_dim}, action "
                 f"{self.act_dim}, {total:,} env steps; validation returns of the baselines: "
-                + ", ".join(f"{k} {v:.3f}" for k, v in self.base_ret.items()))
+                + (", ".join(f"{k} {v:.3f}" for k, v in self.base_ret.items()) or "none"))
 
     def policy(self, scores: Any) -> ActorEnvPolicy:
         from .algorithms import torch_scorer

@@ -174,8 +174,8 @@ def test_dagger_rounds_are_refused_without_a_teacher_before_training(tmp_path):
 
 def test_validation_references_are_the_named_baselines(tmp_path):
     """``env.val_baselines`` names the baselines scored on the validation episodes (a slow
-    planner can be left to the test episodes); one not among ``env.baselines`` is refused
-    by name; null scores them all."""
+    planner can be left to the test episodes); one not among ``env.baselines``, or a name
+    where a list belongs, is refused by name; null scores them all, an empty list none."""
     from agents.task_episodes import EpisodeTask
 
     cfg = _cfg(tmp_path, [])
@@ -184,9 +184,14 @@ def test_validation_references_are_the_named_baselines(tmp_path):
         cfg.env.val_baselines = ["zero"]
     task = EpisodeTask(cfg, tmp_path / "some")
     assert set(task.base_ret) == {"zero"} and len(task.baselines) == 2  # all still tested
+    cfg.env.val_baselines = []  # none: nothing scored on validation
+    assert EpisodeTask(cfg, tmp_path / "none").base_ret == {}
     cfg.env.val_baselines = ["zero", "planner"]
     with pytest.raises(SuiteError, match=r"env.val_baselines: \['planner'\] not among"):
         EpisodeTask(cfg, tmp_path / "bad")
+    cfg.env.val_baselines = "zero"
+    with pytest.raises(SuiteError, match="must be a list of baseline names or null"):
+        EpisodeTask(cfg, tmp_path / "str")
 
 
 def test_run_episodes_table_and_determinism():

@@ -135,8 +135,9 @@ def plan(env: Any, base: Rule, cands: Sequence[Rule], futures: Sequence[Any] | N
     episode under ``base``, is best on average over ``futures`` (copies of ``env`` before
     this group; None: ``env``'s own future). Equal best values (frequent: several knobs
     often build the same trees) go to the candidate whose action is nearest ``base``'s
-    (L1; then the first), so where the choice makes no difference the action, and the
-    label a clone learns from it, is the base policy's. With ``pool``, the candidates are
+    (L1), so where the choice makes no difference the action, and the label a clone
+    learns from it, is the base policy's, or the candidate nearest it. With ``pool``, the
+    candidates are
     scored in its processes (``base`` and ``cands`` must pickle:
     :func:`agents.trees.suite._with_knob`'s do), with the same values."""
     if not cands:
@@ -151,7 +152,7 @@ def plan(env: Any, base: Rule, cands: Sequence[Rule], futures: Sequence[Any] | N
 def nearest_best(env: Any, base: Rule, cands: Sequence[Rule], values: Sequence[float]
                  ) -> np.ndarray:
     """The action of the best of ``values``; among equal best, the one nearest ``base``'s
-    action (L1 distance; then the first)."""
+    action (L1 distance; the first of exactly equal distances)."""
     top = max(values)
     acts = [cands[i](env, None) for i, v in enumerate(values) if v == top]
     if len(acts) == 1:
