@@ -233,11 +233,12 @@ class EpisodeTask:
         if isinstance(names, str) or not isinstance(names, Sequence):
             raise SuiteError(f"env.val_baselines must be a list of baseline names or null, "
                              f"got {names!r}")
+        wanted = [str(n) for n in names]
         known = [getattr(p, "name", None) for p in self.baselines]
-        unknown = [str(n) for n in names if str(n) not in known]
+        unknown = [n for n in wanted if n not in known]
         if unknown:
             raise SuiteError(f"env.val_baselines: {unknown} not among env.baselines {known}")
-        return [p for p in self.baselines if getattr(p, "name", None) in set(map(str, names))]
+        return [p for p, n in zip(self.baselines, known) if n in wanted]
 
     def env_creator(self):
         return make_subproblem_env

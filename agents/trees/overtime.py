@@ -212,10 +212,9 @@ def learned_table(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
     ``rollout_model`` and ``clone`` (the cloned start before reinforcement learning) on its
     test episodes; the learned policy's paired difference against ``algorithm1_tuned``
     (percent) and those of :data:`OPTIONAL_PAIRS` and :data:`JOINT_PAIRS`; then a ``mean``
-    row over the runs with
-    the 95% interval of each difference across them (``ci95_pct`` for the first,
-    ``<name>_ci95_pct`` for a difference ``<name>_pct``). The runs must all have evaluated
-    an optional policy or none."""
+    row over the runs with the 95% interval of each difference across them (``ci95_pct``
+    for the first, ``<name>_ci95_pct`` for a difference ``<name>_pct``). The runs must all
+    have evaluated an optional policy or none."""
     rows = []
     for d in run_dirs:
         f = Path(d) / "per_episode.csv"

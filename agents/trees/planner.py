@@ -137,8 +137,7 @@ def plan(env: Any, base: Rule, cands: Sequence[Rule], futures: Sequence[Any] | N
     often build the same trees) go to the candidate whose action is nearest ``base``'s
     (L1), so where the choice makes no difference the action, and the label a clone
     learns from it, is the base policy's, or the candidate nearest it. With ``pool``, the
-    candidates are
-    scored in its processes (``base`` and ``cands`` must pickle:
+    candidates are scored in its processes (``base`` and ``cands`` must pickle:
     :func:`agents.trees.suite._with_knob`'s do), with the same values."""
     if not cands:
         raise ValueError("plan needs at least one candidate")
