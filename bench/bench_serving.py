@@ -12,12 +12,15 @@ are the ``FULL`` settings, ``--quick`` uses ``QUICK``):
    again would). Types are cycled in catalogue order; each run uses a fresh session for each
    of the 4 test windows, ``warmup`` untimed calls, then ``single`` / 4 timed calls per
    window (pooled). **Split**: the same loop with the body of ``Session.decide`` inlined and
-   each stage timed on its own (taking the type off its channel; observation building,
-   ``ObservationBuilder.observe``; ONNX Runtime, the policy call ``policy(obs)``; decoding,
-   ``envs.dsmd.decoding.decode``; putting it on the new channel); before timing, the inlined
+   each stage timed on its own (finding the type and the policy's single-row runner; taking
+   the type off its channel and observing it into the runner's bound input,
+   ``DecisionStep.observe``, one compiled call; ONNX Runtime, the runner's ``run``; decoding
+   and moving the type, ``DecisionStep.apply``, one compiled call); before timing, the inlined
    copy is checked to make the same decisions as ``Session.decide`` on a twin session. The
    raw ``InferenceSession.run`` on recorded observations in a tight loop (weights and code
-   hot in cache) is timed as well. Target: p99 <= 0.1 ms. **Paced**: the same call on test
+   hot in cache) is timed as well, and, for the ratio target, ``Session.decide`` and the raw
+   call alternately (each decision followed by one raw call), so that both see the machine
+   in the same state. Target: p99 <= 0.1 ms. **Paced**: the same call on test
    window 0's session once every ``PACED_GAP_S`` (10 ms), the process sleeping in between
    (``paced`` samples after 20 untimed), i.e. caches and branch predictors no longer warm
    from the previous call, as for a controller that asks now and then.
@@ -123,7 +126,6 @@ import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from envs.dsmd.decision import decision_order  # noqa: E402
-from envs.dsmd.decoding import decode  # noqa: E402
 from envs.dsmd.instance import UNASSIGNED  # noqa: E402
 from envs.dsmd.problems import ProblemSet, problems_for  # noqa: E402
 from security.tls import Security  # noqa: E402
@@ -427,32 +429,32 @@ def run_asgi(body_w: dict, samples: int, warmup: int) -> dict[str, Any]:
     return asyncio.run(main())
 
 
-STAGES = ("unassign", "observe", "onnx", "decode", "assign")
+STAGES = ("lookup", "observe", "onnx", "apply")
 
 
 def _inlined(s: Session, t: int, policy, clock: Callable[[], int]) -> tuple[int, tuple, Any]:
-    """``Session.decide([t], policy)`` inlined (usable policy, one type), each stage timed."""
+    """``Session.decide([t], policy)`` inlined (usable policy, one type), each stage timed:
+    finding the type and the policy's runner; taking it off its channel and observing it
+    into the runner's input (``DecisionStep.observe``, one compiled call); ONNX Runtime
+    (the runner's ``run``); decoding and moving it (``DecisionStep.apply``, one compiled
+    call)."""
     a = clock()
     p = s._pos[s.slot(t)]
     slot = int(s.active[p])
-    builder = s.builder(policy.layout)
-    n = max(s.inst.num_types, 1)
-    if s.state.channel[p] != UNASSIGNED:
-        s.state.move(p, UNASSIGNED)
-        builder.on_move(p, UNASSIGNED)
+    step = s.step
+    step.begin([p])
+    step.use_layout(policy.layout)
+    runner = policy.bound_row()
     t1 = clock()
-    obs = builder.observe(s.state, p, s.state.assigned / n)
+    obs = step.observe(runner.x)
     t2 = clock()
-    scores = np.asarray(policy(obs), dtype=np.float32).reshape(-1)
+    scores = runner.run()
     t3 = clock()
-    c = decode(scores, s.state, p, s.rng, policy.decoding)
+    c = step.apply(scores, policy.decoding)
     t4 = clock()
-    s.state.move(p, c)
-    builder.on_move(p, c)
     s.channel[slot] = c
-    t5 = clock()
     s.version += 1
-    return c, (t1 - a, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t5 - a), (obs, scores)
+    return c, (t1 - a, t2 - t1, t3 - t2, t4 - t3, t4 - a), (obs.copy(), scores.copy())
 
 
 def check_inlined(snap: dict, policy) -> int:
@@ -482,7 +484,7 @@ def run_split(snaps: list[dict], policy, samples: int, warmup: int) -> dict[str,
         types = active_ids(s)
         for i in range(warmup):
             _inlined(s, types[i % len(types)], policy, pc)
-        out = np.empty((per, 6), np.int64)
+        out = np.empty((per, len(STAGES) + 1), np.int64)
         for i in range(per):
             c, tt, (obs, scores) = _inlined(s, types[i % len(types)], policy, pc)
             out[i] = tt
@@ -504,6 +506,24 @@ def run_split(snaps: list[dict], policy, samples: int, warmup: int) -> dict[str,
         sess.run(["scores"], x[i % len(x)])
         raw[i] = pc() - a
     res["ort_run_hot"] = pct(raw / 1e3)
+    # the ratio target side by side: each Session.decide([t]) followed by one raw call on a
+    # recorded observation, so both see the same state of the machine (its speed drifts)
+    dec, raw2 = [], []
+    for snap in snaps:
+        s = fresh_session(snap, policy)
+        types = active_ids(s)
+        for i in range(warmup + per):
+            t = types[i % len(types)]
+            a = pc()
+            s.decide([t], policy)
+            b = pc()
+            sess.run(["scores"], x[i % len(x)])
+            if i >= warmup:
+                dec.append(b - a)
+                raw2.append(pc() - b)
+    res["paired_decide"] = pct(np.array(dec) / 1e3)
+    res["paired_raw"] = pct(np.array(raw2) / 1e3)
+    res["paired_ratio"] = res["paired_decide"]["p50"] / res["paired_raw"]["p50"]
     # the same graph cut to one channel: what ONNX Runtime spends per call whatever the size
     one = one_channel_session(sess)
     if one is not None:
@@ -524,8 +544,14 @@ def floors_note(inproc: list[dict]) -> str:
     the sequential batch of 1,000 against 1,000 raw calls, which it cannot beat."""
     dec = stats([r["single"]["bundle"]["p50"] * 1e3 for r in inproc])["median"]
     raw = stats([r["split"]["bundle"]["ort_run_hot"]["p50"] for r in inproc])["median"]
-    out = (f"floors: Session.decide p50 {dec:.1f} us is {dec / raw:.2f}x the raw ONNX Runtime "
-           f"call's {raw:.1f} us (target 1.5x); a sequential batch of {BATCH_TYPES:,} makes "
+    sp = [r["split"]["bundle"] for r in inproc]
+    ratio = stats([x["paired_ratio"] for x in sp])
+    out = (f"floors: side by side (each Session.decide followed by one raw ONNX Runtime call), "
+           f"Session.decide p50 {stats([x['paired_decide']['p50'] for x in sp])['median']:.1f}"
+           f" us is {ratio['median']:.2f}x ({ratio['min']:.2f}-{ratio['max']:.2f}) the raw "
+           f"call's {stats([x['paired_raw']['p50'] for x in sp])['median']:.1f} us (target "
+           f"1.5x; the two run apart, as in the tables: {dec:.1f} and {raw:.1f} us, "
+           f"{dec / raw:.2f}x); a sequential batch of {BATCH_TYPES:,} makes "
            f"{BATCH_TYPES:,} policy calls in order, each observed after the decision before "
            f"it, so it cannot take less than {BATCH_TYPES:,} raw calls, "
            f"{BATCH_TYPES * raw / 1e3:.1f} ms (target {TARGET_BATCH_MS:g} ms)")
@@ -1032,12 +1058,13 @@ def main() -> None:
     split_rows, split_summary = [], {}
     mean_total = {c: stats([r["single"][c]["mean"] * 1e3 for r in inproc])["median"]
                   for c in ORT_CONFIGS}
-    for name, label in (("unassign", "take the type off its channel (CostState.move)"),
-                        ("observe", "observation (ObservationBuilder.observe)"),
-                        ("onnx", "ONNX Runtime (policy(obs))"),
-                        ("decode", "decoding (feasible)"),
-                        ("assign", "put it on the channel (CostState.move)"),
-                        ("total", "all five stages (inlined, timed)"),
+    for name, label in (("lookup", "find the type and the policy's single-row runner"),
+                        ("observe", "take it off its channel and observe it into the "
+                                    "runner's input (DecisionStep.observe, one compiled call)"),
+                        ("onnx", "ONNX Runtime (the runner's run, bound buffers)"),
+                        ("apply", "decode (feasible) and move it (DecisionStep.apply, one "
+                                  "compiled call)"),
+                        ("total", "all four stages (inlined, timed)"),
                         ("ort_run_hot", "raw InferenceSession.run in a tight loop (extra)"),
                         ("ort_fixed_hot", "the same graph on one channel: ONNX Runtime's own "
                                           "cost per call (extra)")):
@@ -1090,8 +1117,8 @@ def main() -> None:
         f"{test[0]}, one call every {PACED_GAP_S * 1e3:g} ms with the process sleeping in "
         f"between, as a controller asking now and then sees it (cold caches: several times "
         f"the back-to-back latency)",
-        f"where one decision's time goes (second table): the 5 stages timed separately on an "
-        f"inlined copy of Session.decide (checked to decide identically); "
+        f"where one decision's time goes (second table): the {len(STAGES)} stages timed "
+        f"separately on an inlined copy of Session.decide (checked to decide identically); "
         f"{100 * stats([r['split']['bundle']['not_argmax_share'] for r in inproc])['median']:.0f}"
         f"% of the decisions took another channel than the argmax (the feasible decoding "
         f"searched further)",

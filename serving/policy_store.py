@@ -91,6 +91,11 @@ class LoadedPolicy:
                    ) -> tuple[np.ndarray, np.ndarray]:
         return self.bundle.score_rows(n, fill)
 
+    def bound_row(self) -> Any:
+        """This thread's single-row runner (:meth:`serving.bundles.static.PolicyBundle.
+        bound_row`)."""
+        return self.bundle.bound_row()
+
 
 class _Bundle(Protocol):
     @property

@@ -79,6 +79,10 @@ class ScoringPolicy(Protocol):
         (:meth:`serving.bundles.static.PolicyBundle.score_rows`)."""
         ...
 
+    # optional: ``bound_row()``, this thread's single-row runner (an ``x`` buffer to observe
+    # into and ``run()`` for its scores, :meth:`serving.bundles.static.PolicyBundle.
+    # bound_row`); a policy that has it is scored through it, one without it by __call__
+
 
 @dataclass(frozen=True)
 class SessionSpec:
@@ -172,7 +176,7 @@ class Session:
         #: session's view of the channels, read by whoever decides; the heuristics and the
         #: static policies do not use it as an input (the controller applies failover itself)
         self.health: dict[str, Any] | None = None
-        self._compat: tuple[Any, int, str | None] | None = None
+        self._compat: tuple | None = None  # _uses()
         self._rebuild()
 
     # ------------------------------------------------------------------ catalogue and rates
@@ -301,11 +305,24 @@ class Session:
     def compatibility(self, policy: ScoringPolicy | None) -> str | None:
         """:func:`compatibility`, cached per policy object and catalogue size (the cache
         holds the policy itself: an ``id()`` could be reused by a later object)."""
+        why: str | None = self._uses(policy)[2]
+        return why
+
+    def _uses(self, policy: ScoringPolicy | None) -> tuple:
+        """``(policy, catalogue size, why not, layout, decoding, bound_row)`` for ``policy``:
+        :func:`compatibility` and what a decision reads of the policy (``bound_row``: the
+        policy's single-row runner getter, None if it has none), kept while the policy object
+        and the catalogue size stay."""
         c = self._compat
         if c is None or c[0] is not policy or c[1] != self.catalog_size:
-            c = self._compat = (policy, self.catalog_size,
-                                compatibility(policy, self.spec, self.catalog_size))
-        return c[2]
+            why = compatibility(policy, self.spec, self.catalog_size)
+            usable = policy if why is None else None
+            c = self._compat = (
+                policy, self.catalog_size, why,
+                None if usable is None else usable.layout,
+                "feasible" if usable is None else usable.decoding,
+                getattr(usable, "bound_row", None))
+        return c
 
     # ------------------------------------------------------------------ decisions
     def decide(self, type_ids: Sequence[int] | None, policy: ScoringPolicy | None, *,
@@ -318,7 +335,7 @@ class Session:
         types are undecided, scored in one policy call; see :meth:`_decide_parallel`."""
         if fallback not in FALLBACKS:
             raise SessionError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
-        why = self.compatibility(policy)
+        _, _, why, layout, mode, bound = self._uses(policy)
         use = policy if why is None else None
         positions = self._positions(type_ids, use, replan)
         step = self.step
@@ -328,16 +345,21 @@ class Session:
             step.drop_builder()
         if parallel:
             return self._decide_parallel(positions, use, why, fallback, explain)
-        step.begin(positions)
+        step.begin(positions, checked=True)
         active, channel, type_ids = self.active, self.channel, self.type_ids
         src = "policy" if use is not None else "fallback"
         out = []
-        if use is not None:
-            step.use_layout(use.layout)
-        mode = use.decoding if use is not None else "feasible"
+        if layout is not None:
+            step.use_layout(layout)
+        # a policy that offers its single-row runner (serving.bundles.static._BoundRow) is
+        # observed straight into the runner's bound input and decoded from its bound output
+        runner = bound() if bound is not None else None
         for p in positions:
-            if use is not None:
-                obs = step.observe()  # takes p off its channel first
+            if runner is not None:
+                obs = step.observe(runner.x)  # takes p off its channel first
+                scores = runner.run()
+            elif use is not None:
+                obs = step.observe()
                 scores = use(obs)
             else:
                 obs = None
@@ -346,8 +368,12 @@ class Session:
             c = step.apply(scores, mode)
             s = int(active[p])
             channel[s] = c
-            out.append(Decision(type_ids[s], c, src, why, obs if explain else None,
-                                np.asarray(scores, np.float32).reshape(-1) if explain else None))
+            if explain:
+                out.append(Decision(type_ids[s], c, src, why,
+                                    None if obs is None else obs.copy(),
+                                    np.array(scores, np.float32).reshape(-1)))
+            else:  # Decision(t, c, src, why) without its Python __new__
+                out.append(tuple.__new__(Decision, (type_ids[s], c, src, why, None, None)))
         self.version += 1
         return out
 
@@ -404,7 +430,7 @@ class Session:
             out = [pos_of[slot_of[t]] for t in type_ids]
         except (KeyError, TypeError):
             out = self._positions_checked(type_ids)
-        if len(set(out)) != len(out):
+        if len(out) > 1 and len(set(out)) != len(out):
             raise SessionError("a type is listed twice")
         return out
 

@@ -185,3 +185,86 @@ def test_observation_blocks_kept_between_calls_never_go_stale(inst, seed):
         probe = int(rng.integers(inst.num_types))
         np.testing.assert_array_equal(kept.observe(state, probe, 0.5),
                                       ObservationBuilder(layout, inst).observe(state, probe, 0.5))
+
+
+def _same_state(a: CostState, b: CostState) -> None:
+    for name in ("channel", "node_traffic", "topic_rate", "topic_subscribers", "topic_types",
+                 "sub_count", "sc"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+    if a.pending_node is not None and b.pending_node is not None:
+        np.testing.assert_array_equal(a.pending_node, b.pending_node)
+
+
+@settings(max_examples=120, deadline=None)
+@given(inst=instances(tight=True, max_topics=5), seed=st.integers(0, 2**16),
+       mode=st.sampled_from(["feasible", "argmax"]), by_step=st.booleans())
+def test_the_compiled_decision_step_is_the_checked_one(inst, seed, mode, by_step):
+    """``DecisionStep.observe`` and ``apply`` (one compiled call each: take off and observe;
+    decode and move) give the observation, the channel, the state and the RNG draws of the
+    checked path they replace: ``CostState.move``, ``ObservationBuilder.observe`` and
+    ``decoding.decode`` one after the other, on a twin state, over re-decisions of assigned
+    and unassigned types with tied, NaN and infeasible scores."""
+    from envs.dsmd.decision import DecisionStep
+    from envs.dsmd.decoding import decode
+
+    rng = np.random.default_rng(seed)
+    ch = _random_state(inst, rng).channel
+    fast, ref = CostState(inst, ch), CostState(inst, ch)
+    layout = ObservationLayout("channel", inst.num_types, inst.num_nodes, inst.num_topics)
+    r_fast, r_ref = np.random.default_rng(seed), np.random.default_rng(seed)
+    step = DecisionStep(inst, layout, rng=r_fast, order=(), state=fast,
+                        progress="step" if by_step else "decided")
+    builder = ObservationBuilder(layout, inst)
+    order = rng.integers(0, inst.num_types, 3 * inst.num_types).tolist()
+    step.begin(order)
+    out = np.zeros(layout.size, np.float32)
+    for i, m in enumerate(order):
+        obs = step.observe(out if i % 2 else None)
+        if ref.channel[m] != UNASSIGNED:
+            ref.move(m, UNASSIGNED)
+        progress = i / len(order) if by_step else ref.assigned / inst.num_types
+        np.testing.assert_array_equal(obs, builder.observe(ref, m, progress))
+        assert (obs is out) == bool(i % 2)
+        scores = _scores(rng, inst.num_topics + 1)
+        if i % 3 == 0:
+            scores = scores.astype(np.float64)
+        c_ref = decode(scores, ref, m, r_ref, mode)
+        ref.move(m, c_ref)
+        assert step.apply(scores, mode) == c_ref
+        _same_state(fast, ref)
+    assert step.done
+    obs = step.observe()  # after the last type: the final state's observation
+    np.testing.assert_array_equal(obs, builder.observe(ref, None, 1.0 if by_step else
+                                                       ref.assigned / inst.num_types))
+    assert r_fast.integers(2**32) == r_ref.integers(2**32)
+
+
+def test_the_compiled_step_refuses_what_it_would_index_unchecked():
+    """The compiled calls index without bounds checks, so what they are handed is checked
+    first: a type outside the instance (negative ones included) in a move or a decision
+    order, and an observation buffer of another size, type or layout."""
+    import pytest
+
+    from envs.dsmd.decision import DecisionStep
+    from envs.dsmd.errors import DSMDError, InstanceError
+    from tests.conftest import random_instance
+
+    inst = random_instance(3, n=6, m=5, k=2)
+    state = CostState(inst)
+    for m in (-1, inst.num_types):
+        with pytest.raises(InstanceError, match="out of range"):
+            state.move(m, 0)
+    layout = ObservationLayout("channel", inst.num_types, inst.num_nodes, inst.num_topics)
+    rng = np.random.default_rng(0)
+    with pytest.raises(DSMDError, match="decision order"):
+        DecisionStep(inst, layout, rng=rng, order=np.array([0, inst.num_types]))
+    step = DecisionStep(inst, layout, rng=rng, order=[0, 1])
+    with pytest.raises(DSMDError, match="decision order"):
+        step.begin([2, -1])
+    for bad in (np.zeros(layout.size + 1, np.float32), np.zeros(layout.size, np.float64),
+                np.zeros(2 * layout.size, np.float32)[::2]):
+        with pytest.raises(DSMDError, match="contiguous float32"):
+            step.observe(bad)
+    good = np.zeros(layout.size, np.float32)
+    assert step.observe(good) is good
+    np.testing.assert_array_equal(good, step.observe())

@@ -192,6 +192,9 @@ def metrics_from(inst: DSMDInstance, channel: np.ndarray, node_traffic: np.ndarr
     )
 
 
+_MOVE_ARGS = 14  # CostState.moving_arrays()[:14]: what kernels.move_type takes after (m, c)
+
+
 class CostState:
     """Eq. 1's quantities under single-type moves (the simulator's hot path).
 
@@ -208,26 +211,22 @@ class CostState:
         self.topic_subscribers = np.zeros(k + 1, dtype=np.int64)
         self.topic_types = np.zeros(k + 1, dtype=np.int64)
         self.sub_count = np.zeros((k + 1, n), dtype=np.int32)  # types on t with n in D(m)
-        self.controller_bw = 0
-        self.controller_cpu = 0
-        self.total_traffic = 0
-        self.necessary = 0
-        self.sent_messages = 0
-        self.assigned = 0
-        self.rpc_types = 0
+        #: the scalars, int64, at the kernels' indices (``kernels.BW`` .. ``kernels.PEND``):
+        #: the kernels that move types update them in place; read them by name
+        self.sc = np.zeros(8, dtype=np.int64)
         self.version = 0  # bumped by every change; keys the node-statistics cache
         self._nstats: tuple[int, tuple] | None = None
         self._ratio: tuple[int, np.ndarray] | None = None
         self._rate = inst.rate_bps.tolist()
         self._fan = inst.fanout.tolist()
         assert inst.messages is not None  # filled in DSMDInstance.__post_init__
-        self._msgs = inst.messages.tolist()
         self._dest = inst.destination_lists
         # what the unassigned types will cost at least, whatever their channel: f(m) on
         # each destination node and f(m) (one publish) on the controller; tracked from the
-        # first fits(reserve=True) on (see _track_pending), so plain moves pay nothing for it
+        # first fits(reserve=True) or feasible DecisionStep.apply on (see track_pending), so
+        # plain moves pay nothing for it
         self.pending_node: np.ndarray | None = None
-        self.pending_rate = 0
+        self._moving: tuple | None = None  # moving_arrays(), until an array is replaced
         if channel is not None:
             self.assign_all(channel)
 
@@ -244,105 +243,107 @@ class CostState:
         self.topic_subscribers = np.zeros(inst.num_topics + 1, dtype=np.int64)
         self.topic_types = np.zeros(inst.num_topics + 1, dtype=np.int64)
         self.sub_count[:] = 0
-        self.controller_bw = self.controller_cpu = self.total_traffic = self.necessary = 0
-        self.sent_messages = self.assigned = self.rpc_types = 0
+        self.sc[:] = 0
+        self._moving = None
         st = self.kernel_arrays()
         _k.build_state(st)
         self.sync_scalars(st[6])
 
     def move(self, m: int, c: int) -> None:
-        """Put type ``m`` on channel ``c`` (0 = RPC, 1..K = topic, -1 = unassign)."""
+        """Put type ``m`` on channel ``c`` (0 = RPC, 1..K = topic, -1 = unassign): current
+        subscribers of a topic get f(m), new ones the whole topic; leaving subscribers lose
+        it (one compiled step, :func:`envs.dsmd.kernels.move_type`)."""
+        m, c = int(m), int(c)
+        if not 0 <= m < self.inst.num_types:  # the compiled move indexes with it unchecked
+            raise InstanceError(f"type {m} out of range 0..{self.inst.num_types - 1}")
         old = int(self.channel[m])
-        c = int(c)
         if old == c:
             return
         if not UNASSIGNED <= c <= self.inst.num_topics:
             raise InstanceError(f"channel {c} out of range -1..{self.inst.num_topics}")
-        if old != UNASSIGNED:
-            self._remove(m, old)
-        if c != UNASSIGNED:
-            self._add(m, c)
+        _k.move_type(m, c, *self.moving_arrays()[:_MOVE_ARGS])
         self.version += 1
 
-    def _add(self, m: int, c: int) -> None:
-        f, d, dest = self._rate[m], self._fan[m], self._dest[m]
-        b, pend = self.node_traffic, self.pending_node
-        track = pend is not None
-        if c == RPC:
-            _k.rpc_shift(b, dest, f, pend if pend is not None else b, track)
-            self.controller_bw += f * d
-            self.controller_cpu += d
-            self.total_traffic += f * d
-            self.sent_messages += self._msgs[m] * d
-            self.rpc_types += 1
-        else:  # current subscribers get f, new subscribers the whole topic
-            r_old, s_old = int(self.topic_rate[c]), int(self.topic_subscribers[c])
-            fresh = _k.topic_add(b, self.sub_count[c], dest, f, r_old, s_old,
-                                 pend if pend is not None else b, track)
-            self.topic_rate[c] = r_old + f
-            self.topic_subscribers[c] = s_old + fresh
-            self.topic_types[c] += 1
-            self.total_traffic += f * s_old + (r_old + f) * fresh
-            self.controller_bw += f
-            self.controller_cpu += 1
-            self.sent_messages += self._msgs[m]
-        self.necessary += f * d
-        if track:
-            self.pending_rate -= f
-        self.assigned += 1
-        self.channel[m] = c
+    def moving_arrays(self) -> tuple:
+        """What the compiled steps that move types take after the type (and, for
+        :func:`envs.dsmd.kernels.decide_next`, its scores): :func:`envs.dsmd.kernels.
+        move_type`'s state ``(channel, node_traffic, topic_rate, topic_subscribers,
+        topic_types, sub_count, sc, dest_ptr, dest_idx, rate, fanout, messages, pend,
+        track)``, then ``(inv_capacity, C_b, C_p, num_types)``. Built once and kept until an
+        array of the state is replaced (:meth:`assign_all`, :meth:`track_pending`)."""
+        if self._moving is not None:
+            return self._moving
+        inst, pend = self.inst, self.pending_node
+        self._moving = (self.channel, self.node_traffic, self.topic_rate,
+                        self.topic_subscribers, self.topic_types, self.sub_count, self.sc,
+                        inst.dest_ptr, inst.dest_idx, inst.rate_bps, inst.fanout,
+                        inst.messages, self.node_traffic if pend is None else pend,
+                        pend is not None, inst.inv_capacity, int(inst.controller_bw_bps),
+                        int(inst.controller_cpu), inst.num_types)
+        return self._moving
 
-    def _remove(self, m: int, c: int) -> None:
-        f, d, dest = self._rate[m], self._fan[m], self._dest[m]
-        b, pend = self.node_traffic, self.pending_node
-        track = pend is not None
-        if c == RPC:
-            _k.rpc_shift(b, dest, -f, pend if pend is not None else b, track)
-            self.controller_bw -= f * d
-            self.controller_cpu -= d
-            self.total_traffic -= f * d
-            self.sent_messages -= self._msgs[m] * d
-            self.rpc_types -= 1
-        else:  # leaving subscribers lose the whole topic, the remaining ones f
-            r_old, s_old = int(self.topic_rate[c]), int(self.topic_subscribers[c])
-            gone = _k.topic_remove(b, self.sub_count[c], dest, f, r_old,
-                                   pend if pend is not None else b, track)
-            self.topic_rate[c] = r_old - f
-            self.topic_subscribers[c] = s_old - gone
-            self.topic_types[c] -= 1
-            self.total_traffic -= f * (s_old - gone) + r_old * gone
-            self.controller_bw -= f
-            self.controller_cpu -= 1
-            self.sent_messages -= self._msgs[m]
-        self.necessary -= f * d
-        if track:
-            self.pending_rate += f
-        self.assigned -= 1
-        self.channel[m] = UNASSIGNED
+    # the scalars by name (views of ``sc``)
+    @property
+    def controller_bw(self) -> int:
+        """Controller bandwidth, sum_m f(m) (|D(m)| if RPC else 1), bit/s."""
+        return int(self.sc[_k.BW])
+
+    @property
+    def controller_cpu(self) -> int:
+        """Controller concurrent sends, sum_m (|D(m)| if RPC else 1)."""
+        return int(self.sc[_k.CPU])
+
+    @property
+    def total_traffic(self) -> int:
+        """sum_n b(n), bit/s."""
+        return int(self.sc[_k.TOT])
+
+    @property
+    def necessary(self) -> int:
+        """sum_m f(m) |D(m)| over the assigned types, bit/s."""
+        return int(self.sc[_k.NEC])
+
+    @property
+    def sent_messages(self) -> int:
+        """Messages the controller sends per interval (|D(m)| copies of an RPC type's)."""
+        return int(self.sc[_k.SENT])
+
+    @property
+    def assigned(self) -> int:
+        """Types on a channel."""
+        return int(self.sc[_k.ASG])
+
+    @property
+    def rpc_types(self) -> int:
+        """Types on RPC."""
+        return int(self.sc[_k.RPCT])
+
+    @property
+    def pending_rate(self) -> int:
+        """sum of f(m) over the unassigned types (kept once :attr:`pending_node` is)."""
+        return int(self.sc[_k.PEND])
 
     def kernel_arrays(self) -> tuple:
         """The state as the state kernels (:func:`envs.dsmd.kernels.state_move`) take it, one
         tuple:
         ``(channel, node_traffic, topic_rate, topic_subscribers, topic_types, sub_count, sc,
         dest_ptr, dest_idx, rate, fanout, messages, capacity, C_b, C_p)``. The arrays are
-        the state's own (changed in place); ``sc`` holds its scalars, to be written back
-        with :meth:`sync_scalars` after a kernel moved types."""
+        the state's own, ``sc`` included (changed in place); call :meth:`sync_scalars` after
+        a kernel moved types."""
         inst = self.inst
-        sc = np.array([self.controller_bw, self.controller_cpu, self.total_traffic,
-                       self.necessary, self.sent_messages, self.assigned, self.rpc_types],
-                      dtype=np.int64)
         return (self.channel, self.node_traffic, self.topic_rate, self.topic_subscribers,
-                self.topic_types, self.sub_count, sc, inst.dest_ptr, inst.dest_idx,
+                self.topic_types, self.sub_count, self.sc, inst.dest_ptr, inst.dest_idx,
                 inst.rate_bps, inst.fanout, inst.messages, inst.node_capacity_bps,
                 int(inst.controller_bw_bps), int(inst.controller_cpu))
 
     def sync_scalars(self, sc: np.ndarray) -> None:
-        """Take the scalars a state kernel kept in ``sc`` (:meth:`kernel_arrays`); the
-        pending least costs, if tracked, are recomputed."""
-        (self.controller_bw, self.controller_cpu, self.total_traffic, self.necessary,
-         self.sent_messages, self.assigned, self.rpc_types) = (int(x) for x in sc)
+        """After state kernels moved types on :meth:`kernel_arrays`: take the scalars of
+        ``sc`` if it is not the state's own, recompute the pending least costs if they are
+        tracked (those kernels do not track them) and mark the state changed."""
+        if sc is not self.sc:
+            self.sc[:_k.PEND] = sc[:_k.PEND]
         if self.pending_node is not None:
-            self._track_pending()
+            self.track_pending()
         self.version += 1
 
     # ------------------------------------------------------------------ what-ifs
@@ -400,15 +401,17 @@ class CostState:
             peak = max(peak, float(((b[fresh] + self.topic_rate[c] + f) / cap[fresh]).max()))
         return peak
 
-    def _track_pending(self) -> None:
-        """(Re)compute the unassigned types' least costs and keep them up to date."""
+    def track_pending(self) -> None:
+        """(Re)compute the unassigned types' least costs (:attr:`pending_node`,
+        :attr:`pending_rate`) and keep them up to date from now on."""
         inst = self.inst
         free = self.channel == UNASSIGNED
         row = inst.type_of_entry
         e = free[row]
         self.pending_node = np.zeros(inst.num_nodes, dtype=np.int64)
+        self._moving = None
         np.add.at(self.pending_node, inst.dest_idx[e], inst.rate_bps[row[e]])
-        self.pending_rate = int(inst.rate_bps[free].sum())
+        self.sc[_k.PEND] = int(inst.rate_bps[free].sum())
 
     def topic_room(self, m: int, reserve: bool = False) -> bool:
         """Whether the controller has room for unassigned ``m`` on a topic (one publish of
@@ -423,7 +426,7 @@ class CostState:
         bw, cpu = (f * self._fan[m], self._fan[m]) if rpc else (f, 1)
         if reserve:
             if self.pending_node is None:
-                self._track_pending()
+                self.track_pending()
             bw += self.pending_rate - f
             cpu += inst.num_types - self.assigned - 1
         return (self.controller_bw + bw <= inst.controller_bw_bps

@@ -15,7 +15,10 @@ and served on the same observations and decoded the same way. A step owns
 
 A sequential decision is ``obs = step.observe()`` (the next type of the order is taken off its
 channel if it is on one, then observed), ``c = step.apply(policy(obs))`` (decode, move, tell the
-builder). A batch decided at once, all from the state in which its types are undecided
+builder). Each half is one compiled call (:func:`envs.dsmd.kernels.observe_next` for the
+``channel`` observation, :func:`envs.dsmd.kernels.decide_next`), equal to the step-by-step
+``CostState.move``, ``ObservationBuilder.observe`` and :func:`envs.dsmd.decoding.decode` it
+stands for. A batch decided at once, all from the state in which its types are undecided
 (the policy server's ``parallel`` mode), is :meth:`DecisionStep.take_off_many`,
 :meth:`DecisionStep.rows` (the observations, filled chunk by chunk by the scorer) and
 :meth:`DecisionStep.apply_rows` (row-wise argmax with the ``feasible`` safety layer).
@@ -35,8 +38,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from . import kernels as _k
 from .cost import CostState
-from .decoding import check_decoding, decode, decode_actions
+from .decoding import check_decoding, decode, decode_action, decode_actions
 from .errors import DSMDError
 from .instance import UNASSIGNED, DSMDInstance
 from .observation import ObservationBuilder, ObservationLayout
@@ -45,6 +49,7 @@ __all__ = ["ORDERS", "PROGRESS", "DecisionStep", "decision_order"]
 
 ORDERS: tuple[str, ...] = ("rate_desc", "random", "index")
 PROGRESS: tuple[str, ...] = ("decided", "step")
+_F32 = np.dtype(np.float32)
 
 
 def decision_order(inst: DSMDInstance, order: str, rng: np.random.Generator | None = None
@@ -63,6 +68,19 @@ def decision_order(inst: DSMDInstance, order: str, rng: np.random.Generator | No
     raise DSMDError(f"order must be one of {ORDERS}, got {order!r}")
 
 
+def _checked_order(order: Sequence[int] | np.ndarray, num_types: int
+                   ) -> Sequence[int] | np.ndarray:
+    """``order`` if every entry is an instance index, 0 <= m < ``num_types`` (the compiled
+    steps index with them unchecked); else a :class:`DSMDError`."""
+    if len(order):
+        lo, hi = ((int(order.min()), int(order.max())) if isinstance(order, np.ndarray)
+                  else (min(order), max(order)))
+        if lo < 0 or hi >= num_types:
+            raise DSMDError(f"decision order: type {lo if lo < 0 else hi} is not in "
+                            f"0..{num_types - 1}")
+    return order
+
+
 class DecisionStep:
     """The state of a sequence of channel decisions over one instance (module docstring).
 
@@ -75,7 +93,9 @@ class DecisionStep:
 
     __slots__ = (
         "_by_step",
+        "_k1",
         "_n",
+        "_out_ok",
         "builder",
         "cursor",
         "decoding",
@@ -99,15 +119,20 @@ class DecisionStep:
         if layout is not None:
             self.use_layout(layout)
         self.order: Sequence[int] | np.ndarray = (decision_order(inst, order, rng)
-                                                  if isinstance(order, str) else order)
+                                                  if isinstance(order, str)
+                                                  else _checked_order(order, inst.num_types))
         self.cursor = 0
         self._by_step = progress == "step"
         self._n = max(inst.num_types, 1)
+        self._k1 = inst.num_topics + 1
+        #: the last out= buffer found fit, and the builder it was found fit for
+        self._out_ok: tuple[np.ndarray, ObservationBuilder] | None = None
 
     # ------------------------------------------------------------------ the order
-    def begin(self, order: Sequence[int] | np.ndarray) -> None:
-        """Decide the instance indices ``order`` next, in that order."""
-        self.order = order
+    def begin(self, order: Sequence[int] | np.ndarray, *, checked: bool = False) -> None:
+        """Decide the instance indices ``order`` next, in that order (``checked``: the caller
+        vouches that each is in 0..M-1, as the session's own positions are)."""
+        self.order = order if checked else _checked_order(order, self.inst.num_types)
         self.cursor = 0
 
     @property
@@ -150,30 +175,70 @@ class DecisionStep:
             if self.builder is not None:
                 self.builder.on_move(m, UNASSIGNED)
 
-    def observe(self) -> np.ndarray:
+    def observe(self, out: np.ndarray | None = None) -> np.ndarray:
         """The observation before deciding the next type (after the last one: the final
-        state's), with that type first taken off its channel (:meth:`take_off`)."""
+        state's), with that type first taken off its channel (:meth:`take_off`). ``out``: a
+        float32 buffer of the layout's size to write it into and return (default: a new
+        array). For the ``channel`` layout, taking off and observing are one compiled call
+        (:func:`envs.dsmd.kernels.observe_next`)."""
         # take_off() and progress() inlined: this runs once per decision
         order, i, state, b = self.order, self.cursor, self.state, self.builder
         if b is None:
             raise DSMDError("DecisionStep.observe needs an observation layout (use_layout)")
         m = int(order[i]) if i < len(order) else None
+        if b.compiled:
+            buf = b.buffer
+            if out is not None:  # the compiled call writes it unchecked (checked once)
+                ok = self._out_ok
+                if ok is None or ok[0] is not out or ok[1] is not b:
+                    if (out.__class__ is not np.ndarray or out.dtype is not _F32
+                            or out.shape != buf.shape or not out.flags.c_contiguous):
+                        raise DSMDError(f"observe(out=...) needs a contiguous float32 array "
+                                        f"of shape {buf.shape}")
+                    self._out_ok = (out, b)
+                buf = out
+            if _k.observe_next(-1 if m is None else m, buf, *state.moving_arrays(),
+                               i / len(order) if self._by_step else -1.0,  # type: ignore[call-arg]
+                               b.seen, b.blocks):
+                state.version += 1
+            return buf.copy() if out is None else buf
         if m is not None and state.channel[m] != UNASSIGNED:
             state.move(m, UNASSIGNED)
             b.on_move(m, UNASSIGNED)
         progress = i / len(order) if self._by_step else state.assigned / self._n
-        return b.observe(state, m, progress)
+        obs = b.observe(state, m, progress)
+        if out is None:
+            return obs
+        out[:] = obs
+        return out
 
     # ------------------------------------------------------------------ decisions
     def apply(self, scores: np.ndarray, decoding: str | None = None) -> int:
         """Decode ``scores`` (one per channel) for the next type with ``decoding`` (default:
-        the step's), move it there and advance; returns the channel."""
+        the step's), move it there and advance; returns the channel. Decoding and moving are
+        one compiled call (:func:`envs.dsmd.kernels.decide_next`, the same channel as
+        :func:`envs.dsmd.decoding.decode` and the same draws from the RNG)."""
         m = int(self.order[self.cursor])
         state = self.state
-        c = decode(scores, state, m, self.rng, decoding or self.decoding)
-        state.move(m, c)
-        if self.builder is not None:
-            self.builder.on_move(m, c)
+        mode = decoding or self.decoding
+        # a contiguous float32 row (a policy's output) as it is, anything else as_scores'd
+        a = (scores if scores.__class__ is np.ndarray and scores.dtype is _F32
+             and scores.ndim == 1 and scores.flags.c_contiguous else _k.as_scores(scores))
+        if a.shape[0] == self._k1:
+            feasible = mode != "argmax"
+            if feasible and state.pending_node is None:
+                state.track_pending()
+            args = state.moving_arrays()
+            c = _k.decide_next(m, a, -1, feasible, *args)
+            if c < UNASSIGNED:  # several channels tie for the best score: draw one
+                c = _k.decide_next(m, a, decode_action(a, self.rng), feasible, *args)
+            state.version += 1
+        else:  # scores of another width: the checked path says what is wrong
+            c = decode(scores, state, m, self.rng, mode)
+            state.move(m, c)
+        b = self.builder
+        if b is not None and not b.compiled:
+            b.on_move(m, c)
         self.cursor += 1
         return c
 

@@ -1,12 +1,14 @@
 """Compiled inner loops of the cost model (SMART Eq. 1) and of the ``channel`` observation.
 
 These are the only implementations of the loops they hold: :class:`~envs.dsmd.cost.CostState`
-(the simulator, the evaluation, the policy server and the cached adapter all use it) and
-:class:`~envs.dsmd.observation.ObservationBuilder` call them, so every path computes the same
-integers and the same float32 values. Each function works on plain arrays (numba ``njit``,
-compiled on first use and cached on disk next to this file); the arithmetic is the one the
-docstrings of ``cost.py`` state, in int64 bit/s, and the float tests are the ones of
-:func:`envs.dsmd.cost.node_stats` (``b(n) * (1 / s(n)) > 1.0`` in float64).
+(the simulator, the evaluation, the policy server and the cached adapter all use it),
+:class:`~envs.dsmd.observation.ObservationBuilder` and
+:class:`~envs.dsmd.decision.DecisionStep` (one decision in two calls) call them, so every
+path computes the same integers and the same float32 values. Each function works on plain
+arrays (numba ``njit``, compiled on first use and cached on disk next to this file); the
+arithmetic is the one the docstrings of ``cost.py`` state, in int64 bit/s, and the float
+tests are the ones of :func:`envs.dsmd.cost.node_stats` (``b(n) * (1 / s(n)) > 1.0`` in
+float64).
 
 A type's destinations ``dest`` are sorted and unique (``DSMDInstance`` builds them so); a
 topic's ``row`` is ``CostState.sub_count[t]``, the number of types on ``t`` with node ``n``
@@ -34,12 +36,16 @@ __all__ = [
     "channel_costs_many",
     "channel_observation",
     "channel_observation_rows",
+    "controller_fits",
+    "decide_next",
     "first_fit",
     "first_fit_in",
     "least_fitting",
     "max_ratio",
+    "move_type",
     "nodes_fit",
     "observation_shared",
+    "observe_next",
     "rpc_shift",
     "state_move",
     "state_violation",
@@ -51,8 +57,10 @@ __all__ = [
 ]
 
 _LOG_RATE_SCALE = 12.0  # the observation's log10(1 + f) / 12 (envs.dsmd.observation)
-#: indices of ``CostState``'s scalars in the int64 ``sc`` of the state kernels
-BW, CPU, TOT, NEC, SENT, ASG, RPCT = range(7)
+#: indices of ``CostState``'s scalars in its int64 ``sc`` (``CostState.sc``): controller
+#: bandwidth and CPU, total and necessary node traffic, messages sent, assigned types, RPC
+#: types and the pending least controller bandwidth of the unassigned types
+BW, CPU, TOT, NEC, SENT, ASG, RPCT, PEND = range(8)
 _PW_BLOCK = 128  # NumPy's PW_BLOCKSIZE (its pairwise summation)
 
 
@@ -497,11 +505,14 @@ def _count_rpc(sc: np.ndarray, f: int, d: int, msgs: int, sign: int) -> None:
 
 
 @njit(cache=True, nogil=True)
-def state_move(m: int, c: int, st: tuple) -> None:
-    """``CostState.move(m, c)`` on the state ``st`` (``CostState.kernel_arrays``: its arrays,
-    the scalars in ``sc``, indices ``BW`` .. ``RPCT``); the pending least costs are not
-    tracked (a what-if that moves back leaves them right)."""
-    ch, b, trate, tsubs, ttypes, sub, sc, dest_ptr, dest_idx, rate, fan, msgs = st[:12]
+def move_type(m: int, c: int, ch: np.ndarray, b: np.ndarray, trate: np.ndarray,
+              tsubs: np.ndarray, ttypes: np.ndarray, sub: np.ndarray, sc: np.ndarray,
+              dest_ptr: np.ndarray, dest_idx: np.ndarray, rate: np.ndarray, fan: np.ndarray,
+              msgs: np.ndarray, pend: np.ndarray, track: bool) -> None:
+    """``CostState.move(m, c)``: type ``m`` from its channel to ``c`` (0 = RPC, 1..K = topic,
+    -1 = unassigned) on the state's arrays and its scalars ``sc`` (indices ``BW`` ..
+    ``PEND``). With ``track``, the pending least costs (``pend`` per node and ``sc[PEND]``)
+    follow: an unassigned type counts f(m) on each destination and on the controller."""
     old = ch[m]
     if old == c:
         return
@@ -509,11 +520,11 @@ def state_move(m: int, c: int, st: tuple) -> None:
     dest = dest_idx[dest_ptr[m]:dest_ptr[m + 1]]
     if old != -1:
         if old == 0:
-            rpc_shift(b, dest, -f, b, False)
+            rpc_shift(b, dest, -f, pend, track)
             _count_rpc(sc, f, d, msgs[m], -1)
-        else:
+        else:  # leaving subscribers lose the whole topic, the remaining ones f
             r_old, s_old = trate[old], tsubs[old]
-            gone = topic_remove(b, sub[old], dest, f, r_old, b, False)
+            gone = topic_remove(b, sub[old], dest, f, r_old, pend, track)
             trate[old] = r_old - f
             tsubs[old] = s_old - gone
             ttypes[old] -= 1
@@ -523,14 +534,16 @@ def state_move(m: int, c: int, st: tuple) -> None:
             sc[SENT] -= msgs[m]
         sc[NEC] -= f * d
         sc[ASG] -= 1
+        if track:
+            sc[PEND] += f
         ch[m] = -1
     if c != -1:
         if c == 0:
-            rpc_shift(b, dest, f, b, False)
+            rpc_shift(b, dest, f, pend, track)
             _count_rpc(sc, f, d, msgs[m], 1)
-        else:
+        else:  # current subscribers get f, new subscribers the whole topic
             r_old, s_old = trate[c], tsubs[c]
-            fresh = topic_add(b, sub[c], dest, f, r_old, s_old, b, False)
+            fresh = topic_add(b, sub[c], dest, f, r_old, s_old, pend, track)
             trate[c] = r_old + f
             tsubs[c] = s_old + fresh
             ttypes[c] += 1
@@ -540,7 +553,102 @@ def state_move(m: int, c: int, st: tuple) -> None:
             sc[SENT] += msgs[m]
         sc[NEC] += f * d
         sc[ASG] += 1
+        if track:
+            sc[PEND] -= f
         ch[m] = c
+
+
+@njit(cache=True, nogil=True)
+def state_move(m: int, c: int, st: tuple) -> None:
+    """:func:`move_type` on the state ``st`` (``CostState.kernel_arrays``); the pending least
+    costs are not tracked (a what-if that moves back leaves them right)."""
+    ch, b, trate, tsubs, ttypes, sub, sc, dest_ptr, dest_idx, rate, fan, msgs = st[:12]
+    move_type(m, c, ch, b, trate, tsubs, ttypes, sub, sc, dest_ptr, dest_idx, rate, fan, msgs,
+              b, False)
+
+
+@njit(cache=True, nogil=True)
+def controller_fits(m: int, rpc: bool, sc: np.ndarray, rate: np.ndarray, fan: np.ndarray,
+                    bw_cap: int, cpu_cap: int, num_types: int) -> bool:
+    """The controller's half of ``CostState.fits`` with the reserve: unassigned ``m`` on RPC
+    (``rpc``) or a topic, with every other unassigned type counted at one publish of its
+    rate and one send (the pending least costs must be tracked)."""
+    f = rate[m]
+    if rpc:
+        bw, cpu = f * fan[m], fan[m]
+    else:
+        bw, cpu = f, 1
+    bw += sc[PEND] - f
+    cpu += num_types - sc[ASG] - 1
+    return bool(sc[BW] + bw <= bw_cap and sc[CPU] + cpu <= cpu_cap)
+
+
+@njit(cache=True, nogil=True)
+def observe_next(m: int, out: np.ndarray, ch: np.ndarray, b: np.ndarray, trate: np.ndarray,
+                 tsubs: np.ndarray, ttypes: np.ndarray, sub: np.ndarray, sc: np.ndarray,
+                 dest_ptr: np.ndarray, dest_idx: np.ndarray, rate: np.ndarray,
+                 fan: np.ndarray, msgs: np.ndarray, pend: np.ndarray, track: bool,
+                 inv: np.ndarray, bw_cap: int, cpu_cap: int, num_types: int,
+                 progress: float, seen: np.ndarray, blocks: np.ndarray) -> bool:
+    """The first half of one decision (``DecisionStep.observe``) in one call: type ``m``
+    (-1: none, after the last one) is taken off its channel if it is on one
+    (:func:`move_type`), then its ``channel`` observation is written into ``out``
+    (:func:`channel_observation`) with the controller's available bandwidth and CPU
+    ``max(1 - x / cap, -1)`` and ``progress`` (negative: the share of decided types,
+    assigned / ``num_types``). Returns whether ``m`` was moved."""
+    moved = False
+    if m >= 0 and ch[m] != -1:
+        move_type(m, -1, ch, b, trate, tsubs, ttypes, sub, sc, dest_ptr, dest_idx, rate, fan,
+                  msgs, pend, track)
+        moved = True
+    cb = max(1.0 - sc[BW] / bw_cap, -1.0)
+    cp = max(1.0 - sc[CPU] / cpu_cap, -1.0)
+    if progress < 0:
+        progress = sc[ASG] / max(num_types, 1)
+    if m >= 0:
+        dest = dest_idx[dest_ptr[m]:dest_ptr[m + 1]]
+        f, d = rate[m], fan[m]
+    else:
+        dest = dest_idx[0:0]
+        f, d = 0, 0
+    channel_observation(out, sub, dest, f, d, tsubs, trate, b.shape[0], m >= 0, cb, cp,
+                        progress, b, inv, bw_cap, cpu_cap, seen, blocks)
+    return moved
+
+
+@njit(cache=True, nogil=True)
+def decide_next(m: int, scores: np.ndarray, best: int, feasible: bool, ch: np.ndarray,
+                b: np.ndarray, trate: np.ndarray, tsubs: np.ndarray, ttypes: np.ndarray,
+                sub: np.ndarray, sc: np.ndarray, dest_ptr: np.ndarray, dest_idx: np.ndarray,
+                rate: np.ndarray, fan: np.ndarray, msgs: np.ndarray, pend: np.ndarray,
+                track: bool, inv: np.ndarray, bw_cap: int, cpu_cap: int,
+                num_types: int) -> int:
+    """The second half of one decision (``DecisionStep.apply``) in one call: the channel of
+    unassigned ``m`` from its ``scores`` (:func:`envs.dsmd.decoding.decode`), then ``m`` is
+    moved there (:func:`move_type`); returns the channel. ``best``: the argmax, or -1 to
+    take it here (:func:`argmax_ties`), when it is unique; if several channels tie, nothing
+    is moved and ``-2 - count`` is returned (the caller draws among them with its RNG and
+    calls again with that ``best``). ``feasible``: the safety layer (``CostState.fits`` with
+    the reserve, else :func:`first_fit`; the pending least costs must be tracked)."""
+    if best < 0:
+        best, count = argmax_ties(scores)
+        if count > 1:
+            return -2 - count
+    c = best
+    if feasible:
+        dest = dest_idx[dest_ptr[m]:dest_ptr[m + 1]]
+        f = rate[m]
+        rpc_ok = controller_fits(m, True, sc, rate, fan, bw_cap, cpu_cap, num_types)
+        topic_ok = controller_fits(m, False, sc, rate, fan, bw_cap, cpu_cap, num_types)
+        if not _fits_reserved(best, b, pend, inv, sub, dest, f, trate, tsubs, rpc_ok,
+                              topic_ok) and (rpc_ok or topic_ok):
+            alt = first_fit(scores, best, b, pend, inv, sub, dest, f, trate, tsubs, rpc_ok,
+                            topic_ok)
+            if alt >= 0:
+                c = alt
+    move_type(m, c, ch, b, trate, tsubs, ttypes, sub, sc, dest_ptr, dest_idx, rate, fan, msgs,
+              pend, track)
+    return c
 
 
 @njit(cache=True, nogil=True)
@@ -730,6 +838,13 @@ def warm_up() -> None:
           np.zeros(7, np.int64), np.array([0, 2, 3], np.int64), np.array([0, 2, 1], np.int64),
           one, np.array([2, 1], np.int64), one, np.full(3, 10, np.int64), 10, 10)
     build_state(st)
+    # the decision step's calls, with the arguments CostState.moving_arrays() gives
+    moving = (*st[:6], np.zeros(8, np.int64), *st[7:12], np.zeros(3, np.int64), True, inv,
+              10, 10, 2)
+    move_type(1, 1, *moving[:14])
+    observe_next(1, out[0], *moving, -1.0, seen, blocks)
+    for sc in (np.zeros(2, np.float32), np.zeros(2, np.float64)):
+        decide_next(1, sc, -1, True, *moving)
     violations_if(1, np.array([0, 1], np.int64), st)
     least_fitting(1, np.zeros(2), 1, inv, st)
     max_ratio(i64, inv)

@@ -110,7 +110,7 @@ class ObservationBuilder:
         self.layout = layout
         self.inst = inst
         self._sl = layout.slices()
-        self._buf = np.zeros(layout.size, dtype=np.float32)
+        self.buffer = np.zeros(layout.size, dtype=np.float32)
         self._cat = inst.catalog_index.astype(np.int64)
         self._rate = inst.rate_bps.tolist()
         self._fan = inst.fanout.tolist()
@@ -121,19 +121,23 @@ class ObservationBuilder:
         if layout.variant == "channel" and (self._sl["globals"] != slice(0, 8)
                                             or self._sl["efficiency"].start != 8):
             raise DSMDError("the channel kernels write 8 globals, then the 4 blocks")
-        self._seen = np.full((2, k1), -1, np.int64)
-        self._blocks = np.zeros((2, k1), np.float32)
+        self.seen = np.full((2, k1), -1, np.int64)
+        self.blocks = np.zeros((2, k1), np.float32)
+        #: whether :meth:`DecisionStep.observe` observes with one compiled call
+        #: (:func:`envs.dsmd.kernels.observe_next`, the ``channel`` layout): it hands that
+        #: call ``buffer``, ``seen`` and ``blocks``
+        self.compiled = layout.variant == "channel"
 
     # ------------------------------------------------------------------ state tracking
     def reset(self, state: CostState) -> None:
         """Re-read the whole assignment (X, Y) from ``state``."""
-        self._buf[:] = 0.0
+        self.buffer[:] = 0.0
         self._last_type = None
         if self.layout.variant == "channel":
             return
         ch = state.channel
-        x = self._buf[self._sl["x"]]
-        y = self._buf[self._sl["y"]]
+        x = self.buffer[self._sl["x"]]
+        y = self.buffer[self._sl["y"]]
         x[self._cat] = (ch == 0)
         y[self._cat] = np.where(ch > 0, ch / max(self.layout.num_topics, 1), 0.0)
 
@@ -142,8 +146,9 @@ class ObservationBuilder:
         if self.layout.variant == "channel":
             return
         i = int(self._cat[m])
-        self._buf[self._sl["x"].start + i] = 1.0 if c == 0 else 0.0
-        self._buf[self._sl["y"].start + i] = c / max(self.layout.num_topics, 1) if c > 0 else 0.0
+        self.buffer[self._sl["x"].start + i] = 1.0 if c == 0 else 0.0
+        self.buffer[self._sl["y"].start + i] = (c / max(self.layout.num_topics, 1) if c > 0
+                                                  else 0.0)
 
     # ------------------------------------------------------------------ observation
     def observe_many(self, state: CostState, ms: np.ndarray, progress: float = 0.0
@@ -178,9 +183,9 @@ class ObservationBuilder:
                             "channels first)")
         cb, cp = self._controller(state)
         peak = _k.observation_shared(state.topic_subscribers, state.topic_rate, inst.num_nodes,
-                                     state.node_traffic, inst.inv_capacity, self._seen,
-                                     self._blocks)
-        blocks = self._blocks.copy()  # a later observe() refreshes the builder's own
+                                     state.node_traffic, inst.inv_capacity, self.seen,
+                                     self.blocks)
+        blocks = self.blocks.copy()  # a later observe() refreshes the builder's own
         sub_count, dest_ptr, dest_idx = state.sub_count, inst.dest_ptr, inst.dest_idx
         rate_bps, subscribers, rate = inst.rate_bps, state.topic_subscribers, state.topic_rate
         num_nodes, prog = inst.num_nodes, float(progress)
@@ -201,7 +206,7 @@ class ObservationBuilder:
 
     def observe(self, state: CostState, m: int | None, progress: float = 0.0) -> np.ndarray:
         """The observation before deciding type ``m`` (None after the last type)."""
-        inst, buf, sl = self.inst, self._buf, self._sl
+        inst, buf, sl = self.inst, self.buffer, self._sl
         cb, cp = self._controller(state)
         if self.layout.variant == "channel":
             if m is None:
@@ -213,8 +218,8 @@ class ObservationBuilder:
             _k.channel_observation(buf, state.sub_count, dest, f, d, state.topic_subscribers,
                                    state.topic_rate, inst.num_nodes, undecided, cb, cp,
                                    float(progress), state.node_traffic, inst.inv_capacity,
-                                   inst.controller_bw_bps, inst.controller_cpu, self._seen,
-                                   self._blocks)
+                                   inst.controller_bw_bps, inst.controller_cpu, self.seen,
+                                   self.blocks)
             return buf.copy()
         if m is not None:
             f = self._rate[m]

@@ -120,15 +120,20 @@ class OnnxScorer:
         self.batch_threads = max(int(batch_threads), 1)
         self._fixed = ort_session.get_inputs()[0].shape[0]
         self._chunk = max(1, BATCH_CHUNK_ROWS // self.num_channels)
-        self._bound = threading.local()  # each thread's _BoundRow (see _one)
+        self._bound = threading.local()  # each thread's _BoundRow (see bound_row)
+
+    def bound_row(self) -> _BoundRow:
+        """This thread's single-row runner (:class:`_BoundRow`): write an observation into
+        its ``x``, then ``run()`` scores it."""
+        runner: _BoundRow | None = getattr(self._bound, "runner", None)
+        if runner is None:
+            runner = self._bound.runner = _BoundRow(self.row_ort_session, self.size)
+        return runner
 
     def _one(self, x: np.ndarray) -> np.ndarray:
         """Scores of one observation on the single-row session, through this thread's bound
         buffers (:class:`_BoundRow`)."""
-        runner = getattr(self._bound, "runner", None)
-        if runner is None:
-            runner = self._bound.runner = _BoundRow(self.row_ort_session, self.size)
-        return runner(x)
+        return self.bound_row()(x)
 
     def __call__(self, obs: np.ndarray) -> np.ndarray:
         """Channel scores of one observation (``[size]`` -> ``[K+1]``) or a batch
@@ -269,6 +274,10 @@ class PolicyBundle:
         (:meth:`OnnxScorer.score_rows`)."""
         return self.scorer.score_rows(n, fill)
 
+    def bound_row(self) -> _BoundRow:
+        """This thread's single-row runner (:meth:`OnnxScorer.bound_row`)."""
+        return self.scorer.bound_row()
+
 
 def _drain(todo: queue.SimpleQueue) -> None:
     """Empty ``todo`` (other threads may be taking from it at the same time)."""
@@ -312,6 +321,7 @@ class _BoundRow:
             if not isinstance(k1, int):
                 raise TypeError("the output width is not fixed")
             self.y = np.zeros((1, k1), np.float32)
+            self.scores = self.y[0]
             binding = ort_session.io_binding()
             for name, view in self.feeds.items():
                 binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(view))
@@ -323,11 +333,17 @@ class _BoundRow:
             self.call = None
 
     def __call__(self, obs: np.ndarray) -> np.ndarray:
+        """Scores of ``obs`` (``[size]`` -> a new ``[K+1]`` array)."""
         self.x[:] = obs
+        return self.run().copy()
+
+    def run(self) -> np.ndarray:
+        """Scores of the observation in ``x`` (``[K+1]``; bound: a view of the output buffer,
+        valid until the next run)."""
         if self.call is None:
             return cast(np.ndarray, self.ort_session.run(_OUTPUTS, self.feeds)[0][0])
         self.call()
-        return cast(np.ndarray, self.y[0].copy())
+        return cast(np.ndarray, self.scores)
 
 
 def _check_hash(path: Path, data: bytes, meta: dict, key: str) -> None:
