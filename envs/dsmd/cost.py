@@ -218,7 +218,6 @@ class CostState:
         self._nstats: tuple[int, tuple] | None = None
         self._ratio: tuple[int, np.ndarray] | None = None
         self._rate = inst.rate_bps.tolist()
-        self._fan = inst.fanout.tolist()
         assert inst.messages is not None  # filled in DSMDInstance.__post_init__
         self._dest = inst.destination_lists
         # what the unassigned types will cost at least, whatever their channel: f(m) on
@@ -420,17 +419,14 @@ class CostState:
         return self._controller_fits(m, False, reserve)
 
     def _controller_fits(self, m: int, rpc: bool, reserve: bool) -> bool:
-        """The controller's half of :meth:`fits`: bandwidth and CPU within C_b and C_p."""
+        """The controller's half of :meth:`fits`: bandwidth and CPU within C_b and C_p
+        (:func:`envs.dsmd.kernels.controller_fits`, which the compiled decision uses too)."""
+        if reserve and self.pending_node is None:
+            self.track_pending()
         inst = self.inst
-        f = self._rate[m]
-        bw, cpu = (f * self._fan[m], self._fan[m]) if rpc else (f, 1)
-        if reserve:
-            if self.pending_node is None:
-                self.track_pending()
-            bw += self.pending_rate - f
-            cpu += inst.num_types - self.assigned - 1
-        return (self.controller_bw + bw <= inst.controller_bw_bps
-                and self.controller_cpu + cpu <= inst.controller_cpu)
+        return bool(_k.controller_fits(int(m), rpc, reserve, self.sc, inst.rate_bps,
+                                       inst.fanout, int(inst.controller_bw_bps),
+                                       int(inst.controller_cpu), inst.num_types))
 
     def fits(self, m: int, c: int, reserve: bool = False) -> bool:
         """Whether putting unassigned ``m`` on channel ``c`` keeps Eq. 1's constraints: the

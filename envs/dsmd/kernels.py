@@ -568,18 +568,20 @@ def state_move(m: int, c: int, st: tuple) -> None:
 
 
 @njit(cache=True, nogil=True)
-def controller_fits(m: int, rpc: bool, sc: np.ndarray, rate: np.ndarray, fan: np.ndarray,
-                    bw_cap: int, cpu_cap: int, num_types: int) -> bool:
-    """The controller's half of ``CostState.fits`` with the reserve: unassigned ``m`` on RPC
-    (``rpc``) or a topic, with every other unassigned type counted at one publish of its
-    rate and one send (the pending least costs must be tracked)."""
+def controller_fits(m: int, rpc: bool, reserve: bool, sc: np.ndarray, rate: np.ndarray,
+                    fan: np.ndarray, bw_cap: int, cpu_cap: int, num_types: int) -> bool:
+    """The controller's half of ``CostState.fits``: unassigned ``m`` on RPC (``rpc``) or a
+    topic keeps bandwidth and CPU within C_b and C_p; with ``reserve``, every other
+    unassigned type counted at one publish of its rate and one send (the pending least
+    costs must be tracked)."""
     f = rate[m]
     if rpc:
         bw, cpu = f * fan[m], fan[m]
     else:
         bw, cpu = f, 1
-    bw += sc[PEND] - f
-    cpu += num_types - sc[ASG] - 1
+    if reserve:
+        bw += sc[PEND] - f
+        cpu += num_types - sc[ASG] - 1
     return bool(sc[BW] + bw <= bw_cap and sc[CPU] + cpu <= cpu_cap)
 
 
@@ -638,8 +640,8 @@ def decide_next(m: int, scores: np.ndarray, best: int, feasible: bool, ch: np.nd
     if feasible:
         dest = dest_idx[dest_ptr[m]:dest_ptr[m + 1]]
         f = rate[m]
-        rpc_ok = controller_fits(m, True, sc, rate, fan, bw_cap, cpu_cap, num_types)
-        topic_ok = controller_fits(m, False, sc, rate, fan, bw_cap, cpu_cap, num_types)
+        rpc_ok = controller_fits(m, True, True, sc, rate, fan, bw_cap, cpu_cap, num_types)
+        topic_ok = controller_fits(m, False, True, sc, rate, fan, bw_cap, cpu_cap, num_types)
         if not _fits_reserved(best, b, pend, inv, sub, dest, f, trate, tsubs, rpc_ok,
                               topic_ok) and (rpc_ok or topic_ok):
             alt = first_fit(scores, best, b, pend, inv, sub, dest, f, trate, tsubs, rpc_ok,
@@ -842,6 +844,7 @@ def warm_up() -> None:
     moving = (*st[:6], np.zeros(8, np.int64), *st[7:12], np.zeros(3, np.int64), True, inv,
               10, 10, 2)
     move_type(1, 1, *moving[:14])
+    controller_fits(1, True, True, moving[6], one, moving[10], 10, 10, 2)
     observe_next(1, out[0], *moving, -1.0, seen, blocks)
     for sc in (np.zeros(2, np.float32), np.zeros(2, np.float64)):
         decide_next(1, sc, -1, True, *moving)
