@@ -17,6 +17,13 @@ decision taken by the policy).
   route at the same path taking the same body (a pydantic model of ``type`` and
   ``explain``) and answering a JSON object of the same fields (a fixed decision): no
   middleware, no dependency, no decision.
+- **bare + ONNX Runtime**: the bare route that also runs the policy's actor once through
+  ONNX Runtime (the bundle's single-row runner, ``PolicyBundle.bound_row``, on one
+  recorded observation) before answering the fixed decision: the least any server that
+  decides with this actor through ONNX Runtime spends, with no observation, decoding or
+  state of its own.
+- **bare + decision**: the bare route deciding with the project's ``Session.decide`` and
+  the same bundle (no key, limit, metric or ownership check).
 
 Each is measured over HTTP and over HTTPS (TLS 1.3 with the PKI's ``policy-server``
 identity for both; the client checks it against the PKI's CA), with 1 and with 8
@@ -53,6 +60,7 @@ from serving.local import LocalServer
 
 #: the key's token bucket stays in the path (its cost is measured) but never refuses: as
 #: deployed it allows 2,000 requests/s per key, below what one core serves here
+TICKS_S = os.sysconf("SC_CLK_TCK")
 LIMIT_LIFTED = ["rate_limit.requests_per_s=1000000", "rate_limit.burst=1000000"]
 
 BARE = r'''
@@ -60,13 +68,15 @@ import json
 import sys
 
 port, cert, key, session_file = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
-if session_file != "-":  # bare + decision: the project's Session and bundle, nothing else
+mode = sys.argv[5]  # "fixed", "onnx" or "decide"
+if mode != "fixed":  # the project's Session and bundle, nothing else
     sys.path.insert(0, "bench")
     import bench_serving as bs  # first: it pins numpy's threads before numpy is imported
 
     policy = bs.LoadedPolicy(bs.load_bundle(bs.BUNDLE, trust=bs.TRUST), 1, 0.0)
     with open(session_file) as f:
         session = bs.fresh_session(json.load(f), policy)
+    runner = policy.bound_row()  # holds the last observation fresh_session's decisions made
 
 import uvicorn
 from fastapi import FastAPI
@@ -78,9 +88,15 @@ class DecideRequest(BaseModel):
 
 app = FastAPI()
 
-if session_file == "-":  # bare: a fixed decision
+if mode == "fixed":  # bare: a fixed decision
     @app.post("/v1/sessions/{session_id}/decide")
     async def decide(session_id: str, body: DecideRequest) -> dict:
+        return {"type": body.type, "channel": 3, "source": "policy", "reason": None,
+                "policy_version": 1, "policy_hash": "0" * 64, "session_version": 7}
+elif mode == "onnx":  # bare + ONNX Runtime: the actor run once, the decision fixed
+    @app.post("/v1/sessions/{session_id}/decide")
+    async def decide(session_id: str, body: DecideRequest) -> dict:
+        runner.run()
         return {"type": body.type, "channel": 3, "source": "policy", "reason": None,
                 "policy_version": 1, "policy_hash": "0" * 64, "session_version": 7}
 else:
@@ -98,16 +114,18 @@ uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", http="httptoo
 
 
 class BareServer:
-    """The bare FastAPI endpoint (module docstring) in a subprocess pinned to ``core``; with
-    ``session_file`` (a ``Session.from_snapshot`` document), bare + decision."""
+    """The bare FastAPI endpoint (module docstring) in a subprocess pinned to ``core``;
+    ``mode`` "fixed" (bare), "onnx" (bare + ONNX Runtime) or "decide" (bare + decision),
+    the last two on the session of ``session_file`` (a ``Session.from_snapshot``
+    document)."""
 
-    def __init__(self, core: int, tls: tuple[str, str] | None,
+    def __init__(self, core: int, tls: tuple[str, str] | None, mode: str = "fixed",
                  session_file: Path | None = None) -> None:
         self.port = free_ports(1)[0]
         cert, key = tls or ("-", "-")
         self.proc = subprocess.Popen(
             ["taskset", "-c", str(core), sys.executable, "-c", BARE, str(self.port), cert,
-             key, str(session_file or "-")], cwd=ROOT, stdout=subprocess.DEVNULL,
+             key, str(session_file or "-"), mode], cwd=ROOT, stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -139,12 +157,12 @@ async def closed_loop(port: int, reqs: list[bytes], tls: ssl.SSLContext | None, 
     streams = [await asyncio.open_connection("127.0.0.1", port, ssl=tls,
                                              server_hostname="127.0.0.1" if tls else None)
                for _ in range(conns)]
-    done = bad = 0
+    done = bad = total = 0
     start = time.perf_counter() + 1.0
     end = start + seconds
 
     async def worker(k: int) -> None:
-        nonlocal done, bad
+        nonlocal done, bad, total
         reader, writer = streams[k]
         i = k
         while True:
@@ -154,13 +172,24 @@ async def closed_loop(port: int, reqs: list[bytes], tls: ssl.SSLContext | None, 
                 return
             status, body = await bs.roundtrip(reader, writer, reqs[i % len(reqs)])
             i += conns
+            total += 1
             if now >= start:
                 done += 1
                 if status != 200 or (check and not bs.policy_decided(body)):
                     bad += 1
 
     await asyncio.gather(*(worker(k) for k in range(conns)))
-    return {"req_s": done / seconds, "errors": bad}
+    return {"req_s": done / seconds, "errors": bad, "requests": total}
+
+
+def _us(v: float) -> str:
+    return str(round(v))  # no "-0"
+
+
+def cpu_ticks(pid: int) -> int:
+    """User + system clock ticks of process ``pid`` (all its threads) so far."""
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(f[11]) + int(f[12])
 
 
 def requests_for(port: int, sid: str, types: list[int]) -> list[bytes]:
@@ -203,56 +232,92 @@ def main() -> None:
                 snap_file = Path(tmp) / "session.json"
                 snap_file.write_text(json.dumps(bs.snapshot_of(body_w)))
                 tls = None if scheme == "http" else (str(ident.cert), str(ident.key))
-                bare, decided = BareServer(server_core, tls), None
+                bares: list[BareServer] = []
                 try:
-                    decided = BareServer(server_core, tls, snap_file)
-                    servers = (("bare", bare.port, requests_for(bare.port, sid, types), False),
+                    for mode in ("fixed", "onnx", "decide"):
+                        bares.append(BareServer(server_core, tls, mode, snap_file))
+                    bare, onnx, decided = bares
+                    assert ours.proc is not None
+                    servers = (("bare", bare.port, requests_for(bare.port, sid, types), False,
+                                bare.proc.pid),
+                               ("bare + ONNX Runtime", onnx.port,
+                                requests_for(onnx.port, sid, types), False, onnx.proc.pid),
                                ("bare + decision", decided.port,
-                                requests_for(decided.port, sid, types), True),
-                               ("ours", ours.port, ours_reqs, True))
+                                requests_for(decided.port, sid, types), True,
+                                decided.proc.pid),
+                               ("ours", ours.port, ours_reqs, True, ours.proc.pid))
                     for conns in (1, 8):
                         runs: dict[str, list[float]] = {name: [] for name, *_ in servers}
+                        cpu: dict[str, list[float]] = {name: [] for name, *_ in servers}
                         errors = 0
                         for _ in range(repeats):
-                            for name, port, reqs, check in servers:
+                            for name, port, reqs, check, pid in servers:
+                                t_before = cpu_ticks(pid)
                                 res = asyncio.run(closed_loop(port, reqs, ctx, conns, seconds,
                                                               check))
+                                cpu[name].append((cpu_ticks(pid) - t_before) / TICKS_S * 1e6
+                                                 / res["requests"])
                                 runs[name].append(res["req_s"])
                                 errors += int(res["errors"])
                         key = f"{scheme}, {conns} connection{'s' if conns > 1 else ''}"
                         results[key] = {name: stats(v) for name, v in runs.items()}
+                        results[key]["cpu_us"] = {name: stats(v) for name, v in cpu.items()}
                         results[key]["errors"] = errors
                         log(f"[{key}] " + ", ".join(f"{name} {fmt_stats(results[key][name])}"
-                                                    for name in runs) + f" req/s, errors "
-                            f"{errors}")
+                                                    for name in runs) + " req/s; server CPU "
+                            "per request " + ", ".join(
+                                f"{name} {fmt_stats(results[key]['cpu_us'][name])}"
+                                for name in runs) + f" us; errors {errors}")
                 finally:
-                    bare.stop()
-                    if decided is not None:
-                        decided.stop()
+                    for server in bares:
+                        server.stop()
             finally:
                 ours.stop()
-    rows = []
+    rows, cpu_rows = [], []
     for key, r in results.items():
-        ours, bare, ceiling = (r[k]["median"] for k in ("ours", "bare", "bare + decision"))
+        ours, bare, onnx, ceiling = (r[k]["median"] for k in
+                                     ("ours", "bare", "bare + ONNX Runtime", "bare + decision"))
         r["ratio"], r["ceiling"], r["ratio_to_ceiling"] = ours / bare, ceiling / bare, \
             ours / ceiling
+        r["onnx_ceiling"] = onnx / bare
+        med = {k: r["cpu_us"][k]["median"] for k in r["cpu_us"]}
+        cpu_rows.append([key, *(f"{med[k]:.0f}" for k in ("bare", "bare + ONNX Runtime",
+                                                          "bare + decision", "ours")),
+                         _us(med["bare + ONNX Runtime"] - med["bare"]),
+                         _us(med["bare + decision"] - med["bare"]),
+                         _us(med["ours"] - med["bare + decision"]),
+                         _us(med["bare"] / 0.9 - med["bare"])])
         rows.append([key, fmt_stats(r["ours"]), fmt_stats(r["bare"]),
-                     fmt_stats(r["bare + decision"]), f"**{r['ratio']:.2f}x**",
+                     fmt_stats(r["bare + ONNX Runtime"]), fmt_stats(r["bare + decision"]),
+                     f"**{r['ratio']:.2f}x**", f"{r['onnx_ceiling']:.2f}x",
                      f"{r['ceiling']:.2f}x", f"{r['ratio_to_ceiling']:.2f}x", str(r["errors"])])
     table = md_table(["transport, load", "ours (req/s)", "bare FastAPI (req/s)",
-                      "bare + decision (req/s)", "ours / bare", "bare + decision / bare",
+                      "bare + ONNX Runtime (req/s)", "bare + decision (req/s)",
+                      "ours / bare", "bare + ONNX Runtime / bare", "bare + decision / bare",
                       "ours / (bare + decision)", "errors"], rows)
+    table += "\n\n" + md_table(
+        ["transport, load", "server CPU per request (us): bare", "bare + ONNX Runtime",
+         "bare + decision", "ours", "ONNX Runtime adds", "the decision adds",
+         "ours adds over bare + decision", "0.9x allows over bare"], cpu_rows)
     notes = [f"server pinned to core {server_core}, load generator to core {client_core}; "
              f"closed loop, {seconds:g} s per run after 1 s of warm-up, {repeats} alternating "
              "runs of each server, median (min-max)",
              "ours: serve.py with the committed default bundle, API keys and every default "
              "on but the key's rate limit raised to 10^6 requests/s (the limiter still runs); "
              "bare: one FastAPI route taking the same body and answering the same fields "
-             "with a fixed decision; bare + decision: the same route deciding with the "
-             "project's Session.decide and the same bundle (no key, limit, metric or "
-             "ownership check): what any server that decides must spend",
-             "target: ours / bare at least 0.9x in every row; 'bare + decision / bare' is "
-             "that ratio's ceiling for a server with no overhead of its own"]
+             "with a fixed decision; bare + ONNX Runtime: the same route running the "
+             "policy's actor once through ONNX Runtime (the bundle's single-row runner on "
+             "one recorded observation) before the fixed answer; bare + decision: the same "
+             "route deciding with the project's Session.decide and the same bundle (no key, "
+             "limit, metric or ownership check)",
+             "server CPU per request: the server process's user + system time (all its "
+             "threads, /proc) over each run, warm-up included, divided by the requests it "
+             "answered, median over the runs; '0.9x allows' is the CPU a server may add to "
+             "bare's and still serve 0.9x its requests when the core is the bottleneck",
+             "target: ours / bare at least 0.9x in every row; 'bare + ONNX Runtime / bare' "
+             "bounds it for any server that runs this actor through ONNX Runtime, "
+             "'bare + decision / bare' for one that decides as the project does with no "
+             "overhead of its own"]
     finish("bench_serving_overhead", {"results": results,
                                       "settings": {"seconds": seconds, "repeats": repeats,
                                                    "quick": args.quick}},

@@ -26,7 +26,8 @@ BENCHMARKS = ("bench_env", "bench_trace", "bench_exact", "bench_replay", "bench_
               "bench_announce", "bench_security_grpc",
               "bench_security_server", "bench_security_testbed", "bench_netem",
               "bench_switch_cost", "bench_rpc_patterns", "bench_server_abuse",
-              "bench_runners", "bench_pulsar_cluster", "bench_cern_decisions")
+              "bench_runners", "bench_pulsar_cluster", "bench_cern_decisions",
+              "bench_serving_overhead", "bench_actor_engines")
 
 
 def run(name: str, extra: list[str]) -> tuple[int, float]:
