@@ -14,11 +14,12 @@ observation into the engine's input buffer, as the decision path writes it there
 
 - **ONNX Runtime**: the bundle's single-row runner as the server uses it
   (``PolicyBundle.bound_row``: bound buffers, ``run_with_iobinding``; one intra-op thread).
-- **NumPy**: the ONNX graph's nodes (Gemm, Relu, Tanh) evaluated in order with NumPy
-  float32 operations (``np.dot`` on the BLAS of this NumPy).
+- **NumPy**: the ONNX graph's nodes (Gemm, Relu, Tanh) interpreted in order with NumPy
+  float32 operations (``np.dot`` on the BLAS of this NumPy; each call builds its
+  temporaries, so the time includes the interpreter's overhead).
 - **numba**: the same graph as one compiled loop kernel (float32, fast-math, the hidden
   layer in blocks of 4 output rows so each input row is loaded once per block, the
-  channel loops vectorised).
+  channel loops innermost for the compiler to vectorise).
 
 For each engine: the time per call, p50 over ``calls`` calls, median (min-max) over
 ``repeats`` runs, one pinned core; and its agreement with ONNX Runtime on every recorded
@@ -134,12 +135,16 @@ def _forward(x: np.ndarray, ng: int, wg: np.ndarray, b1: np.ndarray, wf: np.ndar
 
 def numba_engine(model: Any, x: np.ndarray, inputs: dict[str, tuple[int, tuple]]) -> Any:
     """A call of :func:`_forward` with the graph's weights (refused unless the graph is the
-    per-channel scorer's node sequence, ``EXPECTED_OPS``)."""
+    per-channel scorer's node sequence, ``EXPECTED_OPS``, each node taking the one before it;
+    the agreement check of :func:`main` catches any other difference)."""
     nodes = list(model.graph.node)
     if [n.op_type for n in nodes] != EXPECTED_OPS or not all(
             _gemm_plain(n) for n in nodes if n.op_type == "Gemm"):
         raise SystemExit(f"numba engine: the graph is {[n.op_type for n in nodes]}, "
                          f"the kernel is written for {EXPECTED_OPS}")
+    chained = [(1, 2, 0), (2, 0, 1), (3, 1, 2), (4, 0, 3), (5, 1, 4), (6, 0, 5)]
+    if any(nodes[i].input[k] != nodes[j].output[0] for i, k, j in chained):
+        raise SystemExit("numba engine: the graph's nodes are not chained as the kernel's")
     init = {t.name: numpy_helper.to_array(t).astype(np.float32) for t in model.graph.initializer}
     g_in, f_in = nodes[0].input[1], nodes[1].input[1]
     if inputs[g_in][0] != 0 or inputs[f_in][0] != int(np.prod(inputs[g_in][1])):
@@ -241,8 +246,8 @@ def main() -> None:
              f"windows; core {CORE}; p50 of {calls:,} calls, median (min-max) of {repeats} "
              "runs; each call includes copying the observation into the engine's input",
              "NumPy: the graph's Gemm, Relu and Tanh nodes evaluated in order with float32 "
-             "NumPy; numba: the same graph as one compiled loop kernel (float32, fast-math, "
-             "the hidden layer in blocks of 4 rows)"]
+             "NumPy, interpreted per call; numba: the same graph as one compiled loop "
+             "kernel (float32, fast-math, the hidden layer in blocks of 4 rows)"]
     finish("bench_actor_engines", {"results": results, "observations": len(obs),
                                    "settings": {"calls": calls, "repeats": repeats,
                                                 "quick": args.quick}},
