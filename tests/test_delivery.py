@@ -553,8 +553,11 @@ def test_rpc_endpoint_down_then_back(pulsar_broker, tmp_path):
     in order."""
     nodes = (0, 1, 2)
     hosts = {0: nodes, 1: (1,), 2: nodes}
+    # relaying (failover.relay_after_s) would carry node 1's queue on a topic when the
+    # reprogramming rounds take long (a loaded machine): off here, so they are reprogrammed
     with rig(pulsar_broker, tmp_path, nodes,
-             ctl_kw={"push_retries": 2, "retry_backoff_s": 0.02}) as r:
+             ctl_kw={"push_retries": 2, "retry_backoff_s": 0.02,
+                     "failover": {"relay_after_s": 600.0}}) as r:
         r.ctl.set_channels({0: RPC, 1: RPC, 2: 1}, hosts)
         for k in range(30):
             r.send(k % 3, resource_id=k % 4, hosts=hosts[k % 3], vpc=k % 3)
