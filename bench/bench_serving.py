@@ -209,12 +209,14 @@ def _busy_ticks() -> int:
     return int(f[1]) + int(f[2]) + int(f[3]) + int(f[6]) + int(f[7])
 
 
+def proc_ticks(pid: int) -> int:
+    """User + system clock ticks of process ``pid`` (all its threads) so far."""
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(f[11]) + int(f[12])
+
+
 def _own_ticks(pids: Sequence[int]) -> int:
-    total = 0
-    for pid in (os.getpid(), *pids):
-        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        total += int(f[11]) + int(f[12])
-    return total
+    return sum(proc_ticks(pid) for pid in (os.getpid(), *pids))
 
 
 class Contention:

@@ -190,12 +190,6 @@ def _us(v: float) -> str:
     return str(round(v))  # no "-0"
 
 
-def cpu_ticks(pid: int) -> int:
-    """User + system clock ticks of process ``pid`` (all its threads) so far."""
-    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(f[11]) + int(f[12])
-
-
 def requests_for(port: int, sid: str, types: list[int]) -> list[bytes]:
     return [bs.request_bytes(port, f"/v1/sessions/{sid}/decide", {"type": t}) for t in types]
 
@@ -256,10 +250,10 @@ def main() -> None:
                         errors = 0
                         for _ in range(repeats):
                             for name, port, reqs, check, pid in servers:
-                                t_before = cpu_ticks(pid)
+                                t_before = bs.proc_ticks(pid)
                                 res = asyncio.run(closed_loop(port, reqs, ctx, conns, seconds,
                                                               check))
-                                cpu[name].append((cpu_ticks(pid) - t_before) / TICKS_S * 1e6
+                                cpu[name].append((bs.proc_ticks(pid) - t_before) / TICKS_S * 1e6
                                                  / res["requests"])
                                 runs[name].append(res["req_s"])
                                 errors += int(res["errors"])
