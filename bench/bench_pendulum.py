@@ -8,6 +8,12 @@ at which the mean evaluation return reached -250, and the evaluation curve. Sett
 batch 256, one gradient update per environment step, 1,000 random warm-up steps, actor and
 critic lr 1e-3, tau 5e-3, gamma 0.99, exploration noise 0.1, TD3 flags on, PER alpha 0.6,
 beta 0.4 -> 1. Runs the seeds one after another (``--parallel 2`` uses both cores).
+
+``--settings 256x1 1024x4`` runs every seed at each ``BATCHxUTD`` setting (rows per update x
+gradient updates per env step) side by side in one run, so that a larger batch and
+update-to-data ratio, the ones a GPU learner makes affordable (``bench_gpu_learner.py``),
+are compared on sample efficiency (env steps to the target) on the same seeds; their wall
+time here is the CPU learner's. ``--gpus 1`` puts the learner on a GPU.
 """
 
 from __future__ import annotations
@@ -97,6 +103,18 @@ def run_seed(seed: int, steps: int, every: int, gpus: float = 0.0, batch: int = 
             "updates": algo.updates_done, "final": curve[-1][1] if curve else None}
 
 
+def parse_setting(text: str) -> tuple[int, float]:
+    """``"1024x4"`` -> (1024, 4.0): rows per update x updates per env step."""
+    try:
+        batch, utd = text.lower().split("x")
+        out = int(batch), float(utd)
+    except ValueError:
+        raise SystemExit(f"--settings: {text!r} is not BATCHxUTD (for example 1024x4)") from None
+    if out[0] < 1 or out[1] <= 0:
+        raise SystemExit(f"--settings: {text!r} needs a batch >= 1 and an update ratio > 0")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -104,8 +122,10 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=2_000)
     ap.add_argument("--parallel", type=int, default=1)
     ap.add_argument("--gpus", type=float, default=0.0, help="GPUs per learner (1: on the GPU)")
-    ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--utd", type=float, default=1.0, help="updates per env step")
+    ap.add_argument("--settings", nargs="+", default=["256x1"],
+                    help="BATCHxUTD settings, each run on every seed")
+    ap.add_argument("--batch", type=int, default=256, help=argparse.SUPPRESS)
+    ap.add_argument("--utd", type=float, default=1.0, help=argparse.SUPPRESS)
     ap.add_argument("--max-seconds", type=float, default=None)
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -118,33 +138,53 @@ def main() -> None:
         return
     import json
 
+    settings = [parse_setting(t) for t in args.settings]
     t0 = time.perf_counter()
     results, procs = [], []
-    pending = list(args.seeds)
+    pending = [(b, u, s) for b, u in settings for s in args.seeds]
     while pending or procs:
         while pending and len(procs) < args.parallel:
-            s = pending.pop(0)
+            b, u, s = pending.pop(0)
             env = dict(os.environ, OMP_NUM_THREADS="1")
-            procs.append(subprocess.Popen(
-                [sys.executable, __file__, "--worker", str(s), "--steps", str(args.steps),
-                 "--every", str(args.every)], stdout=subprocess.PIPE, text=True, env=env))
-        p = procs.pop(0)
+            cmd = [sys.executable, __file__, "--worker", str(s), "--steps", str(args.steps),
+                   "--every", str(args.every), "--gpus", str(args.gpus), "--batch", str(b),
+                   "--utd", str(u)]
+            if args.max_seconds is not None:
+                cmd += ["--max-seconds", str(args.max_seconds)]
+            procs.append((b, u, subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
+                                                 env=env)))
+        b, u, p = procs.pop(0)
         for line in p.stdout:
             if line.startswith("RESULT "):
-                results.append(json.loads(line[7:]))
+                results.append({"batch": b, "utd": u, **json.loads(line[7:])})
             else:
                 print(line, end="", flush=True)
-        p.wait()
-    results.sort(key=lambda r: r["seed"])
-    rows = [[r["seed"], r["reached_at"] or f"not within {args.steps:,}",
-             f"{r['final']:.1f}", f"{max(c[1] for c in r['curve']):.1f}", r["updates"],
-             f"{r['wall_s']:.0f}"] for r in results]
-    table = md_table(["seed", "steps to mean eval return >= -250", "final eval return",
-                      "best eval return", "gradient updates", "wall s"], rows)
-    ok = all(r["reached_at"] is not None for r in results)
-    notes = [f"target met on {'every seed' if ok else 'not every seed'}; 10 evaluation "
-             f"episodes every {args.every:,} steps with the noise-free actor"]
-    finish("bench_pendulum", {"results": results, "target": TARGET, "steps": args.steps},
+        if p.wait() != 0:
+            raise SystemExit(f"seed run (batch {b}, {u:g} updates per step) failed "
+                             f"with exit status {p.returncode}")
+    results.sort(key=lambda r: (settings.index((r["batch"], r["utd"])), r["seed"]))
+    rows = [[r["batch"], f"{r['utd']:g}", r["seed"],
+             r["reached_at"] or f"not within {args.steps:,}",
+             ", ".join(f"{n // 1000}k: {v:.0f}" for n, v in r["curve"]),
+             f"{r['final']:.1f}", r["updates"], f"{r['wall_s']:.0f}"] for r in results]
+    table = md_table(["batch", "updates per env step", "seed",
+                      "steps to mean eval return >= -250", "eval return by env steps",
+                      "final eval return", "gradient updates", "wall s"], rows)
+    notes = []
+    for b, u in settings:
+        rs = [r for r in results if (r["batch"], r["utd"]) == (b, u)]
+        hit = sorted(r["reached_at"] for r in rs if r["reached_at"] is not None)
+        med = f" (median {hit[len(hit) // 2]:,} steps)" if len(hit) == len(rs) else ""
+        notes.append(f"batch {b}, update-to-data ratio {u:g}: target met on "
+                     f"{len(hit)} of {len(rs)} seeds{med}; median wall "
+                     f"{sorted(r['wall_s'] for r in rs)[len(rs) // 2]:.0f} s")
+    notes.append(f"10 evaluation episodes every {args.every:,} steps with the noise-free "
+                 f"actor; learner on {'a GPU' if args.gpus else 'the CPU'}; "
+                 f"{args.parallel} seed run(s) at a time, one torch thread each")
+    finish("bench_pendulum", {"results": results, "target": TARGET, "steps": args.steps,
+                              "batch_utd": args.settings, "gpus": args.gpus,
+                              "command": "python bench/bench_pendulum.py "
+                                         + " ".join(sys.argv[1:])},
            table, notes, time.perf_counter() - t0)
 
 
