@@ -40,9 +40,7 @@ says so). Not in ``run_all.py``: its numbers need a GPU machine; the committed r
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -53,6 +51,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import ROOT, finish, fmt_stats, log, md_table, stats
+from bench_pendulum import fmt_curve, run_worker
 
 NETWORKS: dict[str, dict[str, Any]] = {
     "online": {"obs": 14, "act": 3, "training": {"architecture": "mlp",
@@ -215,26 +214,16 @@ CURVES = [("cpu settings", 256, 1.0), ("larger batch and UTD", 1024, 4.0)]
 
 
 def measure_curves(steps: int, seconds: float) -> list[dict[str, Any]]:
-    """``bench/bench_pendulum.py``'s run with the learner on the GPU, one process each."""
+    """``bench/bench_pendulum.py``'s seed run with the learner on the GPU, at each of
+    :data:`CURVES`."""
     out = []
     for label, batch, utd in CURVES:
-        cmd = [sys.executable, str(ROOT / "bench" / "bench_pendulum.py"), "--worker", "0",
-               "--steps", str(steps), "--every", "2000", "--gpus", "1", "--batch", str(batch),
-               "--utd", str(utd), "--max-seconds", str(seconds)]
         log(f"[curve] {label}: batch {batch}, {utd:g} updates per env step")
-        p = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        res = None
-        for line in p.stdout.splitlines():
-            if line.startswith("RESULT "):
-                res = json.loads(line[7:])
-            else:
-                log("  " + line)
-        if res is None:
-            log(f"[curve] {label} failed ({p.returncode}): {p.stderr[-2000:]}")
-            out.append({"label": label, "batch": batch, "utd": utd,
-                        "error": p.stderr[-2000:]})
-            continue
-        out.append({"label": label, "batch": batch, "utd": utd, **res})
+        res = run_worker(0, batch, utd, steps=steps, gpus=1, max_seconds=seconds,
+                         threads=None)
+        if "error" in res:
+            log(f"[curve] {label} failed: {res['error']}")
+        out.append({"label": label, **res})
     return out
 
 
@@ -244,8 +233,7 @@ def curve_table(curves: list[dict[str, Any]]) -> str:
         if "error" in c:
             rows.append([c["label"], c["batch"], c["utd"], "failed", "-", "-", "-"])
             continue
-        pts = ", ".join(f"{n // 1000}k: {r:.0f}" for n, r in c["curve"])
-        rows.append([c["label"], c["batch"], f"{c['utd']:g}", pts,
+        rows.append([c["label"], c["batch"], f"{c['utd']:g}", fmt_curve(c["curve"]),
                      c["reached_at"] or "not reached", c["updates"], f"{c['wall_s']:.0f}"])
     return md_table(["GPU learner", "batch", "updates per env step",
                      "eval return by env steps", "steps to -250", "updates", "wall s"], rows)

@@ -19,17 +19,24 @@ time here is the CPU learner's. ``--gpus 1`` puts the learner on a GPU.
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
+import shlex
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from _common import finish, log, md_table  # noqa: E402
+from _common import finish, fmt_stats, log, md_table, stats  # noqa: E402
 
 TARGET = -250.0
 
@@ -109,10 +116,82 @@ def parse_setting(text: str) -> tuple[int, float]:
         batch, utd = text.lower().split("x")
         out = int(batch), float(utd)
     except ValueError:
-        raise SystemExit(f"--settings: {text!r} is not BATCHxUTD (for example 1024x4)") from None
-    if out[0] < 1 or out[1] <= 0:
-        raise SystemExit(f"--settings: {text!r} needs a batch >= 1 and an update ratio > 0")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not BATCHxUTD (for example 1024x4)") from None
+    if out[0] < 1 or not (math.isfinite(out[1]) and out[1] > 0):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} needs a batch >= 1 and a finite update ratio > 0")
     return out
+
+
+def run_worker(seed: int, batch: int, utd: float, *, steps: int, every: int = 2_000,
+               gpus: float = 0.0, max_seconds: float | None = None,
+               threads: int | None = 1) -> dict[str, Any]:
+    """:func:`run_seed` in a process of its own (``threads`` torch threads; None: torch's
+    default), its progress lines logged as they come; the seed's result, or
+    ``{"error": ...}`` naming the run if it failed."""
+    cmd = [sys.executable, __file__, "--worker", str(seed), "--steps", str(steps),
+           "--every", str(every), "--gpus", str(gpus), "--batch", str(batch),
+           "--utd", str(utd)]
+    if max_seconds is not None:
+        cmd += ["--max-seconds", str(max_seconds)]
+    env = dict(os.environ)
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    head = {"seed": seed, "batch": batch, "utd": utd}
+    with tempfile.TemporaryFile("w+") as errf, subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=errf, text=True, env=env) as p:
+        res = None
+        assert p.stdout is not None
+        for line in p.stdout:
+            if line.startswith("RESULT "):
+                res = json.loads(line[7:])
+            else:
+                log(line.rstrip("\n"))
+        p.wait()
+        errf.seek(0)
+        err = errf.read()
+    if p.returncode != 0 or res is None:
+        return {**head, "error": f"seed {seed} (batch {batch}, update-to-data ratio "
+                                 f"{utd:g}) exited with status {p.returncode}: {err[-2000:]}"}
+    return {**head, **res}
+
+
+def fmt_curve(curve: Sequence[Sequence[float]]) -> str:
+    """``2k: -1455, 4k: -1154, ...``: the evaluation return by env steps."""
+    return ", ".join(f"{int(n) // 1000}k: {r:.0f}" for n, r in curve)
+
+
+def results_table(results: Sequence[dict[str, Any]], steps: int) -> str:
+    rows = []
+    for r in results:
+        if "error" in r:
+            rows.append([r["batch"], f"{r['utd']:g}", r["seed"], "failed", "-", "-", "-", "-"])
+            continue
+        rows.append([r["batch"], f"{r['utd']:g}", r["seed"],
+                     r["reached_at"] or f"not within {steps:,}", fmt_curve(r["curve"]),
+                     "-" if r["final"] is None else f"{r['final']:.1f}", r["updates"],
+                     f"{r['wall_s']:.0f}"])
+    return md_table(["batch", "updates per env step", "seed",
+                     "steps to mean eval return >= -250", "eval return by env steps",
+                     "final eval return", "gradient updates", "wall s"], rows)
+
+
+def setting_notes(results: Sequence[dict[str, Any]],
+                  settings: Sequence[tuple[int, float]]) -> list[str]:
+    """Per setting: on how many seeds the target was met, the median env steps to it (when
+    met on every seed) and the wall time, median (min-max)."""
+    notes = []
+    for b, u in settings:
+        rs = [r for r in results if (r["batch"], r["utd"]) == (b, u) and "error" not in r]
+        if not rs:
+            notes.append(f"batch {b}, update-to-data ratio {u:g}: every seed failed")
+            continue
+        hit = [r["reached_at"] for r in rs if r["reached_at"] is not None]
+        med = (f" (median {fmt_stats(stats(hit))} steps)" if len(hit) == len(rs) else "")
+        notes.append(f"batch {b}, update-to-data ratio {u:g}: target met on {len(hit)} of "
+                     f"{len(rs)} seeds{med}; wall {fmt_stats(stats([r['wall_s'] for r in rs]))} s")
+    return notes
 
 
 def main() -> None:
@@ -122,70 +201,52 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=2_000)
     ap.add_argument("--parallel", type=int, default=1)
     ap.add_argument("--gpus", type=float, default=0.0, help="GPUs per learner (1: on the GPU)")
-    ap.add_argument("--settings", nargs="+", default=["256x1"],
-                    help="BATCHxUTD settings, each run on every seed")
-    ap.add_argument("--batch", type=int, default=256, help=argparse.SUPPRESS)
-    ap.add_argument("--utd", type=float, default=1.0, help=argparse.SUPPRESS)
+    ap.add_argument("--settings", nargs="+", type=parse_setting, default=[(256, 1.0)],
+                    metavar="BATCHxUTD", help="settings, each run on every seed (256x1)")
     ap.add_argument("--max-seconds", type=float, default=None)
+    ap.add_argument("--quick", action="store_true", help="seed 0 only, 8,000 steps")
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--batch", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--utd", type=float, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker is not None:
-        import json
-
+        batch = 256 if args.batch is None else args.batch
+        utd = 1.0 if args.utd is None else args.utd
         print("RESULT " + json.dumps(run_seed(args.worker, args.steps, args.every, args.gpus,
-                                              args.batch, args.utd, args.max_seconds)),
-              flush=True)
+                                              batch, utd, args.max_seconds)), flush=True)
         return
-    import json
-
-    settings = [parse_setting(t) for t in args.settings]
+    if args.batch is not None or args.utd is not None:
+        ap.error("--batch and --utd are the seed runs' own; name settings with --settings "
+                 "BATCHxUTD (for example --settings 1024x4)")
+    if args.quick:
+        args.seeds, args.steps = [0], 8_000
+    if len(set(args.settings)) != len(args.settings):
+        ap.error(f"argument --settings: a setting is named twice: {args.settings}")
     t0 = time.perf_counter()
-    results, procs = [], []
-    pending = [(b, u, s) for b, u in settings for s in args.seeds]
-    while pending or procs:
-        while pending and len(procs) < args.parallel:
-            b, u, s = pending.pop(0)
-            env = dict(os.environ, OMP_NUM_THREADS="1")
-            cmd = [sys.executable, __file__, "--worker", str(s), "--steps", str(args.steps),
-                   "--every", str(args.every), "--gpus", str(args.gpus), "--batch", str(b),
-                   "--utd", str(u)]
-            if args.max_seconds is not None:
-                cmd += ["--max-seconds", str(args.max_seconds)]
-            procs.append((b, u, subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
-                                                 env=env)))
-        b, u, p = procs.pop(0)
-        for line in p.stdout:
-            if line.startswith("RESULT "):
-                results.append({"batch": b, "utd": u, **json.loads(line[7:])})
-            else:
-                print(line, end="", flush=True)
-        if p.wait() != 0:
-            raise SystemExit(f"seed run (batch {b}, {u:g} updates per step) failed "
-                             f"with exit status {p.returncode}")
-    results.sort(key=lambda r: (settings.index((r["batch"], r["utd"])), r["seed"]))
-    rows = [[r["batch"], f"{r['utd']:g}", r["seed"],
-             r["reached_at"] or f"not within {args.steps:,}",
-             ", ".join(f"{n // 1000}k: {v:.0f}" for n, v in r["curve"]),
-             f"{r['final']:.1f}", r["updates"], f"{r['wall_s']:.0f}"] for r in results]
-    table = md_table(["batch", "updates per env step", "seed",
-                      "steps to mean eval return >= -250", "eval return by env steps",
-                      "final eval return", "gradient updates", "wall s"], rows)
-    notes = []
-    for b, u in settings:
-        rs = [r for r in results if (r["batch"], r["utd"]) == (b, u)]
-        hit = sorted(r["reached_at"] for r in rs if r["reached_at"] is not None)
-        med = f" (median {hit[len(hit) // 2]:,} steps)" if len(hit) == len(rs) else ""
-        notes.append(f"batch {b}, update-to-data ratio {u:g}: target met on "
-                     f"{len(hit)} of {len(rs)} seeds{med}; median wall "
-                     f"{sorted(r['wall_s'] for r in rs)[len(rs) // 2]:.0f} s")
+    runs = [(b, u, s) for b, u in args.settings for s in args.seeds]
+    with ThreadPoolExecutor(max_workers=max(1, args.parallel)) as pool:
+        results = list(pool.map(lambda run: run_worker(
+            run[2], run[0], run[1], steps=args.steps, every=args.every, gpus=args.gpus,
+            max_seconds=args.max_seconds), runs))
+    notes = setting_notes(results, args.settings)
+    notes += [r["error"] for r in results if "error" in r]
     notes.append(f"10 evaluation episodes every {args.every:,} steps with the noise-free "
                  f"actor; learner on {'a GPU' if args.gpus else 'the CPU'}; "
                  f"{args.parallel} seed run(s) at a time, one torch thread each")
-    finish("bench_pendulum", {"results": results, "target": TARGET, "steps": args.steps,
-                              "batch_utd": args.settings, "gpus": args.gpus,
-                              "command": "python bench/bench_pendulum.py "
-                                         + " ".join(sys.argv[1:])},
-           table, notes, time.perf_counter() - t0)
+    gpu = None
+    if args.gpus:
+        import torch
+
+        gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    finish("bench_pendulum",
+           {"results": results, "target": TARGET, "gpu": gpu,
+            "settings": {"batch_utd": [f"{b}x{u:g}" for b, u in args.settings],
+                         "seeds": args.seeds, "steps": args.steps, "every": args.every,
+                         "gpus": args.gpus, "quick": args.quick},
+            "command": shlex.join(["python", "bench/bench_pendulum.py", *sys.argv[1:]])},
+           results_table(results, args.steps), notes, time.perf_counter() - t0)
+    if any("error" in r for r in results):
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":
