@@ -495,15 +495,7 @@ def _figure_section(fig: Mapping[str, Any], exp: Mapping[str, Any], src: Source 
             lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
         lines.append("")
     if src is not None:
-        for p in fig.get("plots") or []:
-            first = src.runs[0]
-            f = first.path / p
-            if not f.is_file():
-                raise ReportError(f"{f}: plot missing (listed in {fid}.plots)")
-            name = f"{fid}__{Path(p).name}"
-            shutil.copyfile(f, img_dir / name)
-            lines += [f"![{fig['figure']}: {Path(p).stem}](img/{name})", "",
-                      f"*Plot of {first.label}.*" if len(src.runs) > 1 else "", ""]
+        lines += _plots(fid, str(fig["figure"]), fig.get("plots") or [], src, img_dir)
         seeds = ("runs: " + ", ".join(r.label for r in src.runs) + "." if len(src.runs) > 1
                  else "one run" + ("" if src.runs[0].label == src.root.name
                                    else f" ({src.runs[0].label})")
@@ -519,8 +511,24 @@ def _figure_section(fig: Mapping[str, Any], exp: Mapping[str, Any], src: Source 
     return lines
 
 
+def _plots(sid: str, caption: str, plots: Sequence[str], src: Source, img_dir: Path
+           ) -> list[str]:
+    """Each of ``plots`` of the source's first run copied into ``img_dir`` and embedded."""
+    lines: list[str] = []
+    first = src.runs[0]
+    for p in plots:
+        f = first.path / p
+        if not f.is_file():
+            raise ReportError(f"{f}: plot missing (listed in {sid}.plots)")
+        name = f"{sid}__{Path(p).name}"
+        shutil.copyfile(f, img_dir / name)
+        lines += [f"![{caption}: {Path(p).stem}](img/{name})", "",
+                  f"*Plot of {first.label}.*" if len(src.runs) > 1 else "", ""]
+    return lines
+
+
 def _project_section(item: Mapping[str, Any], src: Source | None, exp: Mapping[str, Any],
-                     root: Path) -> list[str]:
+                     root: Path, img_dir: Path) -> list[str]:
     lines = [_heading(item["id"], str(item["title"])), "",
              str(item.get("text", "")).strip(), ""]
     if src is None:
@@ -540,6 +548,9 @@ def _project_section(item: Mapping[str, Any], src: Source | None, exp: Mapping[s
     for _, r in df.iterrows():
         cells = [_cell(r, c, digits) for c in cols]
         lines.append("| " + " | ".join(cells) + " |")
+    if item.get("plots"):
+        lines += ["", *_plots(str(item["id"]), str(item["title"]).split(":")[0],
+                              item["plots"], src, img_dir)]
     if key is not None:
         lines += ["", f"Mean over the {len(src.runs)} runs ({', '.join(r.label for r in src.runs)})"
                   f" ± the 95% interval across them, where they differ.", ""]
@@ -679,7 +690,7 @@ def build_report(cfg: Mapping[str, Any], root: Path) -> dict[str, Any]:
             if exp is None:
                 raise ReportError(f"project.{item.get('id')}: unknown experiment "
                                   f"{item.get('experiment')!r}")
-            project += _project_section(item, sources[item["experiment"]], exp, root)
+            project += _project_section(item, sources[item["experiment"]], exp, root, img)
         head = [f"# {cfg.get('title', 'Reproduction report')}", "",
                 str(cfg.get("intro", "")).strip(), "", *index, ""]
         if cfg.get("other_papers"):

@@ -243,4 +243,6 @@ def test_experiment_refuses_unknown_figures_and_unread_learned_runs(tmp_path: Pa
         run_trees(cfg("figures=[overtime_learned]"))
     with pytest.raises(ValueError, match=r"overtime.workers must be >= 1 or null"):
         run_trees(cfg("figures=[fig8]", "overtime.workers=0"))
+    with pytest.raises(ValueError, match=r"overtime.signal_samples must be >= 2"):
+        run_trees(cfg("figures=[overtime_signal]", "overtime.signal_samples=1"))
     assert not (tmp_path / "out" / "fig8.csv").exists()

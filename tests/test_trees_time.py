@@ -8,12 +8,13 @@ import math
 
 import gymnasium as gym
 import numpy as np
+import pandas as pd
 import pytest
 from gymnasium.utils.env_checker import check_env
 
 import envs  # noqa: F401  (registers smart/*)
 from agents.episodes import episode_seeds, run_episodes
-from agents.trees.suite import TUNED, baseline_policies
+from agents.trees.suite import TUNED, baseline_policies, tune_knob
 from envs.trees import CloningCostSwitch, MulticastError
 from envs.trees.groups import ClusterSpec, ClusterState, GroupSpec
 from envs.trees.solver import algorithm1
@@ -399,6 +400,34 @@ def test_planning_table_sets_both_rollouts_beside_the_tuned_baseline() -> None:
     assert t.loc["algorithm1_tuned", "vs_algorithm1_tuned_pct"] == pytest.approx(0.0)
     again = planning_table(2, 2, small, say=lambda _: None).set_index("policy")
     assert again.value.tolist() == t.value.tolist()
+
+
+def test_the_signal_table_follows_rollout_model_and_measures_its_candidates() -> None:
+    """``trees.py figures=[overtime_signal]``: one row per group along ``rollout_model``'s
+    own episode (its rewards sum to that policy's return on the same seed), the best mean
+    candidate never below the base's, the returns needed computed from the row's own
+    gain and noise; the same seed gives the same table; fewer than 2 futures are refused."""
+    from agents.trees.overtime import signal_table
+    from agents.trees.planner import ModelPlanner
+
+    small = SMALL | {"groups_per_episode": 5}
+    t = signal_table(1, 3, small, say=lambda _: None)
+    g, summ = t["overtime_signal_groups"], t["overtime_signal"].iloc[0]
+    assert len(g) == 5 and g.group.tolist() == [0, 1, 2, 3, 4]
+    (seed,) = episode_seeds(0, "test", 1)
+    planner = ModelPlanner(3, knob=tune_knob("smart/MulticastOverTime-v0", small)[0])
+    ret = run_episodes([planner], "smart/MulticastOverTime-v0", small, [seed])["return"]
+    assert g.reward.sum() == pytest.approx(float(ret.iloc[0]))
+    assert (g.gain >= 0).all() and (g.spread >= g.gain).all() and (g.sd_return > 0).all()
+    moved = g[g.gain > 0]
+    assert summ.groups == 5 and summ.groups_best_not_base == len(moved)
+    for r in moved.itertuples():
+        assert r.returns_independent == pytest.approx((2 * np.sqrt(2) * r.sd_return / r.gain) ** 2)
+        assert r.returns_paired == pytest.approx((2 * r.sd_paired / r.gain) ** 2)
+    again = signal_table(1, 3, small, say=lambda _: None)["overtime_signal_groups"]
+    pd.testing.assert_frame_equal(again, g)
+    with pytest.raises(ValueError, match="signal_samples must be >= 2"):
+        signal_table(1, 1, small, say=lambda _: None)
 
 
 def test_the_model_planner_is_a_baseline_and_a_teacher() -> None:

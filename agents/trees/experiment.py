@@ -19,6 +19,9 @@
 * ``overtime_planning`` (not a figure of the paper): the one-step rollout on the episode's
   own future and on sampled futures, what planning with the model can take
   (:func:`agents.trees.overtime.planning_table`).
+* ``overtime_signal`` (not a figure of the paper): what a critic would have to resolve, the
+  candidates' gains against the noise of one return over sampled futures
+  (:func:`agents.trees.overtime.signal_table`).
 * ``overtime_learned`` (not a figure of the paper): only the ``overtime.learned`` training
   runs, each paired with the baselines on its own test episodes
   (:func:`agents.trees.overtime.learned_table`), in seconds.
@@ -64,10 +67,10 @@ __all__ = ["cluster_tables", "fig8_table", "run_sequence", "run_trees", "summari
 
 #: what ``figures`` may list (the module docstring)
 FIGURES = ("fig8", "fig9", "fig10", "fig11", "overtime", "overtime_rules", "overtime_planning",
-           "overtime_learned")
+           "overtime_learned", "overtime_signal")
 #: the tables of ``headline.json`` and of the closing printout
 HEADLINE = ("summary", "fig11_summary", "overtime_summary", "overtime_learned", "overtime_rules",
-            "overtime_planning")
+            "overtime_planning", "overtime_signal")
 
 
 def _say(msg: str) -> None:
@@ -189,6 +192,22 @@ def _overtime_plot(df: pd.DataFrame, path: Path) -> Path:
     return _save(fig, path, "smart/MulticastOverTime-v0: held-out episodes")
 
 
+def _signal_plot(groups: pd.DataFrame, path: Path) -> Path:
+    """The CDF over the groups of the returns per action that would tell the best candidate
+    from the base's at 2 standard deviations, from independent and from common futures."""
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    moved = groups[groups.gain > 0]
+    for col, label in (("returns_independent", "independent futures (a critic's returns)"),
+                       ("returns_paired", "common futures (the planner's comparison)")):
+        v = np.sort(moved[col].to_numpy())
+        ax.step(v, np.arange(1, v.size + 1) / max(v.size, 1), where="post", label=label)
+    ax.set_xscale("log")
+    ax.set_xlabel("returns per action to tell the best candidate from the base's (2 sd)")
+    ax.set_ylabel("share of the groups")
+    ax.legend(loc="lower right", fontsize=8)
+    return _save(fig, path, "smart/MulticastOverTime-v0: the signal a critic would resolve")
+
+
 def _tuples(node: DictConfig) -> dict[str, Any]:
     """A config group as keyword arguments, lists as tuples (the specs are frozen)."""
     return {k: tuple(v) if isinstance(v, list) else v
@@ -216,6 +235,9 @@ def run_trees(cfg: DictConfig) -> dict[str, Any]:
     if "overtime_planning" in figures and int(ot.model_samples) < 1:
         raise ValueError(f"overtime.model_samples must be >= 1 (sampled futures per group), "
                          f"got {ot.model_samples}")
+    if "overtime_signal" in figures and int(ot.signal_samples) < 2:
+        raise ValueError(f"overtime.signal_samples must be >= 2 (a standard deviation over "
+                         f"the futures), got {ot.signal_samples}")
     readers = {"overtime", "overtime_rules", "overtime_planning", "overtime_learned"}
     if ot.get("learned") and not figures & readers:
         raise ValueError("overtime.learned is read by figures=[overtime], [overtime_rules], "
@@ -297,6 +319,17 @@ def run_trees(cfg: DictConfig) -> dict[str, Any]:
             for _, row in tables["overtime_planning"].iterrows():
                 mlog.metrics({f"overtime_planning/{row.policy}/vs_algorithm1_tuned_pct":
                               float(row.vs_algorithm1_tuned_pct)})
+        if "overtime_signal" in figures:
+            from .overtime import signal_table
+
+            tables.update(signal_table(int(ot.signal_episodes), int(ot.signal_samples),
+                                       env_over, say=_say, workers=workers))
+            plots.append(_signal_plot(tables["overtime_signal_groups"],
+                                      out / "overtime_signal.png"))
+            row = tables["overtime_signal"].iloc[0]
+            mlog.metrics({f"overtime_signal/{c}": float(row[c])
+                          for c in ("gain_pct", "sd_return_pct", "returns_independent",
+                                    "returns_paired")})
         if "overtime" in figures:
             from .overtime import overtime_tables
 

@@ -71,7 +71,8 @@ from .suite import (
 )
 
 __all__ = ["ROLLOUT_KNOBS", "RULE_FEATURES", "RULE_KNOBS", "KnobRule", "learned_table",
-           "overtime_env", "overtime_tables", "planning_table", "rollout_episode", "rule_table"]
+           "overtime_env", "overtime_tables", "planning_table", "rollout_episode", "rule_table",
+           "signal_table"]
 
 ENV_ID = "smart/MulticastOverTime-v0"
 
@@ -150,6 +151,86 @@ def planning_table(episodes: int, samples: int, env_overrides: Mapping[str, Any]
                     "episodes": n, "value": float(d.value.mean()),
                     "vs_algorithm1_tuned_pct": pct, "vs_algorithm1_tuned_ci95_pct": half})
     return pd.DataFrame(out)
+
+
+def signal_table(episodes: int, samples: int, env_overrides: Mapping[str, Any] | None = None,
+                 say=print, workers: int = 1) -> dict[str, pd.DataFrame]:
+    """What a critic would have to resolve on ``smart/MulticastOverTime-v0``: along
+    ``rollout_model``'s own path on ``episodes`` test episodes, every candidate of the
+    one-step rollout (:func:`agents.trees.planner.candidates`) is played, then
+    ``algorithm1_tuned`` to the episode's end, on each of ``samples`` futures drawn from
+    the model (:func:`agents.trees.planner.resampled`): one Monte Carlo return-to-go per
+    candidate and future. Per group (``overtime_signal_groups``): ``gain``, the best mean
+    candidate over the base policy's (the tuned knob with Algorithm 1's order);
+    ``spread``, best minus worst; ``sd_return``, one return's standard deviation over the
+    futures (mean over the candidates); ``sd_paired``, that of the best-minus-base
+    difference on the same futures; and the returns per action that would tell the best
+    from the base at 2 standard deviations, from independent futures
+    (``(2 sqrt(2) sd_return / gain)^2``) and from common ones (``(2 sd_paired / gain)^2``).
+    ``overtime_signal``: their medians over the groups where the best is not the base's.
+    The path follows the best mean candidate (ties to the one nearest the base's action) on
+    ``rollout_model``'s own futures, so it is that policy's episode (``reward``: each group's
+    reward along it)."""
+    from .planner import nearest_best, resampled
+
+    if int(samples) < 2:
+        raise ValueError(f"overtime.signal_samples must be >= 2 (a standard deviation over "
+                         f"the futures), got {samples}")
+    kw = overtime_env(env_overrides)
+    knob, _ = tune_knob(ENV_ID, kw)
+    base, cands = _with_knob(knob), candidates()
+    # the base's candidate: the rollout knob nearest the tuned one, with Algorithm 1's order
+    ib = int(np.argmin([abs(k - knob) for k in ROLLOUT_KNOBS]))
+    pool = PlanningPool(workers)
+    rows = []
+    try:
+        for i, seed in enumerate(episode_seeds(0, "test", int(episodes))):
+            t0 = time.perf_counter()
+            env = gym.make(ENV_ID, **kw).unwrapped
+            env.reset(seed=int(seed))
+            futures_rng = np.random.default_rng([int(seed), 7919])  # rollout_model's stream
+            done, t = False, 0
+            while not done:
+                worlds = [resampled(env, futures_rng) for _ in range(int(samples))]
+                q = np.array([pool.values(cands, base, [w]) for w in worlds]).T
+                qm = q.mean(axis=1)
+                b = int(np.argmax(qm))
+                gain = float(qm[b] - qm[ib])
+                sd = float(q.std(axis=1, ddof=1).mean())
+                sd_pair = float((q[b] - q[ib]).std(ddof=1))
+                rows.append({"seed": int(seed), "group": t, "return_to_go": float(qm[b]),
+                             "gain": gain, "gain_pct": 100.0 * gain / abs(float(qm[b])),
+                             "spread": float(qm.max() - qm.min()), "sd_return": sd,
+                             "sd_return_pct": 100.0 * sd / abs(float(qm[b])),
+                             "sd_paired": sd_pair,
+                             "returns_independent": (2.0 * np.sqrt(2.0) * sd / gain) ** 2
+                             if gain > 0 else np.nan,
+                             "returns_paired": (2.0 * sd_pair / gain) ** 2
+                             if gain > 0 else np.nan})
+                _, r, done, _, _ = env.step(nearest_best(env, base, cands, list(q.sum(axis=1))))
+                rows[-1]["reward"] = float(r)
+                t += 1
+            say(f"overtime signal: episode {i + 1}/{episodes} ({t} groups) in "
+                f"{time.perf_counter() - t0:.0f} s")
+    finally:
+        pool.close()
+    groups = pd.DataFrame(rows)
+    moved = groups[groups.gain > 0]
+    summary = pd.DataFrame([{
+        "episodes": int(episodes), "samples": int(samples), "groups": len(groups),
+        "groups_best_not_base": len(moved),
+        "gain_pct": float(moved.gain_pct.median()) if len(moved) else 0.0,
+        "spread": float(groups.spread.median()),
+        "return_to_go": float(groups.return_to_go.median()),
+        "sd_return_pct": float(groups.sd_return_pct.median()),
+        "returns_independent": float(moved.returns_independent.median())
+        if len(moved) else np.nan,
+        "returns_independent_q25": float(moved.returns_independent.quantile(0.25))
+        if len(moved) else np.nan,
+        "returns_independent_q75": float(moved.returns_independent.quantile(0.75))
+        if len(moved) else np.nan,
+        "returns_paired": float(moved.returns_paired.median()) if len(moved) else np.nan}])
+    return {"overtime_signal_groups": groups, "overtime_signal": summary}
 
 
 def overtime_tables(episodes: int, rollout_episodes: int,
