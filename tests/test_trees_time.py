@@ -403,7 +403,7 @@ def test_planning_table_sets_both_rollouts_beside_the_tuned_baseline() -> None:
 
 
 def test_the_signal_table_follows_rollout_model_and_measures_its_candidates() -> None:
-    """``trees.py figures=[overtime_signal]``: one row per group along ``rollout_model``'s
+    """``trees.py figures=[overtime_signal]``: one row per group along the planner.s
     own episode (its rewards sum to that policy's return on the same seed), the best mean
     candidate never below the base's, the returns needed computed from the row's own
     gain and noise; the same seed gives the same table; fewer than 2 futures are refused."""

@@ -156,7 +156,7 @@ def planning_table(episodes: int, samples: int, env_overrides: Mapping[str, Any]
 def signal_table(episodes: int, samples: int, env_overrides: Mapping[str, Any] | None = None,
                  say=print, workers: int = 1) -> dict[str, pd.DataFrame]:
     """What a critic would have to resolve on ``smart/MulticastOverTime-v0``: along
-    ``rollout_model``'s own path on ``episodes`` test episodes, every candidate of the
+    the one-step rollout's path (below) on ``episodes`` test episodes, every candidate of the
     one-step rollout (:func:`agents.trees.planner.candidates`) is played, then
     ``algorithm1_tuned`` to the episode's end, on each of ``samples`` futures drawn from
     the model (:func:`agents.trees.planner.resampled`): one Monte Carlo return-to-go per
@@ -169,8 +169,9 @@ def signal_table(episodes: int, samples: int, env_overrides: Mapping[str, Any] |
     (``(2 sqrt(2) sd_return / gain)^2``) and from common ones (``(2 sd_paired / gain)^2``).
     ``overtime_signal``: their medians over the groups where the best is not the base's.
     The path follows the best mean candidate (ties to the one nearest the base's action) on
-    ``rollout_model``'s own futures, so it is that policy's episode (``reward``: each group's
-    reward along it)."""
+    these futures, drawn from ``rollout_model``'s stream: ``rollout_model``'s rule on
+    ``samples`` futures (``reward``: each group's reward along it). The best is chosen and
+    scored on the same futures, so its gain is biased upwards."""
     from .planner import nearest_best, resampled
 
     if int(samples) < 2:
