@@ -211,6 +211,7 @@ def signal_table(episodes: int, samples: int, env_overrides: Mapping[str, Any] |
                 _, r, done, _, _ = env.step(nearest_best(env, base, cands, list(q.sum(axis=1))))
                 rows[-1]["reward"] = float(r)
                 t += 1
+            env.close()
             say(f"overtime signal: episode {i + 1}/{episodes} ({t} groups) in "
                 f"{time.perf_counter() - t0:.0f} s")
     finally:
@@ -224,13 +225,11 @@ def signal_table(episodes: int, samples: int, env_overrides: Mapping[str, Any] |
         "spread": float(groups.spread.median()),
         "return_to_go": float(groups.return_to_go.median()),
         "sd_return_pct": float(groups.sd_return_pct.median()),
-        "returns_independent": float(moved.returns_independent.median())
-        if len(moved) else np.nan,
-        "returns_independent_q25": float(moved.returns_independent.quantile(0.25))
-        if len(moved) else np.nan,
-        "returns_independent_q75": float(moved.returns_independent.quantile(0.75))
-        if len(moved) else np.nan,
-        "returns_paired": float(moved.returns_paired.median()) if len(moved) else np.nan}])
+        # an empty selection's median and quantiles are NaN
+        "returns_independent": float(moved.returns_independent.median()),
+        "returns_independent_q25": float(moved.returns_independent.quantile(0.25)),
+        "returns_independent_q75": float(moved.returns_independent.quantile(0.75)),
+        "returns_paired": float(moved.returns_paired.median())}])
     return {"overtime_signal_groups": groups, "overtime_signal": summary}
 
 
